@@ -1,0 +1,278 @@
+"""
+bench.py -- run decoding methods side by side on a prompt set and report SpecBench-style numbers.
+
+    python bench.py --methods vanilla,hf-greedy,hf-pld --max-new-tokens 128 --out bench/results/run.jsonl
+
+How the measurement is made fair (the same rules as SpecBench, Xia et al. 2024):
+  * one model, loaded once, shared by all methods;
+  * methods are INTERLEAVED per prompt (prompt 1: A B C, prompt 2: A B C, ...), so slow drifts of the
+    machine (thermal, other processes) hit every method alike;
+  * one untimed warm-up run of every method before timing;
+  * every run starts from scratch (stateful drafters get a fresh state per prompt);
+  * speedup = mean tokens/s of the method / mean tokens/s of hf-greedy (ratio of means, not a mean of ratios);
+  * mean accepted tokens = new tokens / target forwards, bonus token included; target forwards are counted
+    by a forward hook on the target model, so HF's own methods are counted the same way as ours;
+  * "identical" = the token ids equal hf-greedy's on that prompt (the lossless check).
+
+The prompt file uses SpecBench's question.jsonl format: {"question_id", "category", "turns"}; the first turn
+is the prompt. bench/prompts.jsonl is the project's own set (see bench/make_prompts.py).
+
+Methods: vanilla, hf-greedy, hf-pld (transformers' prompt lookup decoding), and each method file of this
+project once it exists (ngram, cacheback, card, fafo, lookahead, hf-assisted).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import os
+import sys
+import time
+from collections import defaultdict
+
+import verify
+
+# name -> (module, keyword arguments for its generate()). Modules are imported only when asked for.
+PROJECT_METHODS = {
+    "ngram": ("ngram_predictor", {}),
+    "cacheback": ("cacheback", {}),
+    "card": ("card", {}),
+    "fafo": ("fafo", {}),
+    "lookahead": ("fafo", {"compress": "none"}),
+}
+HF_METHODS = ["vanilla", "hf-greedy", "hf-pld"]
+
+
+def make_runner(name: str, model, tok, args):
+    """Returns run(prompt_ids, max_new_tokens, eos_ids) -> (token ids, Generation or None)."""
+    if name == "vanilla":
+        return lambda ids, n, eos: _gen(verify.vanilla_generate(model, ids, n, eos))
+    if name == "hf-greedy":
+        return lambda ids, n, eos: (verify.hf_generate(model, ids, n, eos), None)
+    if name == "hf-pld":
+        # transformers' prompt lookup decoding: drafts by matching the last n-gram in the prompt/output.
+        return lambda ids, n, eos: (verify.hf_generate(model, ids, n, eos, prompt_lookup_num_tokens=args.pld_tokens), None)
+    if name in PROJECT_METHODS:
+        module_name, fixed = PROJECT_METHODS[name]
+        try:
+            module = importlib.import_module(module_name)
+        except ModuleNotFoundError:
+            raise verify.UserError(f"--methods {name}: {module_name}.py is not in this checkout yet") from None
+        # A method module may add defaults that need the model (e.g. a draft model, a frozen table).
+        extra = module.bench_kwargs(model, tok, args) if hasattr(module, "bench_kwargs") else {}
+        if hasattr(module, "bench_runner"):  # methods that need something other than generate(), e.g. hf-assisted
+            return module.bench_runner(model, tok, args, **fixed)
+        kwargs = {**extra, **fixed}
+        return lambda ids, n, eos: _gen(module.generate(model, ids, n, eos, **kwargs))
+    raise verify.UserError(f"--methods: unknown method {name!r} (known: {', '.join(HF_METHODS + list(PROJECT_METHODS))})")
+
+
+def _gen(gen):
+    return gen.tokens, gen
+
+
+def load_prompts(path: str, limit: int | None):
+    if not os.path.isfile(path):
+        raise verify.UserError(f"--prompts {path}: no such file")
+    rows, per_cat = [], defaultdict(int)
+    with open(path, encoding="utf-8") as f:
+        for line_no, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+                q = {"question_id": row["question_id"], "category": row["category"], "prompt": row["turns"][0]}
+            except (ValueError, KeyError, IndexError, TypeError):
+                raise verify.UserError(f"{path}:{line_no}: not a SpecBench question (question_id, category, turns)") from None
+            if limit is None or per_cat[q["category"]] < limit:
+                per_cat[q["category"]] += 1
+                rows.append(q)
+    if not rows:
+        raise verify.UserError(f"{path}: no prompts")
+    return rows
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Reporting
+# ----------------------------------------------------------------------------------------------------------
+
+
+def summarize(rows, methods):
+    """{category or 'overall': {method: {tokens_per_s, speedup, mean_accepted, identical}}}"""
+    groups = defaultdict(lambda: defaultdict(list))
+    for r in rows:
+        for g in (r["category"], "overall"):
+            groups[g][r["method"]].append(r)
+    out = {}
+    for g, by_method in groups.items():
+        base = by_method.get("hf-greedy", [])
+        base_tps = sum(r["tokens_per_s"] for r in base) / len(base) if base else float("nan")
+        out[g] = {}
+        for m in methods:
+            rs = by_method.get(m, [])
+            if not rs:
+                continue
+            tps = sum(r["tokens_per_s"] for r in rs) / len(rs)
+            out[g][m] = {
+                "tokens_per_s": tps,
+                "speedup": tps / base_tps,
+                "mean_accepted": sum(r["new_tokens"] for r in rs) / max(1, sum(r["target_forwards"] for r in rs)),
+                "identical": sum(bool(r["identical"]) for r in rs) / len(rs),
+                "n": len(rs),
+            }
+    return out
+
+
+def markdown(summary, methods) -> str:
+    cats = [c for c in summary if c != "overall"] + ["overall"]
+    lines = ["Speedup vs hf-greedy (mean tokens/s ratio), per category:", ""]
+    lines.append("| method | " + " | ".join(cats) + " |")
+    lines.append("|---" * (len(cats) + 1) + "|")
+    for m in methods:
+        cells = [f"{summary[c][m]['speedup']:.2f}x" if m in summary[c] else "-" for c in cats]
+        lines.append(f"| {m} | " + " | ".join(cells) + " |")
+    for c in cats:
+        n = next(iter(summary[c].values()))["n"]
+        lines += ["", f"**{c}** ({n} prompts)", "",
+                  "| method | tokens/s | speedup | mean accepted | identical |", "|---|---|---|---|---|"]
+        for m in methods:
+            if m in summary[c]:
+                s = summary[c][m]
+                lines.append(f"| {m} | {s['tokens_per_s']:.1f} | {s['speedup']:.2f}x | {s['mean_accepted']:.2f} | "
+                             f"{100 * s['identical']:.0f}% |")
+    return "\n".join(lines)
+
+
+def bar_chart(summary, methods, path: str, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    cats = [c for c in summary if c != "overall"] + ["overall"]
+    shown = [m for m in methods if m != "hf-greedy"]
+    x = np.arange(len(cats))
+    width = 0.8 / max(1, len(shown))
+    fig, ax = plt.subplots(figsize=(max(6, 1.3 * len(cats)), 4))
+    for i, m in enumerate(shown):
+        vals = [summary[c].get(m, {}).get("speedup", 0) for c in cats]
+        ax.bar(x + (i - (len(shown) - 1) / 2) * width, vals, width, label=m)
+    ax.axhline(1.0, color="black", lw=0.8, ls="--")
+    ax.set_xticks(x, cats, rotation=20)
+    ax.set_ylabel("speedup vs hf-greedy")
+    ax.set_title(title)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Main
+# ----------------------------------------------------------------------------------------------------------
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--methods", default="vanilla,hf-greedy,hf-pld", help="comma list (hf-greedy is always run: it is the reference)")
+    p.add_argument("--prompts", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "bench", "prompts.jsonl"),
+                   help="SpecBench question.jsonl-style file (default: bench/prompts.jsonl)")
+    p.add_argument("--max-new-tokens", type=int, default=128, help="per prompt (default: 128)")
+    p.add_argument("--model", default=verify.DEFAULT_MODEL, help="as in every method script")
+    p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"], help="auto = float32 on CPU, bfloat16 on CUDA")
+    p.add_argument("--no-chat", action="store_true", help="feed the raw prompt, no chat template")
+    p.add_argument("--limit", type=int, default=None, help="at most this many prompts per category")
+    p.add_argument("--out", default="bench/results/latest.jsonl", help="one JSON row per (method, prompt); a .png chart and .md table go beside it")
+    p.add_argument("--pld-tokens", type=int, default=10, help="hf-pld: prompt_lookup_num_tokens (default: 10)")
+    args = p.parse_args(argv)
+    try:
+        return run(args)
+    except verify.UserError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("\ninterrupted", file=sys.stderr)
+        return 130
+
+
+def run(args) -> int:
+    from tqdm import tqdm
+
+    methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+    if "hf-greedy" not in methods:
+        methods.insert(0, "hf-greedy")
+    if args.max_new_tokens <= 0:
+        raise verify.UserError("--max-new-tokens must be positive")
+    if args.limit is not None and args.limit <= 0:
+        raise verify.UserError("--limit must be positive")
+    prompts = load_prompts(args.prompts, args.limit)
+    verify.set_seed(0)
+    model, tok = verify.load_model(args.model, args.device, args.dtype)
+    eos = verify.eos_ids_of(model, tok)
+    runners = {m: make_runner(m, model, tok, args) for m in methods}
+
+    forwards = [0]
+    model.register_forward_hook(lambda *a: forwards.__setitem__(0, forwards[0] + 1))
+
+    encoded = [verify.encode_prompt(tok, q["prompt"], chat=not args.no_chat) for q in prompts]
+    for m in methods:  # untimed warm-up
+        runners[m](encoded[0], min(16, args.max_new_tokens), eos)
+
+    rows = []
+    bar = tqdm(total=len(prompts) * len(methods), desc="bench", unit="run", file=sys.stderr)
+    for q, ids in zip(prompts, encoded):
+        reference = None
+        # hf-greedy runs first on every prompt: it is the reference for "identical"
+        for m in ["hf-greedy"] + [x for x in methods if x != "hf-greedy"]:
+            bar.set_postfix_str(f"{q['category']}#{q['question_id']} {m}")
+            forwards[0] = 0
+            verify.sync(model)
+            t0 = time.perf_counter()
+            tokens, gen = runners[m](ids, args.max_new_tokens, eos)
+            verify.sync(model)
+            wall = time.perf_counter() - t0
+            if m == "hf-greedy":
+                reference = tokens
+            row = {
+                "method": m, "question_id": q["question_id"], "category": q["category"],
+                "prompt_tokens": len(ids), "new_tokens": len(tokens), "target_forwards": forwards[0],
+                "mean_accepted": len(tokens) / max(1, forwards[0]), "tokens_per_s": len(tokens) / wall,
+                "wall_s": wall, "identical": tokens == reference,
+            }
+            if gen is not None:
+                row["draft_ms_per_step"] = 1000 * gen.draft_s / max(gen.steps, 1)
+                row.update({k: v for k, v in gen.extra.items() if isinstance(v, (int, float, str, list))})
+            rows.append(row)
+            bar.update(1)
+    bar.close()
+
+    # speedup per row: tokens/s over hf-greedy's on the same prompt
+    base = {r["question_id"]: r["tokens_per_s"] for r in rows if r["method"] == "hf-greedy"}
+    for r in rows:
+        r["speedup"] = r["tokens_per_s"] / base[r["question_id"]]
+
+    summary = summarize(rows, methods)
+    table = markdown(summary, methods)
+    header = (f"model {args.model} | device {model.device} | dtype {str(model.dtype).removeprefix('torch.')} | "
+              f"max new tokens {args.max_new_tokens} | {len(prompts)} prompts | torch threads "
+              f"{__import__('torch').get_num_threads()}")
+    print(header + "\n\n" + table)
+
+    if args.out:
+        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+        with open(args.out, "w", encoding="utf-8") as f:
+            for r in rows:
+                f.write(json.dumps(r) + "\n")
+        stem = os.path.splitext(args.out)[0]
+        with open(stem + ".md", "w", encoding="utf-8") as f:
+            f.write(f"`python bench.py {' '.join(sys.argv[1:])}`\n\n{header}\n\n{table}\n")
+        bar_chart(summary, methods, stem + ".png", f"{args.model} on {model.device}")
+        print(f"\nrows: {args.out}  table: {stem}.md  chart: {stem}.png", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
