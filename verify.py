@@ -379,6 +379,7 @@ class Generation:
         self.steps = 0
         self.draft_s = 0.0
         self.accepted: list[int] = []  # accepted draft tokens per verification step
+        self.drafted: list[int] = []  # draft tokens offered (tree size - 1) per verification step
         self.done = False
         self.extra: dict = {}  # method-specific stats (shown in --json)
         self.on_emit = on_emit  # callback(tokens, from_draft_flags) for streaming
@@ -408,6 +409,7 @@ class Generation:
         self.draft_s += draft_s
         accepted = [tree.tokens[i] for i in path[1:]]
         self.accepted.append(len(accepted))
+        self.drafted.append(len(tree) - 1)
         if self.on_step:
             self.on_step(self, tree, path, bonus)
         return self.emit(accepted, bonus)
@@ -674,13 +676,15 @@ def set_seed(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def run_cli(parser: argparse.ArgumentParser, method: str, generate: Callable, method_kwargs: Callable = lambda a: {}, argv=None) -> int:
+def run_cli(parser: argparse.ArgumentParser, method: str, generate: Callable, method_kwargs: Callable = lambda a: {},
+            argv=None, report: Callable | None = None) -> int:
     """Parse, validate, load, generate (streaming), report. `generate(model, prompt_ids, max_new_tokens,
-    eos_ids, on_emit=..., on_step=..., **method_kwargs(args))` must return a Generation.
+    eos_ids, on_emit=..., on_step=..., **method_kwargs(args))` must return a Generation. The optional
+    `report(model, prompt_ids, gen, args) -> dict` adds method-specific stats computed AFTER the timed run.
     Bad input -> one line on stderr and exit status 2, never a traceback."""
     args = parser.parse_args(argv)
     try:
-        return _run(args, method, generate, method_kwargs)
+        return _run(args, method, generate, method_kwargs, report)
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -689,7 +693,7 @@ def run_cli(parser: argparse.ArgumentParser, method: str, generate: Callable, me
         return 130
 
 
-def _run(args, method, generate, method_kwargs) -> int:
+def _run(args, method, generate, method_kwargs, report) -> int:
     # -- validate everything that needs no model first, so mistakes fail fast
     if not args.prompt.strip():
         raise UserError("--prompt is empty")
@@ -726,6 +730,8 @@ def _run(args, method, generate, method_kwargs) -> int:
     sync(model)
     wall = time.perf_counter() - t0
 
+    if report is not None:
+        gen.extra.update(report(model, prompt_ids, gen, args))
     text = tok.decode(gen.tokens, skip_special_tokens=True)
     n = len(gen.tokens)
     result = {

@@ -1,0 +1,327 @@
+"""
+ngram_predictor.py -- speculative decoding with an n-gram frequency predictor, after akunu's chapter
+"Speculative Decoding with N-grams" (../shared/papers/akunu-ngram-speculative-decoding.txt).
+
+The simplest complete speculative decoder there is; read it first.
+
+    DRAFT   an n-gram table built from the text so far predicts up to DRAFT_COUNT next tokens (a chain)
+    VERIFY  one forward over [known token, d0 ... dn]
+    ACCEPT  the longest prefix where draft == the model's argmax, plus the bonus token
+    ROLL    KV cache rolled back to prefix + accepted
+
+File layout, following the chapter section by section:
+
+    1. Hashing           FNV-1a over token ids                        ("Hashing")
+    2. The predictor     tables, update(), update_batch(), predict()  ("The N-gram Predictor")
+    3. The arithmetic    E[accepted], corrected; predicted speedup    ("Speedup Analysis")
+    4. The decode loop   no-draft fallback, batched verification,     ("The Verification Loop",
+                         capacity guard, rollback                      "Buffer Capacity Guard")
+    5. CLI
+
+    python ngram_predictor.py --prompt "Write a Python class Stack with push and pop." --compare
+
+Greedy and float32: the output is token-identical to model.generate(do_sample=False) (tests/test_ngram.py).
+Where this file deviates from the chapter it says so in a "deviation:" comment (and in TUTORIAL.md §2).
+"""
+
+from __future__ import annotations
+
+import statistics
+import sys
+import time
+from collections import deque
+from typing import Iterable, Sequence
+
+import torch
+
+import verify
+from verify import Generation, Tree
+
+# The chapter's configuration.
+MAX_ORDER = 4  # up to 4-grams: a context of up to 3 tokens
+DRAFT_COUNT = 4  # predict up to 4 tokens per round
+MAX_HISTORY = 512  # sliding window of recent tokens used as context
+MAX_BATCH = 64  # "buffer capacity": at most this many tokens in one verification forward (known + drafts)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# 1. Hashing: 64-bit FNV-1a over token ids
+# ----------------------------------------------------------------------------------------------------------
+#
+# The chapter's C++:
+#     uint64_t h = 14695981039346656037ULL;       // FNV-1a offset basis
+#     for (...) { h ^= tokens[i]; h *= 1099511628211ULL; }   // FNV-1a prime
+#
+# note: each step XORs a whole 32-bit token id, not one byte as textbook FNV-1a does. For ids below 256
+# the two agree, which is how the tests check it against the published FNV-1a test vectors.
+# Python ints do not overflow, so the wrap-around of uint64 arithmetic is made explicit with a mask.
+
+FNV_OFFSET_BASIS = 14695981039346656037
+FNV_PRIME = 1099511628211
+MASK64 = (1 << 64) - 1
+
+
+def fnv1a_64(tokens: Iterable[int]) -> int:
+    """>>> hex(fnv1a_64(b"a"))   # bytes are token ids < 256, so this is textbook FNV-1a
+    '0xaf63dc4c8601ec8c'
+    """
+    h = FNV_OFFSET_BASIS
+    for t in tokens:
+        h ^= t
+        h = (h * FNV_PRIME) & MASK64  # uint64 multiply: keep the low 64 bits
+    return h
+
+
+# ----------------------------------------------------------------------------------------------------------
+# 2. The predictor
+# ----------------------------------------------------------------------------------------------------------
+#
+#   tables[order-2] :  hash(context of order-1 tokens)  ->  {next token: count}
+#
+#   tables[0]  bigrams    hash(t_{n-1})                 -> {t_n: count}
+#   tables[1]  trigrams   hash(t_{n-2}, t_{n-1})        -> {t_n: count}
+#   tables[2]  4-grams    hash(t_{n-3}, t_{n-2}, t_{n-1}) -> {t_n: count}
+
+
+class NGramPredictor:
+    def __init__(self, max_order: int = MAX_ORDER, draft_count: int = DRAFT_COUNT, max_history: int = MAX_HISTORY):
+        assert max_order >= 2 and draft_count >= 0 and max_history >= max_order - 1
+        self.max_order = max_order
+        self.draft_count = draft_count
+        # The recent tokens, used only as the *context* for update() and predict().
+        self.history: deque[int] = deque(maxlen=max_history)
+        self.tables: list[dict[int, dict[int, int]]] = [{} for _ in range(max_order - 1)]
+        # note: the tables are never pruned when a token leaves the history window (as in the chapter).
+        # Consequences: (1) memory grows with the number of distinct contexts ever seen, not with
+        # MAX_HISTORY -- the window bounds the deque, not the tables; (2) counts are cumulative over the whole
+        # generation, so a continuation that was frequent long ago can still outvote one seen recently.
+        # The window only limits which *contexts* can be looked up (the last <= 3 tokens, always recent).
+
+    def update(self, token: int) -> None:
+        """Count `token` after its 1-, 2- and 3-token contexts, then append it to the history."""
+        token = int(token)
+        h = self.history
+        for order in range(2, self.max_order + 1):
+            n = order - 1  # context length
+            if len(h) < n:
+                break
+            context = [h[i] for i in range(len(h) - n, len(h))]
+            counts = self.tables[order - 2].setdefault(fnv1a_64(context), {})
+            counts[token] = counts.get(token, 0) + 1
+        h.append(token)
+
+    def update_batch(self, tokens: Sequence[int]) -> None:
+        """Seed with the prompt: just update() for every token."""
+        for t in tokens:
+            self.update(t)
+
+    def lookup(self, context: Sequence[int]) -> tuple[int, int] | None:
+        """Backoff: try the longest context first (4-gram), then shorter ones. Returns (token, order)."""
+        for order in range(self.max_order, 1, -1):
+            n = order - 1
+            if len(context) < n:
+                continue
+            counts = self.tables[order - 2].get(fnv1a_64(context[-n:]))
+            if counts:
+                # The most frequent continuation. Tie rule: the continuation seen FIRST wins (Python's max
+                # returns the first maximal item and dicts keep insertion order) -- like a C++ loop with a
+                # strict '>' over an insertion-ordered map.
+                return max(counts, key=counts.__getitem__), order
+        return None
+
+    def predict(self) -> list[int]:
+        """Up to draft_count tokens. Each prediction is appended to a *tentative* context, so the predictor
+        chains its own guesses: predicting " quick" lets it then predict " brown"."""
+        context = list(self.history)[-(self.max_order - 1) :]
+        drafts = []
+        for _ in range(self.draft_count):
+            found = self.lookup(context)
+            if found is None:
+                break  # no table knows this context: no draft for this position, stop
+            drafts.append(found[0])
+            context.append(found[0])
+        return drafts
+
+
+# ----------------------------------------------------------------------------------------------------------
+# 3. The arithmetic: expected accepted drafts and the predicted speedup
+# ----------------------------------------------------------------------------------------------------------
+#
+# Model: each draft token is right with probability alpha, independently, and drafts are accepted until the
+# first wrong one. With D drafts, k accepted for k < D means k successes then a failure; k = D means D
+# successes (there is no further draft to fail on):
+#
+#     E[accepted] = sum_{k=0}^{D-1} k alpha^k (1 - alpha)  +  D alpha^D  =  alpha (1 - alpha^D) / (1 - alpha)
+#
+# (the second form: E[accepted] = sum_{k=1}^{D} P(accepted >= k) = sum_{k=1}^{D} alpha^k.)
+# The chapter sums the first term up to k = D, i.e. it counts the all-accepted case twice (once as "D
+# successes then a failure" that cannot happen). Its printed values for alpha = 0.7 and 0.9 (2.05, 3.28) are
+# too high; the correct ones are 1.77 and 3.10 (its 0.94 for alpha = 0.5 is right). See TUTORIAL.md §2.
+#
+# Each step also yields the bonus token, so tokens per forward = 1 + E[accepted]. A forward over 1 + D
+# tokens costs t(1+D) instead of t(1), hence the chapter's overhead-adjusted estimate
+#
+#     speedup ~= (1 + E[accepted]) / (t(1+D) / t(1))
+
+
+def expected_accepted(alpha: float, d: int) -> float:
+    """Closed form of E[accepted drafts] under i.i.d. acceptance.
+    >>> round(expected_accepted(0.7, 4), 4), round(expected_accepted(0.9, 4), 4)
+    (1.7731, 3.0951)
+    """
+    if alpha >= 1.0:
+        return float(d)
+    return alpha * (1 - alpha**d) / (1 - alpha)
+
+
+def expected_accepted_as_printed(alpha: float, d: int) -> float:
+    """The chapter's formula as written (sum to k = D, plus D alpha^D): double-counts the all-accepted case.
+    Kept only so the tests and the tutorial can show the difference."""
+    return sum(k * alpha**k * (1 - alpha) for k in range(d + 1)) + d * alpha**d
+
+
+def estimate_alpha(accepted: Sequence[int], drafted: Sequence[int]) -> float | None:
+    """Per-token acceptance rate from a run: every accepted draft is a success; a step that accepted fewer
+    than it drafted ended in exactly one failure. (The maximum-likelihood estimate of alpha under the i.i.d.
+    model; steps without drafts say nothing about alpha.)"""
+    successes = sum(accepted)
+    failures = sum(1 for a, d in zip(accepted, drafted) if d > 0 and a < d)
+    if successes + failures == 0:
+        return None
+    return successes / (successes + failures)
+
+
+def predicted_speedup(alpha: float, d: int, cost_ratio: float) -> float:
+    return (1 + expected_accepted(alpha, d)) / cost_ratio
+
+
+@torch.no_grad()
+def measure_cost_ratio(model, prompt_ids: Sequence[int], d: int, repeats: int = 5) -> float:
+    """t(1+D) / t(1): the measured cost of a verification forward over 1 + D tokens relative to a plain
+    one-token step, on this prompt's cache (median of `repeats`)."""
+    cache = verify.new_cache(model)
+    verify.prefill(model, cache, prompt_ids)
+    p = verify.cache_len(cache)
+    times = {}
+    for n in (1, 1 + d):
+        ts = []
+        for _ in range(repeats + 1):
+            t0 = time.perf_counter()
+            verify.tree_forward(model, cache, Tree.chain(prompt_ids[-1], [prompt_ids[-1]] * (n - 1)))
+            verify.sync(model)
+            ts.append(time.perf_counter() - t0)
+            verify.rollback(cache, p)
+        times[n] = statistics.median(ts[1:])  # the first call is a warm-up
+    return times[1 + d] / times[1]
+
+
+# ----------------------------------------------------------------------------------------------------------
+# 4. The decode loop
+# ----------------------------------------------------------------------------------------------------------
+
+
+@torch.no_grad()
+def generate(
+    model,
+    prompt_ids: Sequence[int],
+    max_new_tokens: int,
+    eos_ids: Sequence[int],
+    *,
+    max_order: int = MAX_ORDER,
+    draft_count: int = DRAFT_COUNT,
+    max_history: int = MAX_HISTORY,
+    max_batch: int = MAX_BATCH,
+    on_emit=None,
+    on_step=None,
+) -> Generation:
+    gen = Generation(max_new_tokens, eos_ids, on_emit=on_emit, on_step=on_step)
+    predictor = NGramPredictor(max_order, draft_count, max_history)
+    predictor.update_batch(prompt_ids)  # seed the tables with the prompt (chat template included)
+
+    cache = verify.new_cache(model)
+    known = int(verify.prefill(model, cache, prompt_ids).argmax())  # the first new token
+    gen.target_forwards += 1
+    predictor.update(known)
+    if gen.emit([], known):
+        return gen
+
+    while True:
+        # -- DRAFT
+        t0 = time.perf_counter()
+        drafts = predictor.predict()
+        # Buffer capacity guard (the chapter: `if (n_draft + 1 > max_batch) n_draft = max_batch - 1;`):
+        # the verification batch is [known, d0 .. dn], so at most max_batch - 1 drafts fit.
+        if len(drafts) + 1 > max_batch:
+            drafts = drafts[: max_batch - 1]
+        # note: a step emits at most len(drafts) + 1 tokens, so drafting past max_new_tokens is wasted work.
+        drafts = drafts[: max_new_tokens - len(gen.tokens) - 1]
+        draft_s = time.perf_counter() - t0
+
+        # -- VERIFY. With no draft this is the chapter's "no-draft fallback": a plain single-token forward
+        # (a root-only chain), exactly what vanilla decoding would do.
+        tree = Tree.chain(known, drafts)  # [known, d0, ..., dn] at positions pos, pos+1, ...
+        pos = verify.cache_len(cache)
+        logits = verify.tree_forward(model, cache, tree)  # [1 + n_draft, V]
+
+        # -- ACCEPT: longest prefix where draft == argmax, plus the bonus token at the first mismatch.
+        path, bonus = verify.accept_greedy(tree, logits)
+        keep = len(path)  # the known token + accepted drafts (= accepted + 1 in the chapter's words)
+
+        # -- ROLL BACK: the KV of rejected drafts was computed from a wrong context; forget it.
+        verify.rollback(cache, pos + keep)
+
+        n_before = len(gen.tokens)
+        done = gen.finish_step(tree, path, bonus, draft_s)
+        predictor.update_batch(gen.tokens[n_before:])  # the predictor learns every emitted token
+        if done:
+            return gen
+        known = bonus
+
+
+# ----------------------------------------------------------------------------------------------------------
+# 5. CLI
+# ----------------------------------------------------------------------------------------------------------
+
+
+def report(model, prompt_ids, gen: Generation, args) -> dict:
+    """Stats computed after the timed run: the measured acceptance rate, the measured cost ratio
+    t(1+D)/t(1), and the speedup the chapter's formula predicts from them."""
+    alpha = estimate_alpha(gen.accepted, gen.drafted)
+    ratio = measure_cost_ratio(model, prompt_ids, args.draft_count)
+    out = {"alpha": alpha, "cost_ratio": ratio, "draft_steps": sum(1 for d in gen.drafted if d)}
+    out["predicted_speedup"] = predicted_speedup(alpha, args.draft_count, ratio) if alpha is not None else None
+    return out
+
+
+def method_kwargs(args) -> dict:
+    if args.max_order < 2:
+        raise verify.UserError(f"--max-order must be at least 2 (got {args.max_order})")
+    if args.draft_count < 0:
+        raise verify.UserError(f"--draft-count must be >= 0 (got {args.draft_count})")
+    if args.max_history < args.max_order - 1:
+        raise verify.UserError(f"--max-history must hold a full context of {args.max_order - 1} tokens")
+    if args.max_batch < 1:
+        raise verify.UserError(f"--max-batch must be at least 1 (got {args.max_batch})")
+    return dict(max_order=args.max_order, draft_count=args.draft_count, max_history=args.max_history,
+                max_batch=args.max_batch)
+
+
+def main(argv=None) -> int:
+    parser = verify.common_parser(__doc__.split("\n\n")[0].strip() + "\n\nDrafts come from n-gram counts "
+                                  "of the prompt and the generated text; no draft model.")
+    g = parser.add_argument_group("n-gram predictor (the chapter's parameters)")
+    g.add_argument("--max-order", type=int, default=MAX_ORDER,
+                   help=f"MAX_ORDER: largest n-gram (context of n-1 tokens); backs off to bigrams (default: {MAX_ORDER})")
+    g.add_argument("--draft-count", type=int, default=DRAFT_COUNT,
+                   help=f"DRAFT_COUNT: at most this many draft tokens per step (default: {DRAFT_COUNT})")
+    g.add_argument("--max-history", type=int, default=MAX_HISTORY,
+                   help=f"MAX_HISTORY: sliding window of recent tokens used as context (default: {MAX_HISTORY}); "
+                        "the count tables themselves are never pruned")
+    g.add_argument("--max-batch", type=int, default=MAX_BATCH,
+                   help=f"buffer capacity guard: at most this many tokens per verification forward, known token "
+                        f"included (default: {MAX_BATCH})")
+    return verify.run_cli(parser, "ngram", generate, method_kwargs, argv=argv, report=report)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
