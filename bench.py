@@ -36,6 +36,7 @@ import verify
 # name -> (module, keyword arguments for its generate()). Modules are imported only when asked for.
 PROJECT_METHODS = {
     "ngram": ("ngram_predictor", {}),
+    "ngram-nogate": ("ngram_predictor", {"draft_cost": 1.0}),  # the chapter exactly: every draft verified
     "cacheback": ("cacheback", {}),
     "card": ("card", {}),
     "fafo": ("fafo", {}),
@@ -59,8 +60,9 @@ def make_runner(name: str, model, tok, args):
             module = importlib.import_module(module_name)
         except ModuleNotFoundError:
             raise verify.UserError(f"--methods {name}: {module_name}.py is not in this checkout yet") from None
-        # A method module may add defaults that need the model (e.g. a draft model, a frozen table).
-        extra = module.bench_kwargs(model, tok, args) if hasattr(module, "bench_kwargs") else {}
+        # A method module may add defaults that need the model (a draft model, a frozen table, a measured
+        # cost): its prepare(model, tok, args), the same hook its own CLI uses, run once before timing.
+        extra = module.prepare(model, tok, args) if hasattr(module, "prepare") else {}
         if hasattr(module, "bench_runner"):  # methods that need something other than generate(), e.g. hf-assisted
             return module.bench_runner(model, tok, args, **fixed)
         kwargs = {**extra, **fixed}

@@ -677,14 +677,15 @@ def set_seed(seed: int) -> None:
 
 
 def run_cli(parser: argparse.ArgumentParser, method: str, generate: Callable, method_kwargs: Callable = lambda a: {},
-            argv=None, report: Callable | None = None) -> int:
+            argv=None, prepare: Callable | None = None, report: Callable | None = None) -> int:
     """Parse, validate, load, generate (streaming), report. `generate(model, prompt_ids, max_new_tokens,
     eos_ids, on_emit=..., on_step=..., **method_kwargs(args))` must return a Generation. The optional
-    `report(model, prompt_ids, gen, args) -> dict` adds method-specific stats computed AFTER the timed run.
+    `prepare(model, tok, args) -> dict` adds generate() kwargs that need the model (done once, untimed,
+    like loading); `report(model, prompt_ids, gen, args) -> dict` adds stats computed AFTER the timed run.
     Bad input -> one line on stderr and exit status 2, never a traceback."""
     args = parser.parse_args(argv)
     try:
-        return _run(args, method, generate, method_kwargs, report)
+        return _run(args, method, generate, method_kwargs, prepare, report)
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -693,7 +694,7 @@ def run_cli(parser: argparse.ArgumentParser, method: str, generate: Callable, me
         return 130
 
 
-def _run(args, method, generate, method_kwargs, report) -> int:
+def _run(args, method, generate, method_kwargs, prepare, report) -> int:
     # -- validate everything that needs no model first, so mistakes fail fast
     if not args.prompt.strip():
         raise UserError("--prompt is empty")
@@ -712,6 +713,8 @@ def _run(args, method, generate, method_kwargs, report) -> int:
             f"model's context of {ctx} tokens"
         )
     eos = eos_ids_of(model, tok)
+    if prepare is not None:
+        kwargs.update(prepare(model, tok, args))
     stream = sys.stderr if args.json else sys.stdout
     run = lambda n, **hooks: generate(model, prompt_ids, n, eos, **hooks, **kwargs)
 

@@ -132,13 +132,33 @@ def test_alpha_estimate_recovers_alpha_from_simulated_steps():
     assert ng.estimate_alpha([0, 0], [0, 0]) is None
 
 
+# ---------------------------------------------------------------------------------------------- cost gate
+
+
+def test_cost_gate_off_always_allows():
+    gate = ng.CostGate(draft_cost=1.0)
+    assert gate.allows([2]) and gate.allows([2, 2, 2, 2])
+
+
+def test_cost_gate_weighs_expected_acceptance_against_cost():
+    gate = ng.CostGate(draft_cost=1.8)  # prior alpha = 1/2 for every order
+    assert not gate.allows([2])  # 1 + 0.5 < 1.8
+    assert gate.allows([4, 4, 4, 4])  # 1 + 0.9375 > 1.8
+    assert gate.skipped == 1
+    for _ in range(10):
+        gate.update([2, 2, 2], accepted=3)  # bigram drafts keep being right
+    assert gate.alpha(2) == pytest.approx(31 / 32) and gate.allows([2])
+    gate.update([4, 3, 2], accepted=1)  # 4-gram right, trigram wrong, bigram untested
+    assert (gate.hits[4], gate.trials[4], gate.hits[3], gate.trials[3], gate.trials[2]) == (2, 3, 1, 3, 32)
+
+
 # ---------------------------------------------------------------------------------------------- decode loop
 
 
 def test_capacity_guard_limits_every_verification_batch(tiny):
     prompt = [1] + [5, 6, 7, 8, 9] * 6  # repetitive: long drafts
     sizes = []
-    gen = ng.generate(tiny, prompt, 30, [95], draft_count=10, max_batch=3,
+    gen = ng.generate(tiny, prompt, 30, [95], draft_count=10, max_batch=3, draft_cost=1.0,
                       on_step=lambda g, tree, path, bonus: sizes.append(len(tree)))
     assert max(sizes) == 3  # [known, d0, d1]: the guard cut longer drafts
     assert gen.tokens == verify.hf_generate(tiny, prompt, 30, [95])
@@ -147,19 +167,29 @@ def test_capacity_guard_limits_every_verification_batch(tiny):
 def test_draft_never_runs_past_max_new_tokens(tiny):
     prompt = [1] + [5, 6, 7, 8, 9] * 6
     sizes = []
-    gen = ng.generate(tiny, prompt, 3, [95], on_step=lambda g, tree, path, bonus: sizes.append(len(tree)))
+    gen = ng.generate(tiny, prompt, 3, [95], draft_cost=1.0, on_step=lambda g, tree, path, bonus: sizes.append(len(tree)))
     assert len(gen.tokens) == 3 and max(sizes) <= 2
 
 
 @pytest.mark.parametrize("prompt", REAL_PROMPTS)
 def test_lossless_on_real_prompts(real, prompt):
+    # draft_cost=1: the gate is off, every draft is verified (the most acceptance decisions to get right)
     model, tok = real
     ids_ = verify.encode_prompt(tok, prompt)
     eos = verify.eos_ids_of(model, tok)
     want = verify.hf_generate(model, ids_, 64, eos)
-    gen = ng.generate(model, ids_, 64, eos)
+    gen = ng.generate(model, ids_, 64, eos, draft_cost=1.0)
     assert gen.tokens == want
     assert sum(gen.drafted) > 0  # the predictor did draft on these prompts
+
+
+@pytest.mark.parametrize("prompt", REAL_PROMPTS[:2])
+def test_lossless_with_the_cost_gate(real, prompt):
+    model, tok = real
+    ids_ = verify.encode_prompt(tok, prompt)
+    eos = verify.eos_ids_of(model, tok)
+    gen = ng.generate(model, ids_, 64, eos, draft_cost=1.8)
+    assert gen.tokens == verify.hf_generate(model, ids_, 64, eos)
 
 
 def test_lossless_when_no_draft_is_ever_produced(real):
@@ -169,7 +199,7 @@ def test_lossless_when_no_draft_is_ever_produced(real):
     ids_ = verify.encode_prompt(tok, "Once upon a time", chat=False)
     eos = verify.eos_ids_of(model, tok)
     want = verify.hf_generate(model, ids_, 8, eos)
-    gen = ng.generate(model, ids_, 8, eos)
+    gen = ng.generate(model, ids_, 8, eos, draft_cost=1.0)
     assert gen.tokens == want and sum(gen.drafted) == 0 and gen.target_forwards == len(want)
 
 
@@ -180,7 +210,7 @@ def test_lossless_when_eos_falls_inside_an_accepted_draft(real):
     ids_ = verify.encode_prompt(tok, "Repeat exactly: The cat sat on the mat.")
     eos = verify.eos_ids_of(model, tok)
     want = verify.hf_generate(model, ids_, 64, eos)
-    gen = ng.generate(model, ids_, 64, eos)
+    gen = ng.generate(model, ids_, 64, eos, draft_cost=1.0)
     assert gen.tokens == want
     assert gen.tokens[-1] in eos and gen.from_draft[-1]  # EOS came from an accepted draft
 
