@@ -19,13 +19,13 @@ $(STAMP): requirements.txt
 install: $(STAMP)
 
 demo: $(STAMP)
-	$(BIN)/python verify.py --prompt "$(PROMPT)" --compare
+	$(BIN)/python ngram_predictor.py --prompt "$(PROMPT)" --compare
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q tests
 
 bench: $(STAMP)
-	$(BIN)/python bench.py --methods vanilla,hf-greedy,hf-pld
+	$(BIN)/python bench.py --methods vanilla,hf-greedy,hf-pld,ngram
 
 clean:
 	rm -rf $(VENV) .pytest_cache
