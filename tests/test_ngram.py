@@ -141,15 +141,16 @@ def test_cost_gate_off_always_allows():
 
 
 def test_cost_gate_weighs_expected_acceptance_against_cost():
-    gate = ng.CostGate(draft_cost=1.8)  # prior alpha = 1/2 for every order
-    assert not gate.allows([2])  # 1 + 0.5 < 1.8
-    assert gate.allows([4, 4, 4, 4])  # 1 + 0.9375 > 1.8
+    gate = ng.CostGate(draft_cost=1.8)  # optimistic prior alpha = 3/4 for every order
+    assert not gate.allows([2])  # 1 + 0.75 < 1.8
+    assert gate.allows([2, 2])  # 1 + 0.75 + 0.5625 > 1.8: unmeasured drafts get tried
     assert gate.skipped == 1
     for _ in range(10):
-        gate.update([2, 2, 2], accepted=3)  # bigram drafts keep being right
-    assert gate.alpha(2) == pytest.approx(31 / 32) and gate.allows([2])
+        gate.update([2, 2, 2], accepted=0)  # bigram drafts keep being wrong (only the first one counts)
+    assert gate.alpha(2) == pytest.approx(3 / 14) and not gate.allows([2, 2, 2, 2])  # 1 + 0.27 < 1.8
+    assert gate.allows([4, 4, 4, 4])  # 4-grams are still trusted
     gate.update([4, 3, 2], accepted=1)  # 4-gram right, trigram wrong, bigram untested
-    assert (gate.hits[4], gate.trials[4], gate.hits[3], gate.trials[3], gate.trials[2]) == (2, 3, 1, 3, 32)
+    assert (gate.hits[4], gate.trials[4], gate.hits[3], gate.trials[3], gate.trials[2]) == (4, 5, 3, 5, 14)
 
 
 # ---------------------------------------------------------------------------------------------- decode loop

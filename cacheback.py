@@ -1,0 +1,317 @@
+"""
+cacheback.py -- Cacheback decoding: speculative decoding with nothing but LRU tables of token n-grams.
+Ma, Gim & Zhong, "Cacheback: Speculative Decoding With Nothing But Cache" (../shared/papers/cacheback.md).
+
+    DRAFT   query an LRU table  leader (last LL tokens) -> followers (FL-token continuations seen after it),
+            recursively, breadth first, into a draft TREE of at most TDL tokens          (§3.1, §3.2)
+    VERIFY  one forward with tree attention (verify.py)                                 (§3.2)
+    ACCEPT  the longest branch the model agrees with, plus the bonus token
+    UPDATE  slide a window of LL + FL tokens over the newly accepted tokens into the dynamic table (§3.2)
+
+File layout, in the paper's order:
+
+    1. CacheTable       the two-level LRU of §3.1 (Figure 1)
+    2. Dual tables      sliding-window updates of the dynamic table (§3.2, §3.3)
+    3. Draft tree       BFS growth under TDL and CRT, prefixes merged into a trie (§3.2, Figure 2)
+    4. Decode loop      tree attention, acceptance, KV compaction (verify.py)
+    5. CLI
+
+Where this file differs from the reference code (see ../shared/notes/reference-implementations.md and
+TUTORIAL.md §3): accepted tokens keep their KV (compaction) instead of being fed again, shared prefixes are
+merged so no token is verified twice, and speculative lookups inside the tree do not refresh recency.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from collections import OrderedDict, deque
+from typing import Iterable, Iterator, Sequence
+
+import torch
+
+import verify
+from verify import Generation, Tree
+
+# The paper's configuration (§4), used on CUDA.
+PAPER_DEFAULTS = dict(ll=1, fl=3, lc=2**20, fc=128, tdl=96, crt=16)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# 1. The cache table (§3.1)
+# ----------------------------------------------------------------------------------------------------------
+#
+#   leaders (LRU over at most LC leaders)          followers (one LRU per leader, at most FC each)
+#   ('the',)  -> [('cat','sat','on'), ('dog','ran','to'), ...]     oldest ... most recent
+#   ('cat',)  -> [('sat','down','.')]
+#
+# Both levels are OrderedDicts with the most recently used entry at the END, so that
+#   - "refresh" = move_to_end          O(1)
+#   - "evict the LRU entry" = popitem(last=False)   O(1)
+#   - lookup = a hash lookup           O(1)
+# which is exactly the "hash map + doubly linked list" of §3.1 (an OrderedDict is that).
+#
+# The recency rules of §3.1, one by one:
+#   - insert(l, f) creates leader l (evicting the LRU leader AND its followers if LC leaders exist), or
+#     refreshes l; then appends follower f (evicting l's LRU follower if it has FC), or refreshes f.
+#   - query(l) refreshes l. It never refreshes a follower: "the table updates a follower's recency only
+#     upon insertion", and a follower competes only with the followers of the same leader.
+
+
+class CacheTable:
+    def __init__(self, ll: int, fl: int, lc: int, fc: int, frozen: bool = False):
+        assert ll >= 1 and fl >= 1 and lc >= 1 and fc >= 1
+        self.ll, self.fl, self.lc, self.fc = ll, fl, lc, fc
+        self.frozen = frozen  # a frozen table is filled once (by its builder) and then only queried
+        self.leaders: OrderedDict[tuple, OrderedDict[tuple, None]] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self.leaders)
+
+    def insert(self, leader: tuple, follower: tuple) -> None:
+        if self.frozen:
+            raise RuntimeError("the frozen table is read-only during decoding (§3.3)")
+        assert len(leader) == self.ll and len(follower) == self.fl
+        followers = self.leaders.get(leader)
+        if followers is None:
+            if len(self.leaders) >= self.lc:
+                self.leaders.popitem(last=False)  # evict the LRU leader, together with its followers
+            followers = self.leaders[leader] = OrderedDict()
+        else:
+            self.leaders.move_to_end(leader)  # insertion refreshes the leader
+        if follower in followers:
+            followers.move_to_end(follower)  # re-insertion refreshes the follower
+        else:
+            if len(followers) >= self.fc:
+                followers.popitem(last=False)  # evict this leader's LRU follower
+            followers[follower] = None
+
+    def query(self, leader: tuple, refresh: bool = True) -> Iterator[tuple]:
+        """The followers of `leader`, MOST recent first (those are drafted first). Empty if absent.
+        refresh=False looks without touching recency (see `grow_tree` for when we do that)."""
+        followers = self.leaders.get(leader)
+        if not followers:
+            return iter(())
+        if refresh and not self.frozen:
+            self.leaders.move_to_end(leader)  # querying refreshes the leader
+        return reversed(followers)  # a view: O(1) to create, yields lazily
+
+
+# ----------------------------------------------------------------------------------------------------------
+# 2. Dual tables: the dynamic table learns from the text, the frozen one is read-only (§3.3)
+# ----------------------------------------------------------------------------------------------------------
+#
+# The dynamic table sees every window of LL + FL consecutive tokens of the text: the leader is its first
+# LL tokens, the follower the last FL. At the start it is filled by sliding the window over the whole
+# prompt (chat template included); after each step exactly the NEW windows are inserted -- those that end
+# at a newly emitted token (accepted drafts and the bonus token):
+#
+#   LL=1, FL=2, text so far "At dawn the fox", the step emits "ran fast":
+#       new windows ending at "ran":  (the,) -> (fox, ran)
+#       new windows ending at "fast": (fox,) -> (ran, fast)
+
+
+def windows(tokens: Sequence[int], ll: int, fl: int, first_end: int = 0) -> Iterator[tuple[tuple, tuple]]:
+    """(leader, follower) for every window of ll + fl tokens whose LAST token has index >= first_end."""
+    n = ll + fl
+    for end in range(max(first_end, n - 1), len(tokens)):
+        window = tuple(tokens[end - n + 1 : end + 1])
+        yield window[:ll], window[ll:]
+
+
+def update_table(table: CacheTable, tokens: Sequence[int], first_new: int) -> None:
+    """Insert the windows that end at tokens[first_new:], i.e. at the tokens emitted by the last step."""
+    for leader, follower in windows(tokens, table.ll, table.fl, first_new):
+        table.insert(leader, follower)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# 3. The draft tree (§3.2): breadth-first growth under TDL and CRT
+# ----------------------------------------------------------------------------------------------------------
+#
+# TDL (total draft length) bounds the tree: draft tokens + tokens not yet in the KV cache <= TDL. With KV
+# compaction only the root (the last emitted token) is not cached, so the tree gets TDL - 1 draft tokens.
+# (The reference code feeds the accepted tokens again each step; they count against TDL there.)
+#
+# CRT (chaining-reserved tokens) keeps the first level from eating the whole budget: level 1 (the followers
+# of the real context) may use TDL - 1 - CRT tokens; the CRT reserved ones are for level 2 and deeper,
+# where each leaf is extended by the followers of ITS last LL tokens (the tree "chains").
+#
+# Each follower becomes a branch of FL tokens below its parent. Branches are merged into a trie (verify.Tree):
+# a follower that repeats a prefix already in the tree only costs its new tokens.
+#
+#   LL=2, FL=2, context "... the fox", TDL=8, CRT=2:
+#     level 1: query (the, fox) -> (ran, fast) (hid, deep) (sat, still)   6 tokens > 8-1-2 = 5 allowed:
+#              take (ran, fast), (hid, deep)                              4 tokens
+#     level 2: leaf "fast": query (ran, fast) -> (and, far) ...           2 more: 6 <= 7 tokens
+#     level 2: leaf "deep": query (hid, deep) -> nothing (or no budget left)
+#
+# Queries: the dynamic table first, then the frozen one "to further grow the tree if TDL still allows"; a
+# follower found in both is added once. A leaf whose leader is in neither table stays a leaf (no backoff).
+#
+# Design choice (the issue asks us to decide): only the level-1 query, made with the real, verified
+# context, refreshes the leader's recency. Deeper queries are made with *speculative* tokens that may never
+# appear in the text; letting them promote leaders would let guesses evict what the text actually
+# contained. The reference code refreshes on every lookup.
+
+
+def grow_tree(
+    root: int,
+    context: Sequence[int],
+    dynamic: CacheTable,
+    frozen: CacheTable | None,
+    tdl: int,
+    crt: int,
+) -> Tree:
+    """Build the draft tree for one step. `context` = the text so far, ending with `root` (the pending
+    token). Returns a verify.Tree whose node 0 is `root`."""
+    ll, fl = dynamic.ll, dynamic.fl
+    tree = Tree.root_only(root)
+    budget = tdl - 1  # draft tokens; the root is the one token not yet in the KV cache
+    limit = budget - crt  # level 1 may not use the reserved tokens
+    tables = [dynamic] + ([frozen] if frozen is not None else [])
+
+    # The leaves to extend, each with the last LL tokens of its root-to-leaf text (its leader).
+    frontier = [(0, tuple(context[-ll:]))] if len(context) >= ll else []
+    level = 1
+    while frontier:
+        next_frontier: dict[int, tuple] = {}  # follower-end node -> its leader (dict: each node once)
+        for node, leader in frontier:
+            seen = set()
+            for table in tables:
+                for follower in table.query(leader, refresh=(level == 1)):
+                    if follower in seen:
+                        continue  # in both tables: add once
+                    seen.add(follower)
+                    new = _new_tokens(tree, node, follower)
+                    if len(tree) - 1 + new > limit:
+                        break  # this follower does not fit: stop querying this leader
+                    nodes = tree.add_branch(follower, parent=node)
+                    next_frontier.setdefault(nodes[-1], (leader + follower)[-ll:])  # last LL tokens of its text
+                else:
+                    continue
+                break  # the inner break (no room) ends this leader's queries, frozen table included
+        if level == 1:
+            limit = budget  # from level 2 on, the reserved CRT tokens are available too
+        frontier = list(next_frontier.items())
+        if len(tree) - 1 >= budget:
+            break
+        level += 1
+    return tree
+
+
+def _new_tokens(tree: Tree, node: int, follower: Sequence[int]) -> int:
+    """How many nodes adding `follower` below `node` would create (the rest is a shared prefix)."""
+    for i, t in enumerate(follower):
+        child = tree.children[node].get(int(t))
+        if child is None:
+            return len(follower) - i
+        node = child
+    return 0
+
+
+# ----------------------------------------------------------------------------------------------------------
+# 4. The decode loop
+# ----------------------------------------------------------------------------------------------------------
+
+
+@torch.no_grad()
+def generate(
+    model,
+    prompt_ids: Sequence[int],
+    max_new_tokens: int,
+    eos_ids: Sequence[int],
+    *,
+    ll: int = 1,
+    fl: int = 3,
+    lc: int = 2**20,
+    fc: int = 128,
+    tdl: int = 96,
+    crt: int = 16,
+    frozen: CacheTable | None = None,
+    on_emit=None,
+    on_step=None,
+) -> Generation:
+    """Cacheback decoding. A fresh dynamic table per call (stateful methods start from scratch for every
+    prompt, as in the paper's SpecBench runs); `frozen` is shared and never modified."""
+    if frozen is not None and (frozen.ll, frozen.fl) != (ll, fl):
+        raise verify.UserError(f"frozen table has LL={frozen.ll}, FL={frozen.fl}; this run uses LL={ll}, FL={fl}")
+    gen = Generation(max_new_tokens, eos_ids, on_emit=on_emit, on_step=on_step)
+    dynamic = CacheTable(ll, fl, lc, fc)
+    text = list(prompt_ids)  # prompt + emitted tokens: the context the tables are queried with
+    update_table(dynamic, text, 0)  # §3.3: initialise the dynamic table with a sliding window over the prompt
+
+    cache = verify.new_cache(model)
+    pending = int(verify.prefill(model, cache, prompt_ids).argmax())
+    gen.target_forwards += 1
+    text.append(pending)
+    update_table(dynamic, text, len(text) - 1)
+    if gen.emit([], pending):
+        return gen
+
+    while True:
+        # -- DRAFT: a tree below the pending token, at most TDL tokens including it.
+        t0 = time.perf_counter()
+        room = max_new_tokens - len(gen.tokens)  # a step emits at most depth + 1 tokens; deeper is wasted
+        tree = grow_tree(pending, text, dynamic, frozen, tdl, crt)
+        if max(tree.depths) >= room:
+            tree = _prune_depth(tree, room - 1)
+        draft_s = time.perf_counter() - t0
+
+        # -- VERIFY with tree attention, ACCEPT the longest agreeing branch + bonus, COMPACT the KV.
+        prefix_len = verify.cache_len(cache)
+        logits = verify.tree_forward(model, cache, tree)  # [N, V]
+        path, bonus = verify.accept_greedy(tree, logits)
+        verify.compact_kv(cache, prefix_len, path)
+
+        n_before = len(gen.tokens)
+        done = gen.finish_step(tree, path, bonus, draft_s)
+        # -- UPDATE the dynamic table with the windows ending at the newly emitted tokens (§3.2).
+        first_new = len(text)
+        text += gen.tokens[n_before:]
+        update_table(dynamic, text, first_new)
+        if done:
+            return gen
+        pending = bonus
+
+
+def _prune_depth(tree: Tree, max_depth: int) -> Tree:
+    """A copy of the tree without nodes deeper than max_depth (near max_new_tokens)."""
+    out = Tree.root_only(tree.tokens[0])
+    remap = {0: 0}
+    for i in range(1, len(tree)):
+        if tree.depths[i] <= max_depth:
+            remap[i] = out.add(remap[tree.parents[i]], tree.tokens[i])
+    return out
+
+
+# ----------------------------------------------------------------------------------------------------------
+# 5. CLI
+# ----------------------------------------------------------------------------------------------------------
+
+
+def method_kwargs(args) -> dict:
+    for name in ("ll", "fl", "lc", "fc", "tdl"):
+        if getattr(args, name) < 1:
+            raise verify.UserError(f"--{name} must be at least 1 (got {getattr(args, name)})")
+    if not 0 <= args.crt < args.tdl:
+        raise verify.UserError(f"--crt must be in [0, TDL) (got {args.crt} with TDL {args.tdl})")
+    return dict(ll=args.ll, fl=args.fl, lc=args.lc, fc=args.fc, tdl=args.tdl, crt=args.crt)
+
+
+def main(argv=None) -> int:
+    parser = verify.common_parser(__doc__.split("\n\n")[0].strip())
+    g = parser.add_argument_group("Cacheback (the paper's names; its defaults from §4)")
+    g.add_argument("--ll", type=int, default=PAPER_DEFAULTS["ll"], help="LL, leader length: tokens used as the lookup key (default: 1)")
+    g.add_argument("--fl", type=int, default=PAPER_DEFAULTS["fl"], help="FL, follower length: tokens per follower / tree branch (default: 3)")
+    g.add_argument("--lc", type=int, default=PAPER_DEFAULTS["lc"], help="LC, leader capacity of the dynamic table (default: 2^20)")
+    g.add_argument("--fc", type=int, default=PAPER_DEFAULTS["fc"], help="FC, follower capacity per leader (default: 128)")
+    g.add_argument("--tdl", type=int, default=PAPER_DEFAULTS["tdl"],
+                   help="TDL, total draft length: draft tokens + tokens not in the KV cache (default: 96)")
+    g.add_argument("--crt", type=int, default=PAPER_DEFAULTS["crt"],
+                   help="CRT, chaining-reserved tokens: budget kept for tree levels 2+ (default: 16)")
+    return verify.run_cli(parser, "cacheback", generate, method_kwargs, argv=argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

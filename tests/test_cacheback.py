@@ -1,0 +1,205 @@
+"""cacheback.py: the LRU rules of §3.1 one by one, sliding-window updates, tree growth under TDL/CRT on
+hand-built tables, the tree's attention mask, and losslessness against HF greedy on the real model."""
+
+import numpy as np
+import pytest
+import torch
+
+import cacheback as cb
+import verify
+from conftest import REAL_PROMPTS
+
+# ---------------------------------------------------------------------------------------------- LRU rules
+
+
+def followers(table, leader):
+    return list(table.query(leader, refresh=False))
+
+
+def test_insert_creates_leader_then_extends_its_followers():
+    t = cb.CacheTable(ll=1, fl=2, lc=4, fc=4)
+    t.insert((1,), (2, 3))
+    t.insert((1,), (4, 5))
+    t.insert((1,), (2, 3))  # already present: not duplicated, refreshed
+    assert len(t) == 1 and followers(t, (1,)) == [(2, 3), (4, 5)]  # most recent first
+    assert followers(t, (9,)) == []
+
+
+def test_leader_eviction_takes_the_least_recent_leader_with_its_followers():
+    t = cb.CacheTable(ll=1, fl=1, lc=2, fc=4)
+    t.insert((1,), (10,))
+    t.insert((2,), (20,))
+    t.insert((3,), (30,))  # evicts leader 1 (least recently used)
+    assert list(t.leaders) == [(2,), (3,)] and followers(t, (1,)) == []
+
+
+def test_query_refreshes_the_leader():
+    t = cb.CacheTable(ll=1, fl=1, lc=2, fc=4)
+    t.insert((1,), (10,))
+    t.insert((2,), (20,))
+    list(t.query((1,)))  # leader 1 becomes most recent
+    t.insert((3,), (30,))  # so leader 2 is evicted
+    assert list(t.leaders) == [(1,), (3,)]
+
+
+def test_lookup_without_refresh_leaves_recency_alone():
+    t = cb.CacheTable(ll=1, fl=1, lc=2, fc=4)
+    t.insert((1,), (10,))
+    t.insert((2,), (20,))
+    list(t.query((1,), refresh=False))
+    t.insert((3,), (30,))
+    assert list(t.leaders) == [(2,), (3,)]
+
+
+def test_insert_refreshes_the_leader():
+    t = cb.CacheTable(ll=1, fl=1, lc=2, fc=4)
+    t.insert((1,), (10,))
+    t.insert((2,), (20,))
+    t.insert((1,), (11,))
+    t.insert((3,), (30,))
+    assert list(t.leaders) == [(1,), (3,)]
+
+
+def test_follower_eviction_and_follower_recency_only_on_insertion():
+    t = cb.CacheTable(ll=1, fl=1, lc=4, fc=2)
+    t.insert((1,), (10,))
+    t.insert((1,), (11,))
+    list(t.query((1,)))  # a query does NOT refresh followers
+    t.insert((1,), (12,))  # evicts follower 10, the least recently inserted
+    assert followers(t, (1,)) == [(12,), (11,)]
+    t.insert((1,), (11,))  # re-insertion refreshes 11
+    t.insert((1,), (13,))  # so 12 is evicted
+    assert followers(t, (1,)) == [(13,), (11,)]
+
+
+def test_followers_compete_only_within_their_leader():
+    t = cb.CacheTable(ll=1, fl=1, lc=4, fc=1)
+    t.insert((1,), (10,))
+    t.insert((2,), (20,))  # another leader's follower evicts nothing of leader 1
+    assert followers(t, (1,)) == [(10,)] and followers(t, (2,)) == [(20,)]
+
+
+def test_frozen_table_never_changes():
+    t = cb.CacheTable(ll=1, fl=1, lc=2, fc=2)
+    t.insert((1,), (10,))
+    t.insert((2,), (20,))
+    t.frozen = True
+    before = [(k, list(v)) for k, v in t.leaders.items()]
+    list(t.query((1,)))  # no refresh either
+    with pytest.raises(RuntimeError):
+        t.insert((3,), (30,))
+    assert [(k, list(v)) for k, v in t.leaders.items()] == before
+
+
+# ---------------------------------------------------------------------------------------------- updates
+
+
+def test_windows_slide_over_the_text():
+    assert list(cb.windows([1, 2, 3, 4, 5], ll=1, fl=2)) == [((1,), (2, 3)), ((2,), (3, 4)), ((3,), (4, 5))]
+    # only windows that END at the new tokens (index >= 3): the paper's "newly observed" pairs
+    assert list(cb.windows([1, 2, 3, 4, 5], ll=2, fl=1, first_end=3)) == [((2, 3), (4,)), ((3, 4), (5,))]
+    assert list(cb.windows([1, 2], ll=2, fl=2)) == []
+
+
+# ---------------------------------------------------------------------------------------------- tree
+
+
+def table_with(pairs, ll=1, fl=2, fc=8):
+    t = cb.CacheTable(ll, fl, lc=100, fc=fc)
+    for leader, follower in pairs:  # inserted oldest first: the last one is drafted first
+        t.insert(leader, follower)
+    return t
+
+
+def test_tree_grows_breadth_first_and_chains():
+    # context ... 5, root 5: level 1 = followers of (5,); level 2 = followers of each branch's last token
+    dyn = table_with([((5,), (7, 8)), ((5,), (6, 7)), ((7,), (1, 2)), ((8,), (3, 4))])
+    tree = cb.grow_tree(5, [9, 5], dyn, None, tdl=100, crt=0)
+    branches = [[tree.tokens[n] for n in b] for b in tree.branches()]
+    assert branches == [[6, 7, 1, 2], [7, 8, 3, 4]]
+    assert tree.depths == [0, 1, 2, 1, 2, 3, 4, 3, 4]
+
+
+def test_tdl_bounds_draft_tokens_plus_the_uncached_root():
+    dyn = table_with([((5,), (i, i + 1)) for i in range(10, 30, 2)])  # 10 followers of 2 tokens
+    for tdl in (1, 2, 3, 7, 12):
+        tree = cb.grow_tree(5, [5], dyn, None, tdl=tdl, crt=0)
+        assert len(tree) <= tdl  # the root + draft tokens
+        assert len(tree) - 1 == 2 * ((tdl - 1) // 2)  # whole followers only
+
+
+def test_crt_reserves_budget_for_deeper_levels():
+    # 5 followers of (5,), each chaining further: without CRT level 1 takes everything
+    pairs = [((5,), (i, i + 1)) for i in range(10, 20, 2)] + [((i + 1,), (40 + i, 41 + i)) for i in range(10, 20, 2)]
+    dyn = table_with(pairs)
+    no_crt = cb.grow_tree(5, [5], dyn, None, tdl=11, crt=0)
+    assert max(no_crt.depths) == 2 and len(no_crt) == 11  # five level-1 followers, no chaining
+    with_crt = cb.grow_tree(5, [5], dyn, None, tdl=11, crt=4)
+    assert sum(d <= 2 for d in with_crt.depths[1:]) == 6  # level 1 limited to 10 - 4 = 6 tokens
+    assert max(with_crt.depths) == 4 and len(with_crt) == 11  # the reserve went to level 2
+
+
+def test_frozen_table_only_fills_the_remaining_budget_and_shared_prefixes_merge():
+    dyn = table_with([((5,), (6, 7))])
+    frozen = table_with([((5,), (6, 9)), ((5,), (6, 7)), ((5,), (8, 8))])
+    frozen.frozen = True
+    tree = cb.grow_tree(5, [5], dyn, frozen, tdl=100, crt=0)
+    # dynamic first; then the frozen followers most recent first: (8,8), (6,7) (already there), (6,9)
+    assert [[tree.tokens[n] for n in b] for b in tree.branches()] == [[6, 7], [8, 8], [6, 9]]
+    assert len(tree) == 6  # (6,9) shares the 6 with (6,7): one new node
+    tree = cb.grow_tree(5, [5], dyn, frozen, tdl=3, crt=0)
+    assert tree.tokens == [5, 6, 7]  # the dynamic table's follower first, no room for the frozen ones
+
+
+def test_only_the_first_level_query_refreshes_recency():
+    dyn = table_with([((5,), (7, 8)), ((8,), (1, 2)), ((3,), (4, 4))], fl=2)
+    cb.grow_tree(5, [5], dyn, None, tdl=100, crt=0)
+    assert list(dyn.leaders)[-1] == (5,)  # the real context was refreshed, the speculative (8,) was not
+    assert list(dyn.leaders)[0] == (8,)
+
+
+def test_mask_of_a_cacheback_tree():
+    dyn = table_with([((5,), (7, 8)), ((5,), (6, 7)), ((7,), (1, 2))])
+    tree = cb.grow_tree(5, [5], dyn, None, tdl=100, crt=0)
+    # level 1: (5,) -> (6,7), (7,8) most recent first; level 2: (7,) -> (1,2) below "6 7"; (8,) has none
+    assert tree.tokens == [5, 6, 7, 7, 8, 1, 2] and tree.parents == [-1, 0, 1, 0, 3, 2, 5]
+    expected = np.array([[1, 0, 0, 0, 0, 0, 0],
+                         [1, 1, 0, 0, 0, 0, 0],
+                         [1, 1, 1, 0, 0, 0, 0],
+                         [1, 0, 0, 1, 0, 0, 0],
+                         [1, 0, 0, 1, 1, 0, 0],
+                         [1, 1, 1, 0, 0, 1, 0],
+                         [1, 1, 1, 0, 0, 1, 1]], dtype=bool)
+    mask = (verify.tree_attention_mask(tree.parents, 3, torch.float32)[0, 0] == 0).numpy()
+    assert mask[:, :3].all()  # everybody sees the prefix
+    assert np.array_equal(mask[:, 3:], expected)
+
+
+# ---------------------------------------------------------------------------------------------- lossless
+
+
+@pytest.mark.parametrize("prompt", REAL_PROMPTS)
+def test_lossless_on_real_prompts(real, prompt):
+    model, tok = real
+    ids = verify.encode_prompt(tok, prompt)
+    eos = verify.eos_ids_of(model, tok)
+    want = verify.hf_generate(model, ids, 64, eos)
+    gen = cb.generate(model, ids, 64, eos, tdl=16, crt=4)
+    assert gen.tokens == want
+    assert sum(gen.accepted) > 0
+
+
+def test_lossless_with_the_paper_defaults_and_eos_in_a_draft(real):
+    model, tok = real
+    ids = verify.encode_prompt(tok, "Repeat exactly: The cat sat on the mat.")
+    eos = verify.eos_ids_of(model, tok)
+    want = verify.hf_generate(model, ids, 40, eos)
+    gen = cb.generate(model, ids, 40, eos, **cb.PAPER_DEFAULTS)
+    assert gen.tokens == want and gen.tokens[-1] in eos and gen.from_draft[-1]
+
+
+def test_max_new_tokens_inside_a_tree(tiny):
+    prompt = [1] + [5, 6, 7, 8, 9] * 6
+    for n in (1, 2, 5, 13):
+        gen = cb.generate(tiny, prompt, n, [95], tdl=12, crt=2)
+        assert gen.tokens == verify.hf_generate(tiny, prompt, n, [95])
