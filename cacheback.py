@@ -125,6 +125,138 @@ def update_table(table: CacheTable, tokens: Sequence[int], first_new: int) -> No
         table.insert(leader, follower)
 
 
+
+# ----------------------------------------------------------------------------------------------------------
+# 2b. The frozen table: built offline from a corpus (§3.3, §4)
+# ----------------------------------------------------------------------------------------------------------
+#
+# §4: "The building procedure first picks the most frequent LC n-grams of length LL as the leaders in the
+# table. Then, for each leader, it selects the most frequent FC n-grams of length FL that appear after the
+# leader." The paper samples 1% of OpenWebText. Nothing like that is available offline here, so the corpus
+# is one every Python install carries: the standard library's own source (English docstrings and comments,
+# the reference-manual text in pydoc_data/topics.py, and code), under the PSF licence. Files are sampled in a
+# seeded order until `max_tokens`, so a build is deterministic. Ties in the counts are broken by token ids.
+#
+# File format: gzipped JSON, no pickled classes --
+#   {"format": "cacheback-frozen/1", "tokenizer": {"vocab_size": V, "vocab_sha1": "..."}, "ll", "fl", "lc",
+#    "fc", "corpus", "seed", "tokens", "leaders": [[leader, [follower, ...]], ...]}
+# leaders and followers as lists of token ids, followers least frequent first, so that loading them with
+# insert() leaves the most frequent one as the most recent, i.e. drafted first (as the reference does).
+
+FROZEN_FORMAT = "cacheback-frozen/1"
+
+
+def tokenizer_identity(tok) -> dict:
+    """What must match between the tokenizer that built a frozen table and the one that uses it."""
+    import hashlib
+    import json
+
+    vocab = json.dumps(sorted(tok.get_vocab().items()), ensure_ascii=False).encode()
+    return {"vocab_size": len(tok.get_vocab()), "vocab_sha1": hashlib.sha1(vocab).hexdigest()}
+
+
+def stdlib_corpus(seed: int) -> list[str]:
+    """The standard library's .py files (tests and site-packages excluded), in a seeded random order."""
+    import glob
+    import os
+    import random
+    import sysconfig
+
+    root = sysconfig.get_paths()["stdlib"]
+    files = sorted(
+        f for f in glob.glob(os.path.join(root, "**", "*.py"), recursive=True)
+        if not any(part in f for part in ("site-packages", os.sep + "test", "idlelib"))
+    )
+    random.Random(seed).shuffle(files)
+    return files
+
+
+def build_frozen(tok, ll: int, fl: int, lc: int, fc: int, max_tokens: int = 2_000_000, seed: int = 0,
+                 progress: bool = True) -> tuple[CacheTable, dict]:
+    """Count leaders and their followers over the corpus; keep the top LC leaders and their top FC followers."""
+    from collections import Counter, defaultdict
+
+    from tqdm import tqdm
+
+    leader_counts: Counter = Counter()
+    follower_counts: dict[tuple, Counter] = defaultdict(Counter)
+    used = 0
+    files = stdlib_corpus(seed)
+    bar = tqdm(total=max_tokens, desc="frozen table: counting n-grams", unit="tok", disable=not progress, file=sys.stderr)
+    for path in files:
+        with open(path, encoding="utf-8", errors="replace") as f:
+            ids = tok(f.read(), add_special_tokens=False).input_ids[: max_tokens - used]
+        for leader, follower in windows(ids, ll, fl):
+            leader_counts[leader] += 1
+            follower_counts[leader][follower] += 1
+        used += len(ids)
+        bar.update(len(ids))
+        if used >= max_tokens:
+            break
+    bar.close()
+
+    table = CacheTable(ll, fl, lc, fc)
+    # the top-LC leaders, least frequent inserted first (so the most frequent ends most recent)
+    top = sorted(leader_counts, key=lambda l: (-leader_counts[l], l))[:lc]
+    for leader in reversed(top):
+        best = sorted(follower_counts[leader].items(), key=lambda kv: (-kv[1], kv[0]))[:fc]
+        for follower, _ in reversed(best):
+            table.insert(leader, follower)
+    table.frozen = True
+    meta = {"corpus": "python-stdlib", "seed": seed, "tokens": used}
+    return table, meta
+
+
+def save_frozen(table: CacheTable, path: str, tok, meta: dict) -> None:
+    import gzip
+    import json
+
+    doc = {"format": FROZEN_FORMAT, "tokenizer": tokenizer_identity(tok), "ll": table.ll, "fl": table.fl,
+           "lc": table.lc, "fc": table.fc, **meta,
+           "leaders": [[list(l), [list(f) for f in fs]] for l, fs in table.leaders.items()]}
+    with gzip.open(path, "wt", encoding="utf-8") as f:
+        json.dump(doc, f, separators=(",", ":"))
+
+
+def load_frozen(path: str, tok, ll: int, fl: int) -> CacheTable:
+    """Load a frozen table, refusing one built for another tokenizer or another LL/FL."""
+    import gzip
+    import json
+
+    try:
+        with gzip.open(path, "rt", encoding="utf-8") as f:
+            doc = json.load(f)
+    except (OSError, ValueError) as e:
+        raise verify.UserError(f"--frozen {path}: not a frozen table ({e})") from None
+    if not isinstance(doc, dict) or doc.get("format") != FROZEN_FORMAT:
+        raise verify.UserError(f"--frozen {path}: unknown format (expected {FROZEN_FORMAT})")
+    if doc["tokenizer"] != tokenizer_identity(tok):
+        raise verify.UserError(f"--frozen {path}: built with a different tokenizer than this model's")
+    if (doc["ll"], doc["fl"]) != (ll, fl):
+        raise verify.UserError(f"--frozen {path}: built with LL={doc['ll']}, FL={doc['fl']}; this run uses LL={ll}, FL={fl}")
+    table = CacheTable(ll, fl, doc["lc"], doc["fc"])
+    for leader, followers in doc["leaders"]:
+        for follower in followers:
+            table.insert(tuple(leader), tuple(follower))
+    table.frozen = True
+    return table
+
+
+def default_frozen(tok, ll: int, fl: int, lc: int, fc: int) -> CacheTable:
+    """The default frozen table: built once from the stdlib corpus and cached beside the converted model."""
+    import os
+
+    ident = tokenizer_identity(tok)["vocab_sha1"][:10]
+    path = os.path.join(verify._cache_root(), f"cacheback-frozen-{ident}-ll{ll}-fl{fl}-lc{lc}-fc{fc}.json.gz")
+    if not os.path.exists(path):
+        table, meta = build_frozen(tok, ll, fl, lc, fc)
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        tmp = f"{path}.tmp{os.getpid()}"
+        save_frozen(table, tmp, tok, meta)
+        os.replace(tmp, path)
+    return load_frozen(path, tok, ll, fl)
+
+
 # ----------------------------------------------------------------------------------------------------------
 # 3. The draft tree (§3.2): breadth-first growth under TDL and CRT
 # ----------------------------------------------------------------------------------------------------------
@@ -290,27 +422,99 @@ def _prune_depth(tree: Tree, max_depth: int) -> Tree:
 # ----------------------------------------------------------------------------------------------------------
 
 
+# On a CPU a verification forward is far from free (a 96-token tree costs ~5.6x a one-token step with the
+# default model, a 16-token one ~2.2x; TUTORIAL.md §1.1), so the CPU default is a smaller tree. On CUDA: the
+# paper's values.
+# note (work in progress, measured on 7 shipped prompts, 96 new tokens, 2-core CPU): TDL=16/CRT=4 without a
+# frozen table gave 1.84 and 1.37 tokens per forward on two prompt samples (1.22x and 0.92x plain greedy);
+# with the stdlib frozen table 1.52 tokens per forward but 0.73x, because the frozen table fills every tree
+# to TDL and every step then pays the full ~2.2x. TDL 4 and 8 were no better. These defaults are provisional
+# until a cost-aware tree (or a better corpus) is measured.
+CPU_DEFAULTS = dict(tdl=16, crt=4)
+
+
 def method_kwargs(args) -> dict:
-    for name in ("ll", "fl", "lc", "fc", "tdl"):
+    for name in ("ll", "fl", "lc", "fc"):
         if getattr(args, name) < 1:
             raise verify.UserError(f"--{name} must be at least 1 (got {getattr(args, name)})")
-    if not 0 <= args.crt < args.tdl:
-        raise verify.UserError(f"--crt must be in [0, TDL) (got {args.crt} with TDL {args.tdl})")
-    return dict(ll=args.ll, fl=args.fl, lc=args.lc, fc=args.fc, tdl=args.tdl, crt=args.crt)
+    return dict(ll=args.ll, fl=args.fl, lc=args.lc, fc=args.fc)
+
+
+def prepare(model, tok, args) -> dict:
+    """Once per process, before timing: device-dependent TDL/CRT defaults and the frozen table."""
+    ll, fl = getattr(args, "ll", PAPER_DEFAULTS["ll"]), getattr(args, "fl", PAPER_DEFAULTS["fl"])
+    lc, fc = getattr(args, "lc", PAPER_DEFAULTS["lc"]), getattr(args, "fc", PAPER_DEFAULTS["fc"])
+    defaults = PAPER_DEFAULTS if model.device.type == "cuda" else CPU_DEFAULTS
+    tdl = getattr(args, "tdl", None) or defaults["tdl"]
+    crt = getattr(args, "crt", None)
+    crt = defaults["crt"] if crt is None else crt
+    if tdl < 1 or not 0 <= crt < tdl:
+        raise verify.UserError(f"need TDL >= 1 and 0 <= CRT < TDL (got TDL {tdl}, CRT {crt})")
+    which = getattr(args, "frozen", "auto")
+    if which == "none":
+        frozen = None
+    elif which == "auto":
+        frozen = default_frozen(tok, ll, fl, PAPER_DEFAULTS["lc"], PAPER_DEFAULTS["fc"])
+    else:
+        frozen = load_frozen(which, tok, ll, fl)
+    return dict(tdl=tdl, crt=crt, frozen=frozen)
+
+
+def build_frozen_main(argv) -> int:
+    import argparse
+
+    p = argparse.ArgumentParser(prog="cacheback.py build-frozen",
+                                description="Build a frozen Cacheback table (§3.3, §4) from the Python standard "
+                                            "library's source, tokenized with the model's tokenizer.")
+    p.add_argument("--out", required=True, help="output file (.json.gz)")
+    p.add_argument("--model", default=verify.DEFAULT_MODEL, help="whose tokenizer to use")
+    p.add_argument("--ll", type=int, default=1, help="LL, leader length (default: 1)")
+    p.add_argument("--fl", type=int, default=3, help="FL, follower length (default: 3)")
+    p.add_argument("--lc", type=int, default=2**20, help="LC: keep the LC most frequent leaders (default: 2^20)")
+    p.add_argument("--fc", type=int, default=128, help="FC: keep each leader's FC most frequent followers (default: 128)")
+    p.add_argument("--max-tokens", type=int, default=2_000_000, help="corpus size in tokens (default: 2,000,000)")
+    p.add_argument("--seed", type=int, default=0, help="order in which corpus files are sampled (default: 0)")
+    args = p.parse_args(argv)
+    try:
+        if min(args.ll, args.fl, args.lc, args.fc, args.max_tokens) < 1:
+            raise verify.UserError("--ll, --fl, --lc, --fc and --max-tokens must be positive")
+        from transformers import AutoTokenizer
+
+        tok = AutoTokenizer.from_pretrained(verify.resolve_model(args.model))
+        table, meta = build_frozen(tok, args.ll, args.fl, args.lc, args.fc, args.max_tokens, args.seed)
+        save_frozen(table, args.out, tok, meta)
+    except verify.UserError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except OSError as e:
+        print(f"error: cannot write {args.out}: {e.strerror}", file=sys.stderr)
+        return 2
+    n = sum(len(f) for f in table.leaders.values())
+    print(f"wrote {args.out}: {len(table)} leaders, {n} followers from {meta['tokens']} tokens of the Python stdlib")
+    return 0
 
 
 def main(argv=None) -> int:
-    parser = verify.common_parser(__doc__.split("\n\n")[0].strip())
-    g = parser.add_argument_group("Cacheback (the paper's names; its defaults from §4)")
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["build-frozen"]:
+        return build_frozen_main(argv[1:])
+    parser = verify.common_parser(__doc__.split("\n\n")[0].strip() + "\n\nAlso: python cacheback.py build-frozen --out FILE")
+    g = parser.add_argument_group("Cacheback (the paper's names; defaults from §4 on CUDA, measured ones on CPU)")
     g.add_argument("--ll", type=int, default=PAPER_DEFAULTS["ll"], help="LL, leader length: tokens used as the lookup key (default: 1)")
     g.add_argument("--fl", type=int, default=PAPER_DEFAULTS["fl"], help="FL, follower length: tokens per follower / tree branch (default: 3)")
     g.add_argument("--lc", type=int, default=PAPER_DEFAULTS["lc"], help="LC, leader capacity of the dynamic table (default: 2^20)")
     g.add_argument("--fc", type=int, default=PAPER_DEFAULTS["fc"], help="FC, follower capacity per leader (default: 128)")
-    g.add_argument("--tdl", type=int, default=PAPER_DEFAULTS["tdl"],
-                   help="TDL, total draft length: draft tokens + tokens not in the KV cache (default: 96)")
-    g.add_argument("--crt", type=int, default=PAPER_DEFAULTS["crt"],
-                   help="CRT, chaining-reserved tokens: budget kept for tree levels 2+ (default: 16)")
-    return verify.run_cli(parser, "cacheback", generate, method_kwargs, argv=argv)
+    g.add_argument("--tdl", type=int, default=None,
+                   help=f"TDL, total draft length: draft tokens + tokens not in the KV cache (default: {PAPER_DEFAULTS['tdl']} "
+                        f"on CUDA as in the paper; {CPU_DEFAULTS['tdl']} on CPU, where big trees are not free: chosen "
+                        "from a measured cost curve, see README)")
+    g.add_argument("--crt", type=int, default=None,
+                   help=f"CRT, chaining-reserved tokens: budget kept for tree levels 2+ (default: {PAPER_DEFAULTS['crt']} "
+                        f"on CUDA, {CPU_DEFAULTS['crt']} on CPU)")
+    g.add_argument("--frozen", default="auto",
+                   help="the frozen table (§3.3): 'auto' = built once from the Python stdlib and cached (~25 s the first "
+                        "time), 'none' = dynamic table only, or a file from `cacheback.py build-frozen`")
+    return verify.run_cli(parser, "cacheback", generate, method_kwargs, argv=argv, prepare=prepare)
 
 
 if __name__ == "__main__":

@@ -175,6 +175,69 @@ def test_mask_of_a_cacheback_tree():
     assert np.array_equal(mask[:, 3:], expected)
 
 
+# ---------------------------------------------------------------------------------------------- frozen builder
+
+
+@pytest.fixture(scope="module")
+def tokenizer(real):
+    return real[1]
+
+
+def test_builder_is_deterministic_and_keeps_top_followers(tokenizer, tmp_path):
+    a, meta_a = cb.build_frozen(tokenizer, 1, 3, lc=50, fc=4, max_tokens=20_000, seed=1, progress=False)
+    b, meta_b = cb.build_frozen(tokenizer, 1, 3, lc=50, fc=4, max_tokens=20_000, seed=1, progress=False)
+    assert meta_a == meta_b and meta_a["tokens"] == 20_000
+    assert [(k, list(v)) for k, v in a.leaders.items()] == [(k, list(v)) for k, v in b.leaders.items()]
+    assert len(a) == 50 and all(len(f) <= 4 for f in a.leaders.values()) and a.frozen
+    c, _ = cb.build_frozen(tokenizer, 1, 3, lc=50, fc=4, max_tokens=20_000, seed=2, progress=False)
+    assert [(k, list(v)) for k, v in a.leaders.items()] != [(k, list(v)) for k, v in c.leaders.items()]
+    # round trip through the portable file format
+    cb.save_frozen(a, tmp_path / "t.json.gz", tokenizer, meta_a)
+    back = cb.load_frozen(tmp_path / "t.json.gz", tokenizer, 1, 3)
+    assert [(k, list(v)) for k, v in back.leaders.items()] == [(k, list(v)) for k, v in a.leaders.items()]
+
+
+def test_builder_keeps_the_most_frequent_leaders_and_followers(tokenizer):
+    from collections import Counter
+
+    n = 30_000
+    table, _ = cb.build_frozen(tokenizer, 1, 3, lc=3, fc=2, max_tokens=n, seed=0, progress=False)
+    # brute force over the same token stream: the same files in the same seeded order, cut at n tokens
+    stream = []
+    for path in cb.stdlib_corpus(0):
+        stream += tokenizer(open(path, encoding="utf-8", errors="replace").read(), add_special_tokens=False).input_ids
+        if len(stream) >= n:
+            break
+    stream = stream[:n]
+    lead = Counter(tuple(stream[i : i + 1]) for i in range(len(stream) - 3))
+    top = sorted(lead, key=lambda l: (-lead[l], l))[:3]
+    assert list(table.leaders) == top[::-1]  # most frequent = most recent (drafted from first)
+    for leader in top:
+        fol = Counter(tuple(stream[i + 1 : i + 4]) for i in range(len(stream) - 3) if (stream[i],) == leader)
+        best = sorted(fol, key=lambda f: (-fol[f], f))[:2]
+        assert list(table.query(leader)) == best  # most frequent follower first
+
+
+def test_loading_refuses_mismatches(tokenizer, tmp_path):
+    import gzip
+    import json
+
+    table, meta = cb.build_frozen(tokenizer, 1, 3, lc=10, fc=2, max_tokens=5_000, progress=False)
+    path = tmp_path / "t.json.gz"
+    cb.save_frozen(table, path, tokenizer, meta)
+    with pytest.raises(verify.UserError, match="LL=1, FL=3"):
+        cb.load_frozen(path, tokenizer, 2, 3)
+    doc = json.loads(gzip.open(path, "rt").read())
+    doc["tokenizer"]["vocab_sha1"] = "0" * 40
+    with gzip.open(tmp_path / "other.json.gz", "wt") as f:
+        json.dump(doc, f)
+    with pytest.raises(verify.UserError, match="different tokenizer"):
+        cb.load_frozen(tmp_path / "other.json.gz", tokenizer, 1, 3)
+    (tmp_path / "junk.json.gz").write_bytes(b"not gzip")
+    with pytest.raises(verify.UserError, match="not a frozen table"):
+        cb.load_frozen(tmp_path / "junk.json.gz", tokenizer, 1, 3)
+
+
 # ---------------------------------------------------------------------------------------------- lossless
 
 
