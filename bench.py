@@ -216,11 +216,16 @@ def run(args) -> int:
     eos = verify.eos_ids_of(model, tok)
     runners = {m: make_runner(m, model, tok, args) for m in methods}
 
+    # Count target forwards with a hook rather than trusting each method's own counter: HF's methods
+    # (hf-greedy, hf-pld) have none, and a hook counts every method the same way. It is on the TARGET model
+    # only, so a draft model's forwards (hf-assisted, card) are not counted.
     forwards = [0]
     model.register_forward_hook(lambda *a: forwards.__setitem__(0, forwards[0] + 1))
 
     encoded = [verify.encode_prompt(tok, q["prompt"], chat=not args.no_chat) for q in prompts]
-    for m in methods:  # untimed warm-up
+    # One untimed warm-up per method: the first call of anything pays for allocations, lazy imports and
+    # kernel selection, which must not be charged to whichever method happens to run first.
+    for m in methods:
         runners[m](encoded[0], min(16, args.max_new_tokens), eos)
 
     rows = []
@@ -244,7 +249,7 @@ def run(args) -> int:
                 "mean_accepted": len(tokens) / max(1, forwards[0]), "tokens_per_s": len(tokens) / wall,
                 "wall_s": wall, "identical": tokens == reference,
             }
-            if gen is not None:
+            if gen is not None:  # our own methods also report their drafting time and their own stats
                 row["draft_ms_per_step"] = 1000 * gen.draft_s / max(gen.steps, 1)
                 row.update({k: v for k, v in gen.extra.items() if isinstance(v, (int, float, str, list))})
             rows.append(row)
