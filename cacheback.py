@@ -428,8 +428,10 @@ def _prune_depth(tree: Tree, max_depth: int) -> Tree:
 # note (work in progress, measured on 7 shipped prompts, 96 new tokens, 2-core CPU): TDL=16/CRT=4 without a
 # frozen table gave 1.84 and 1.37 tokens per forward on two prompt samples (1.22x and 0.92x plain greedy);
 # with the stdlib frozen table 1.52 tokens per forward but 0.73x, because the frozen table fills every tree
-# to TDL and every step then pays the full ~2.2x. TDL 4 and 8 were no better. These defaults are provisional
-# until a cost-aware tree (or a better corpus) is measured.
+# to TDL and every step then pays the full ~2.2x. TDL 4 and 8 were no better. On 14 prompts: dynamic table
+# only 1.02x (1.60 tokens/forward), frozen always 0.83x (1.71), frozen only when the dynamic table has the
+# context 0.98x. These defaults are provisional until a cost-aware tree (a per-step gate like
+# ngram_predictor.py's) is measured.
 CPU_DEFAULTS = dict(tdl=16, crt=4)
 
 
