@@ -75,6 +75,8 @@ def _gen(gen):
 
 
 def load_prompts(path: str, limit: int | None):
+    """SpecBench question.jsonl rows -> [{question_id, category, prompt}], the first turn as the prompt,
+    at most `limit` per category (in file order). A malformed line is a one-line error, not a traceback."""
     if not os.path.isfile(path):
         raise verify.UserError(f"--prompts {path}: no such file")
     rows, per_cat = [], defaultdict(int)
@@ -127,6 +129,7 @@ def summarize(rows, methods):
 
 
 def markdown(summary, methods) -> str:
+    """A compact speedup table (methods x categories), then one detailed table per category."""
     cats = [c for c in summary if c != "overall"] + ["overall"]
     lines = ["Speedup vs hf-greedy (mean tokens/s ratio), per category:", ""]
     lines.append("| method | " + " | ".join(cats) + " |")
@@ -147,6 +150,8 @@ def markdown(summary, methods) -> str:
 
 
 def bar_chart(summary, methods, path: str, title: str) -> None:
+    """Grouped bars: speedup over hf-greedy per category (and overall), one bar per method; the dashed
+    line at 1.0 is hf-greedy itself. Agg backend: no display needed."""
     import matplotlib
 
     matplotlib.use("Agg")

@@ -297,7 +297,7 @@ def grow_tree(
 ) -> Tree:
     """Build the draft tree for one step. `context` = the text so far, ending with `root` (the pending
     token). Returns a verify.Tree whose node 0 is `root`."""
-    ll, fl = dynamic.ll, dynamic.fl
+    ll = dynamic.ll
     tree = Tree.root_only(root)
     budget = tdl - 1  # draft tokens; the root is the one token not yet in the KV cache
     limit = budget - crt  # level 1 may not use the reserved tokens
@@ -309,20 +309,7 @@ def grow_tree(
     while frontier:
         next_frontier: dict[int, tuple] = {}  # follower-end node -> its leader (dict: each node once)
         for node, leader in frontier:
-            seen = set()
-            for table in tables:
-                for follower in table.query(leader, refresh=(level == 1)):
-                    if follower in seen:
-                        continue  # in both tables: add once
-                    seen.add(follower)
-                    new = _new_tokens(tree, node, follower)
-                    if len(tree) - 1 + new > limit:
-                        break  # this follower does not fit: stop querying this leader
-                    nodes = tree.add_branch(follower, parent=node)
-                    next_frontier.setdefault(nodes[-1], (leader + follower)[-ll:])  # last LL tokens of its text
-                else:
-                    continue
-                break  # the inner break (no room) ends this leader's queries, frozen table included
+            _add_followers(tree, node, leader, tables, limit, refresh=(level == 1), out=next_frontier)
         if level == 1:
             limit = budget  # from level 2 on, the reserved CRT tokens are available too
         frontier = list(next_frontier.items())
@@ -330,6 +317,23 @@ def grow_tree(
             break
         level += 1
     return tree
+
+
+def _add_followers(tree: Tree, node: int, leader: tuple, tables: list[CacheTable], limit: int, refresh: bool,
+                   out: dict[int, tuple]) -> None:
+    """Hang the followers of `leader` below `node`: the dynamic table's first, then the frozen table's, each
+    follower once, until one does not fit in `limit` draft tokens. Records each new branch end in `out`."""
+    ll = tables[0].ll
+    seen = set()
+    for table in tables:
+        for follower in table.query(leader, refresh=refresh):
+            if follower in seen:
+                continue  # in both tables: add once
+            seen.add(follower)
+            if len(tree) - 1 + _new_tokens(tree, node, follower) > limit:
+                return  # this follower does not fit: stop querying this leader (frozen table included)
+            nodes = tree.add_branch(follower, parent=node)
+            out.setdefault(nodes[-1], (leader + follower)[-ll:])  # the last LL tokens of its text
 
 
 def _new_tokens(tree: Tree, node: int, follower: Sequence[int]) -> int:

@@ -365,10 +365,11 @@ def prepare(model, tok, args) -> dict:
 
 
 def report(model, prompt_ids, gen: Generation, args) -> dict:
-    """Stats after the timed run: the measured acceptance rate alpha, the measured cost ratio t(1+D)/t(1)
-    (measured now, whatever the gate used), and the speedup the chapter's formula predicts from them."""
+    """Stats after the timed run: the measured acceptance rate alpha, the measured cost ratio t(1+D)/t(1),
+    and the speedup the chapter's formula predicts from them. The ratio `prepare` measured for the gate is
+    reused; it is measured here only when --draft-cost fixed the gate's value instead."""
     alpha = estimate_alpha(gen.accepted, gen.drafted)
-    ratio = measure_cost_ratio(model, args.draft_count)
+    ratio = gen.extra["draft_cost"] if args.draft_cost == "auto" else measure_cost_ratio(model, args.draft_count)
     out = {"alpha": alpha, "cost_ratio": ratio, "draft_steps": sum(1 for d in gen.drafted if d)}
     out["predicted_speedup"] = predicted_speedup(alpha, args.draft_count, ratio) if alpha is not None else None
     return out

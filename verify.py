@@ -236,9 +236,8 @@ def new_cache(model):
 
     cfg = model.config
     layer_types = getattr(cfg, "layer_types", None) or []
-    if getattr(cfg, "sliding_window", None) and getattr(cfg, "use_sliding_window", True) or any(
-        "sliding" in str(t) or "chunked" in str(t) for t in layer_types
-    ):
+    sliding = bool(getattr(cfg, "sliding_window", None)) and getattr(cfg, "use_sliding_window", True)
+    if sliding or any("sliding" in str(t) or "chunked" in str(t) for t in layer_types):
         raise UserError(
             f"{cfg.model_type}: sliding-window attention layers keep a truncated KV cache that cannot be "
             "rolled back; this reference only supports models with full attention in every layer"
