@@ -278,8 +278,10 @@ def default_frozen(tok, ll: int, fl: int, lc: int, fc: int) -> CacheTable:
 #     level 2: leaf "fast": query (ran, fast) -> (and, far) ...           2 more: 6 <= 7 tokens
 #     level 2: leaf "deep": query (hid, deep) -> nothing (or no budget left)
 #
-# Queries: the dynamic table first, then the frozen one "to further grow the tree if TDL still allows"; a
-# follower found in both is added once. A leaf whose leader is in neither table stays a leaf (no backoff).
+# Queries: the dynamic table first, then the frozen one "to further grow the tree if TDL still allows": the
+# whole dynamic tree is grown first, then the frozen table's followers are hung into it breadth first while
+# budget is left. A follower found in both is added once. A leaf whose leader is in neither table stays a
+# leaf (no backoff).
 #
 # Design choice (the issue asks us to decide): only the level-1 query, made with the real, verified
 # context, refreshes the leader's recency. Deeper queries are made with *speculative* tokens that may never
@@ -294,45 +296,62 @@ def grow_tree(
     frozen: CacheTable | None,
     tdl: int,
     crt: int,
+    keys: list | None = None,
 ) -> Tree:
     """Build the draft tree for one step. `context` = the text so far, ending with `root` (the pending
-    token). Returns a verify.Tree whose node 0 is `root`."""
+    token). Returns a verify.Tree whose node 0 is `root`. If `keys` is a list, it receives one entry per
+    node: None for the root, else (table, rank, pos) -- which table the node's follower came from (0 dynamic,
+    1 frozen), the follower's rank in that table's answer (0 = most recent; 3 = 3rd or later), and the
+    node's position inside its follower. The cost-aware pruning (§3b) learns acceptance rates per key."""
+    keys = [] if keys is None else keys
+    keys[:] = [None]
     ll = dynamic.ll
     tree = Tree.root_only(root)
     budget = tdl - 1  # draft tokens; the root is the one token not yet in the KV cache
-    limit = budget - crt  # level 1 may not use the reserved tokens
-    tables = [dynamic] + ([frozen] if frozen is not None else [])
-
-    # The leaves to extend, each with the last LL tokens of its root-to-leaf text (its leader).
-    frontier = [(0, tuple(context[-ll:]))] if len(context) >= ll else []
-    level = 1
-    while frontier:
-        next_frontier: dict[int, tuple] = {}  # follower-end node -> its leader (dict: each node once)
-        for node, leader in frontier:
-            _add_followers(tree, node, leader, tables, limit, refresh=(level == 1), out=next_frontier)
-        if level == 1:
-            limit = budget  # from level 2 on, the reserved CRT tokens are available too
-        frontier = list(next_frontier.items())
-        if len(tree) - 1 >= budget:
-            break
-        level += 1
+    # Pass 1 grows the tree from the dynamic table alone; pass 2 walks it again, breadth first, with both
+    # tables: the dynamic followers are already there (they merge for free), the frozen ones fill what
+    # budget is left. (One pass with both tables would let frozen followers at level 1 take the budget
+    # that the dynamic table's deeper levels -- the text's own continuations -- should get.)
+    passes = [[dynamic]] + ([[dynamic, frozen]] if frozen is not None else [])
+    for n_pass, tables in enumerate(passes):
+        limit = budget - crt  # level 1 may not use the reserved tokens
+        # The leaves to extend, each with the last LL tokens of its root-to-leaf text (its leader).
+        frontier = [(0, tuple(context[-ll:]))] if len(context) >= ll else []
+        level = 1
+        while frontier:
+            next_frontier: dict[int, tuple] = {}  # follower-end node -> its leader (dict: each node once)
+            for node, leader in frontier:
+                _add_followers(tree, node, leader, tables, limit, refresh=(level == 1 and n_pass == 0),
+                               out=next_frontier, keys=keys)
+            if level == 1:
+                limit = budget  # from level 2 on, the reserved CRT tokens are available too
+            frontier = list(next_frontier.items())
+            if len(tree) - 1 >= budget:
+                return tree
+            level += 1
     return tree
 
 
 def _add_followers(tree: Tree, node: int, leader: tuple, tables: list[CacheTable], limit: int, refresh: bool,
-                   out: dict[int, tuple]) -> None:
+                   out: dict[int, tuple], keys: list) -> None:
     """Hang the followers of `leader` below `node`: the dynamic table's first, then the frozen table's, each
-    follower once, until one does not fit in `limit` draft tokens. Records each new branch end in `out`."""
+    follower once, until one does not fit in `limit` draft tokens. Records each new branch end in `out`,
+    and each new node's (table, rank, pos) in `keys`."""
     ll = tables[0].ll
     seen = set()
-    for table in tables:
-        for follower in table.query(leader, refresh=refresh):
+    for source, table in enumerate(tables):
+        fanout = len(table.leaders.get(leader, ()))  # how many continuations this leader has been seen with
+        fanout = 0 if fanout <= 1 else 1 if fanout <= 3 else 2
+        for rank, follower in enumerate(table.query(leader, refresh=refresh)):
             if follower in seen:
                 continue  # in both tables: add once
             seen.add(follower)
             if len(tree) - 1 + _new_tokens(tree, node, follower) > limit:
                 return  # this follower does not fit: stop querying this leader (frozen table included)
             nodes = tree.add_branch(follower, parent=node)
+            for pos, n in enumerate(nodes):
+                if n == len(keys):  # a new node (a shared prefix keeps the key it was created with)
+                    keys.append((source, min(rank, 3), pos, fanout))
             out.setdefault(nodes[-1], (leader + follower)[-ll:])  # the last LL tokens of its text
 
 
@@ -344,6 +363,97 @@ def _new_tokens(tree: Tree, node: int, follower: Sequence[int]) -> int:
             return len(follower) - i
         node = child
     return 0
+
+
+# ----------------------------------------------------------------------------------------------------------
+# 3b. Cost-aware pruning of the tree (our deviation, for CPUs; off on CUDA by default)
+# ----------------------------------------------------------------------------------------------------------
+#
+# The paper verifies the whole tree every step: on a GPU a 96-token forward costs about what a 1-token one
+# does. On a 2-core CPU it does not (TUTORIAL.md §1.1): with the default model t(2) ~ 1.65 t(1), t(16) ~
+# 2.2 t(1), t(96) ~ 5.4 t(1). A tree that is mostly rejected then makes the step slower than plain decoding.
+# So before verifying we keep only the part of the tree that is worth its cost -- the per-step rule of
+# ngram_predictor.py's cost gate, applied per node:
+#
+#   q(key)  = P(node accepted | its parent accepted), learned online for each key = (table, rank, pos)
+#   P(node) = P(parent) * q(key(node)),   P(root) = 1       (the probability that the node is on the
+#                                                            accepted path: the tree's branches are
+#                                                            mutually exclusive, so)
+#   E[tokens of the step] = 1 + sum over kept draft nodes of P(node)
+#
+# Keep the k nodes with the highest P (a subtree: a child's P never exceeds its parent's), with k chosen to
+# maximise  E[tokens] / cost(1 + k)  over k = 0 .. N-1, where cost(n) = t(n)/t(1) is measured at start-up
+# (verify.measure_cost_curve). k = 0 is a plain one-token step: 1 token for 1 unit of cost.
+#
+#   q: dynamic rank 0 pos 0 = 0.5, pos 1 = 0.8;  cost(1)=1, cost(2)=1.65, cost(3)=1.7
+#   tree  root -> a (P .5) -> b (P .4):  k=0: 1/1 = 1.00   k=1: 1.5/1.65 = 0.91   k=2: 1.9/1.7 = 1.12  -> keep both
+#
+# subtle: as in the n-gram gate the prior must be optimistic (q = 3/4 until measured): a node that is never
+# verified teaches nothing, so a pessimistic prior would prune every tree forever.
+
+
+class CostPruner:
+    def __init__(self, cost: dict[int, float], prior_hits: float = 0.75, prior_trials: float = 1.0):
+        self.sizes = sorted(cost)  # measured sizes, 1 first
+        self.cost = cost  # {n: t(n)/t(1)}
+        self.prior = (prior_hits, prior_trials)
+        self.hits: dict[tuple, float] = {}
+        self.trials: dict[tuple, float] = {}
+
+    def q(self, key: tuple) -> float:
+        return (self.hits.get(key, 0) + self.prior[0]) / (self.trials.get(key, 0) + self.prior[1])
+
+    def cost_of(self, n: int) -> float:
+        """cost(n) = t(n)/t(1), linearly interpolated between the measured sizes (extrapolated past them)."""
+        xs = self.sizes
+        if n in self.cost:
+            return self.cost[n]
+        lo = max([x for x in xs if x < n], default=xs[0])
+        hi = min([x for x in xs if x > n], default=None)
+        if hi is None:  # past the last measured size: continue the last segment's slope
+            lo, hi = xs[-2], xs[-1]
+        return self.cost[lo] + (self.cost[hi] - self.cost[lo]) * (n - lo) / (hi - lo)
+
+    def node_probs(self, tree: Tree, keys: list) -> list[float]:
+        p = [1.0]
+        for i in range(1, len(tree)):  # parents come before children
+            p.append(p[tree.parents[i]] * self.q(keys[i]))
+        return p
+
+    def choose(self, tree: Tree, keys: list) -> tuple[set[int], float]:
+        """The nodes to verify (root included) and the expected tokens of the step."""
+        p = self.node_probs(tree, keys)
+        order = sorted(range(1, len(tree)), key=lambda i: (-p[i], i))  # parent before child on ties
+        best_k, best_rate, e, best_e = 0, 1.0, 1.0, 1.0
+        for k, i in enumerate(order, start=1):
+            e += p[i]
+            rate = e / self.cost_of(1 + k)
+            if rate > best_rate:
+                best_k, best_rate, best_e = k, rate, e
+        return {0, *order[:best_k]}, best_e
+
+    def update(self, tree: Tree, keys: list, path: Sequence[int]) -> None:
+        """Every verified node whose parent was accepted is one trial of its key; a hit if it was accepted
+        too. (Nodes below a rejected node were never really tested.)"""
+        on_path = set(path)
+        for i in range(1, len(tree)):
+            if tree.parents[i] in on_path:
+                k = keys[i]
+                self.trials[k] = self.trials.get(k, 0) + 1
+                self.hits[k] = self.hits.get(k, 0) + (i in on_path)
+
+
+def subtree(tree: Tree, keep, keys: list | None = None) -> tuple[Tree, list | None]:
+    """A copy of the tree with the nodes for which keep(i) is true (their parents must be kept too)."""
+    out = Tree.root_only(tree.tokens[0])
+    out_keys = None if keys is None else [keys[0]]
+    remap = {0: 0}
+    for i in range(1, len(tree)):
+        if keep(i):
+            remap[i] = out.add(remap[tree.parents[i]], tree.tokens[i])
+            if out_keys is not None:
+                out_keys.append(keys[i])
+    return out, out_keys
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -365,14 +475,18 @@ def generate(
     tdl: int = 96,
     crt: int = 16,
     frozen: CacheTable | None = None,
+    cost: dict[int, float] | None = None,
     on_emit=None,
     on_step=None,
 ) -> Generation:
     """Cacheback decoding. A fresh dynamic table per call (stateful methods start from scratch for every
-    prompt, as in the paper's SpecBench runs); `frozen` is shared and never modified."""
+    prompt, as in the paper's SpecBench runs); `frozen` is shared and never modified. `cost` = the measured
+    cost curve {n: t(n)/t(1)} turns on the cost-aware pruning of §3b; None verifies whole trees (the paper)."""
     if frozen is not None and (frozen.ll, frozen.fl) != (ll, fl):
         raise verify.UserError(f"frozen table has LL={frozen.ll}, FL={frozen.fl}; this run uses LL={ll}, FL={fl}")
     gen = Generation(max_new_tokens, eos_ids, on_emit=on_emit, on_step=on_step)
+    pruner = CostPruner(cost) if cost is not None else None
+    gen.extra.update(grown=0, pruned=0)  # draft tokens grown / removed by the pruning, over all steps
     dynamic = CacheTable(ll, fl, lc, fc)
     text = list(prompt_ids)  # prompt + emitted tokens: the context the tables are queried with
     update_table(dynamic, text, 0)  # §3.3: initialise the dynamic table with a sliding window over the prompt
@@ -389,9 +503,15 @@ def generate(
         # -- DRAFT: a tree below the pending token, at most TDL tokens including it.
         t0 = time.perf_counter()
         room = max_new_tokens - len(gen.tokens)  # a step emits at most depth + 1 tokens; deeper is wasted
-        tree = grow_tree(pending, text, dynamic, frozen, tdl, crt)
+        keys: list = []
+        tree = grow_tree(pending, text, dynamic, frozen, tdl, crt, keys=keys)
+        gen.extra["grown"] += len(tree) - 1
         if max(tree.depths) >= room:
-            tree = _prune_depth(tree, room - 1)
+            tree, keys = subtree(tree, lambda i: tree.depths[i] < room, keys)
+        if pruner is not None and len(tree) > 1:  # §3b: keep what is worth its cost on this device
+            kept, _ = pruner.choose(tree, keys)
+            tree, keys = subtree(tree, kept.__contains__, keys)
+        gen.extra["pruned"] = gen.extra["grown"] - sum(gen.drafted) - (len(tree) - 1)
         draft_s = time.perf_counter() - t0
 
         # -- VERIFY with tree attention, ACCEPT the longest agreeing branch + bonus, COMPACT the KV.
@@ -399,6 +519,8 @@ def generate(
         logits = verify.tree_forward(model, cache, tree)  # [N, V]
         path, bonus = verify.accept_greedy(tree, logits)
         verify.compact_kv(cache, prefix_len, path)
+        if pruner is not None:
+            pruner.update(tree, keys, path)
 
         n_before = len(gen.tokens)
         done = gen.finish_step(tree, path, bonus, draft_s)
@@ -409,16 +531,6 @@ def generate(
         if done:
             return gen
         pending = bonus
-
-
-def _prune_depth(tree: Tree, max_depth: int) -> Tree:
-    """A copy of the tree without nodes deeper than max_depth (near max_new_tokens)."""
-    out = Tree.root_only(tree.tokens[0])
-    remap = {0: 0}
-    for i in range(1, len(tree)):
-        if tree.depths[i] <= max_depth:
-            remap[i] = out.add(remap[tree.parents[i]], tree.tokens[i])
-    return out
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -463,7 +575,14 @@ def prepare(model, tok, args) -> dict:
         frozen = default_frozen(tok, ll, fl, PAPER_DEFAULTS["lc"], PAPER_DEFAULTS["fc"])
     else:
         frozen = load_frozen(which, tok, ll, fl)
-    return dict(tdl=tdl, crt=crt, frozen=frozen)
+    prune = getattr(args, "prune", "auto")
+    if prune == "auto":
+        prune = "none" if model.device.type == "cuda" else "cost"
+    cost = None
+    if prune == "cost":  # measure t(n)/t(1) at powers of two up to TDL (a few seconds on a CPU)
+        sizes = sorted({min(2**i, tdl) for i in range(tdl.bit_length() + 1)} | {tdl})
+        cost = verify.measure_cost_curve(model, sizes, repeats=3)
+    return dict(tdl=tdl, crt=crt, frozen=frozen, cost=cost)
 
 
 def build_frozen_main(argv) -> int:
@@ -520,6 +639,10 @@ def main(argv=None) -> int:
     g.add_argument("--frozen", default="auto",
                    help="the frozen table (§3.3): 'auto' = built once from the Python stdlib and cached (~25 s the first "
                         "time), 'none' = dynamic table only, or a file from `cacheback.py build-frozen`")
+    g.add_argument("--prune", choices=["auto", "cost", "none"], default="auto",
+                   help="not in the paper (TUTORIAL.md §3): 'cost' verifies only the part of each tree whose expected "
+                        "accepted tokens are worth its measured forward cost; 'none' verifies whole trees as the "
+                        "paper does; 'auto' (default) = cost on CPU, none on CUDA")
     return verify.run_cli(parser, "cacheback", generate, method_kwargs, argv=argv, prepare=prepare)
 
 

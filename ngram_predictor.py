@@ -26,7 +26,6 @@ Where this file deviates from the chapter it says so in a "deviation:" comment (
 
 from __future__ import annotations
 
-import statistics
 import sys
 import time
 from collections import deque
@@ -200,26 +199,9 @@ def predicted_speedup(alpha: float, d: int, cost_ratio: float) -> float:
 
 
 @torch.no_grad()
-def measure_cost_ratio(model, d: int, context: int = 256, repeats: int = 5) -> float:
-    """t(1+D) / t(1): the measured cost of a verification forward over 1 + D tokens relative to a plain
-    one-token step, after `context` cached tokens (median of `repeats`, after a warm-up)."""
-    if d <= 0:
-        return 1.0
-    prompt_ids = [i % model.config.vocab_size for i in range(1000, 1000 + context)]
-    cache = verify.new_cache(model)
-    verify.prefill(model, cache, prompt_ids)
-    p = verify.cache_len(cache)
-    times = {}
-    for n in (1, 1 + d):
-        ts = []
-        for _ in range(repeats + 1):
-            t0 = time.perf_counter()
-            verify.tree_forward(model, cache, Tree.chain(prompt_ids[-1], [prompt_ids[-1]] * (n - 1)))
-            verify.sync(model)
-            ts.append(time.perf_counter() - t0)
-            verify.rollback(cache, p)
-        times[n] = statistics.median(ts[1:])  # the first call is a warm-up
-    return times[1 + d] / times[1]
+def measure_cost_ratio(model, d: int) -> float:
+    """t(1+D) / t(1): the measured cost of verifying D drafts relative to a plain one-token step."""
+    return verify.measure_cost_curve(model, [1 + d])[1 + d] if d > 0 else 1.0
 
 
 # ----------------------------------------------------------------------------------------------------------

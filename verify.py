@@ -208,9 +208,15 @@ def tree_attention_mask(
     n = len(parents)
     allowed = np.ones((n, prefix_len + n), dtype=bool)  # every node sees the whole cached prefix ...
     allowed[:, prefix_len:] = ancestor_matrix(parents)  # ... and, inside the tree, its ancestors + itself
-    mask = torch.full((n, prefix_len + n), torch.finfo(dtype).min, dtype=dtype)
+    return additive_mask(allowed, dtype, device)  # [1, 1, N, P+N]
+
+
+def additive_mask(allowed: np.ndarray, dtype: torch.dtype, device: torch.device | str = "cpu") -> torch.Tensor:
+    """bool [N, T] (True = may attend) -> the additive float mask [1, 1, N, T] transformers 5.x passes
+    through unchanged: 0 where allowed, finfo(dtype).min where not (every attention backend honours it)."""
+    mask = torch.full(allowed.shape, torch.finfo(dtype).min, dtype=dtype)
     mask[torch.from_numpy(allowed)] = 0.0
-    return mask[None, None].to(device)  # [1, 1, N, P+N]
+    return mask[None, None].to(device)
 
 
 def tree_position_ids(depths: Sequence[int], prefix_len: int, device: torch.device | str = "cpu") -> torch.Tensor:
@@ -787,6 +793,33 @@ def _run(args, method, generate, method_kwargs, prepare, report) -> int:
 def sync(model) -> None:
     if model.device.type == "cuda":
         torch.cuda.synchronize()
+
+
+@torch.no_grad()
+def measure_cost_curve(model, sizes: Sequence[int], context: int = 256, repeats: int = 5) -> dict[int, float]:
+    """{n: t(n) / t(1)}: the measured cost of a verification forward over n new tokens relative to a plain
+    one-token step, after `context` cached tokens (the fastest of `repeats`, after a warm-up). The methods with
+    a cost gate use it to decide whether a draft is worth verifying (see TUTORIAL.md §1.1: on a 2-core CPU
+    t(2) is already ~1.65 t(1); on a GPU the curve is nearly flat up to ~100 tokens)."""
+    prompt_ids = [i % model.config.vocab_size for i in range(1000, 1000 + context)]
+    cache = new_cache(model)
+    prefill(model, cache, prompt_ids)
+    p = cache_len(cache)
+    times = {}
+    for n in sorted({1, *sizes}):
+        ts = []
+        for _ in range(repeats + 1):
+            t0 = time.perf_counter()
+            tree_forward(model, cache, Tree.chain(prompt_ids[-1], [prompt_ids[-1]] * (n - 1)))
+            sync(model)
+            ts.append(time.perf_counter() - t0)
+            rollback(cache, p)
+        times[n] = min(ts[1:])  # the first call is a warm-up; the minimum is the least noisy estimate
+    curve, top = {}, 1.0
+    for n in sorted(times):  # subtle: timing noise can make t(8) < t(4); a bigger forward never costs less
+        top = max(top, times[n] / times[1])
+        curve[n] = top
+    return curve
 
 
 def main(argv=None) -> int:

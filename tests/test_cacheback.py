@@ -9,6 +9,8 @@ import cacheback as cb
 import verify
 from conftest import REAL_PROMPTS
 
+CPU_COST = {1: 1.0, 2: 1.65, 4: 1.8, 8: 1.85, 16: 2.2}  # a cost curve measured on the 2-core CPU
+
 # ---------------------------------------------------------------------------------------------- LRU rules
 
 
@@ -175,6 +177,71 @@ def test_mask_of_a_cacheback_tree():
     assert np.array_equal(mask[:, 3:], expected)
 
 
+# ---------------------------------------------------------------------------------------------- cost-aware pruning
+
+
+def pruner_with(q: dict, cost: dict):
+    """A CostPruner with exact acceptance rates q[key] (no prior)."""
+    p = cb.CostPruner(cost, prior_hits=0.0, prior_trials=0.0)
+    for key, rate in q.items():
+        p.hits[key], p.trials[key] = rate * 1000, 1000
+    return p
+
+
+def test_pruner_worked_example():
+    # cacheback.py §3b: root -> a (q .5) -> b (q .8); cost(2) = 1.65, cost(3) = 1.7 -> keep both
+    a, b = ("a",), ("b",)
+    tree = verify.Tree.chain(5, [6, 7])
+    p = pruner_with({a: 0.5, b: 0.8}, {1: 1.0, 2: 1.65, 3: 1.7})
+    kept, e = p.choose(tree, [None, a, b])
+    assert kept == {0, 1, 2} and e == pytest.approx(1.9)
+    p = pruner_with({a: 0.5, b: 0.8}, {1: 1.0, 2: 1.65, 3: 2.0})  # 1.9 / 2.0 < 1: a plain step is better
+    assert p.choose(tree, [None, a, b])[0] == {0}
+
+
+def closed_subsets(parents):
+    n = len(parents)
+    for bits in range(1 << (n - 1)):
+        keep = {0} | {i for i in range(1, n) if bits >> (i - 1) & 1}
+        if all(parents[i] in keep for i in keep if i):
+            yield keep
+
+
+def test_pruner_choice_is_the_best_subtree_by_brute_force():
+    rng = np.random.default_rng(0)
+    cost = {1: 1.0, 2: 1.6, 4: 1.8, 8: 2.0, 16: 2.6}
+    for _ in range(30):
+        n = int(rng.integers(2, 10))
+        parents = [-1] + [int(rng.integers(0, i)) for i in range(1, n)]
+        tree = verify.Tree.root_only(0)
+        for i in range(1, n):
+            tree.add(parents[i], 100 + i)  # distinct tokens: no merging
+        keys = [None] + [(i,) for i in range(1, n)]
+        p = pruner_with({(i,): float(rng.uniform(0.05, 0.95)) for i in range(1, n)}, cost)
+        probs = p.node_probs(tree, keys)
+        rate = lambda keep: sum(probs[i] for i in keep) / p.cost_of(len(keep))
+        kept, e = p.choose(tree, keys)
+        assert all(parents[i] in kept for i in kept if i)  # a subtree
+        assert rate(kept) == pytest.approx(max(rate(k) for k in closed_subsets(parents)))
+        assert e == pytest.approx(sum(probs[i] for i in kept))
+
+
+def test_pruner_learns_from_verified_nodes_only():
+    # root -> 1 -> 2, root -> 3; the model accepted node 1 only: keys of 1 and 3 had their parent accepted
+    # (1 hit, 3 missed), node 2's parent was accepted too (a miss); nothing below a rejected node counts
+    tree = verify.Tree.from_branches(5, [[6, 7], [8, 9]])  # nodes 1:6 2:7 3:8 4:9
+    keys = [None, "k1", "k2", "k3", "k4"]
+    p = cb.CostPruner({1: 1.0, 2: 1.5}, prior_hits=0.0, prior_trials=0.0)
+    p.update(tree, keys, [0, 1])
+    assert p.trials == {"k1": 1, "k2": 1, "k3": 1} and p.hits == {"k1": 1, "k2": 0, "k3": 0}
+
+
+def test_cost_curve_interpolation():
+    p = cb.CostPruner({1: 1.0, 2: 1.6, 4: 2.0, 8: 2.0})
+    assert [p.cost_of(n) for n in (1, 2, 3, 4, 6, 8)] == pytest.approx([1.0, 1.6, 1.8, 2.0, 2.0, 2.0])
+    assert p.cost_of(12) == pytest.approx(2.0)  # past the last size: the last segment's slope (flat here)
+
+
 # ---------------------------------------------------------------------------------------------- frozen builder
 
 
@@ -250,6 +317,10 @@ def test_lossless_on_real_prompts(real, prompt):
     gen = cb.generate(model, ids, 64, eos, tdl=16, crt=4)
     assert gen.tokens == want
     assert sum(gen.accepted) > 0
+    # the CPU configuration: dual tables, cost-aware pruning (a fixed curve, so the run is deterministic)
+    frozen = cb.default_frozen(tok, 1, 3, 2**20, 128)
+    gen = cb.generate(model, ids, 64, eos, tdl=16, crt=4, frozen=frozen, cost=CPU_COST)
+    assert gen.tokens == want
 
 
 def test_lossless_with_the_paper_defaults_and_eos_in_a_draft(real):
