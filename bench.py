@@ -38,7 +38,10 @@ PROJECT_METHODS = {
     "ngram": ("ngram_predictor", {}),
     "ngram-nogate": ("ngram_predictor", {"draft_cost": 1.0}),  # the chapter exactly: every draft verified
     "cacheback": ("cacheback", {}),
-    "card": ("card", {}),
+    "card": ("card", {"mode": "parallel"}),
+    "card-lockstep": ("card", {"mode": "lockstep"}),
+    "card-nocorrect": ("card", {"mode": "lockstep", "correct": False}),  # Table 2's "cache only" ablation
+    "hf-assisted": ("card", {"hf_assisted": True}),  # transformers' assistant_model with CARD's draft model
     "fafo": ("fafo", {}),
     "lookahead": ("fafo", {"compress": "none"}),
 }
@@ -64,7 +67,7 @@ def make_runner(name: str, model, tok, args):
         # cost): its prepare(model, tok, args), the same hook its own CLI uses, run once before timing.
         extra = module.prepare(model, tok, args) if hasattr(module, "prepare") else {}
         if hasattr(module, "bench_runner"):  # methods that need something other than generate(), e.g. hf-assisted
-            return module.bench_runner(model, tok, args, **fixed)
+            return module.bench_runner(model, tok, args, extra, **fixed)
         kwargs = {**extra, **fixed}
         return lambda ids, n, eos: _gen(module.generate(model, ids, n, eos, **kwargs))
     raise verify.UserError(f"--methods: unknown method {name!r} (known: {', '.join(HF_METHODS + list(PROJECT_METHODS))})")

@@ -1,0 +1,565 @@
+"""
+card.py -- CARD: cache-assisted parallel speculative decoding with the "query-and-correct" paradigm.
+Zhou, Sheng, Chen & He, "CARD: A Cache-Assisted Parallel Speculative Decoding Framework via Query-and-Correct
+Paradigm for Accelerating LLM Inference" (../shared/papers/card.txt).
+
+Classic speculative decoding is draft-THEN-verify: the target waits while the draft drafts, the draft waits
+while the target verifies. CARD lets both run at the same time:
+
+    DRAFT   (a worker, all the time) grows a scored tree of candidate continuations -- "the cache" -- one
+            layer of at most K nodes per draft forward: the top-k children of every node of the newest
+            layer, scored parent's cumulative probability x child probability, globally top-K'd
+                                                                          (§2.2, Eq. 1-9; its mask: §2.3)
+    QUERY   (the target) takes the highest-scoring path of up to r tokens below the verified text  (§2)
+    VERIFY  one target forward over that CHAIN (not a tree: the target's work stays small); greedy
+            acceptance plus the bonus token
+    CORRECT prune the cache to the subtree that continues the accepted text (a hit) or restart it from the
+            target's token (a miss), and compact the draft's KV cache to match                     (§2.4)
+
+r, the communication ratio, is ~ t(target step) / t(draft step): how many tree layers the draft can add
+while the target verifies once (§3.1).
+
+File layout, in the paper's order:
+
+    1. The candidate cache   primary layers + secondary (token, score, parent) cache   (§2.2, Figure 3)
+    2. The drafter           draft forwards over a layer with the §2.3 mask; correction (§2.3, §2.4)
+    3. The decode loop       lockstep (r layers per target step) and parallel (a worker thread)
+    4. CLI
+
+    python card.py --prompt "Explain what a hash map is." --compare
+
+The default pair is the default model in float32 (target) and THE SAME WEIGHTS in bfloat16 (draft): the
+only pair available offline. It stands in for a real small/large pair, e.g. --draft SmolLM2-135M-Instruct
+--target SmolLM2-1.7B-Instruct (hub ids need network access or a local copy).
+
+Greedy decoding, float32 target: the output is token-identical to the target's model.generate(do_sample=
+False) in both modes (tests/test_card.py). Temperature > 0 is not offered (see TUTORIAL.md §4).
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import numpy as np
+import torch
+
+import verify
+from verify import Generation, Tree
+
+# The paper's configuration for a 1B draft (§3.1): K = 100 sequences in the primary cache, communication
+# ratio 7. The reference code expands each node by its own top-K; the paper's Eq. 2 names a separate top-k.
+PAPER_DEFAULTS = dict(k=100, topk=10, ratio=7)
+# On a CPU every extra draft token costs (a draft forward over K tokens is ~1.3x one over 1 token), and our
+# stand-in draft agrees with the target ~99% of the time, so a narrow cache does as well (TUTORIAL.md §4).
+CPU_DEFAULTS = dict(k=8, topk=4, ratio=4)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# 1. The candidate cache (§2.2)
+# ----------------------------------------------------------------------------------------------------------
+#
+# A tree rooted at the newest verified token (the one the target has not fed yet). Layer l holds at most K
+# nodes: the primary cache C^(l). Each node stores
+#   sigma = the draft's cumulative probability of the path root -> node              (Eq. 4)
+#   cands = the top-k (token, p) of the draft's next-token distribution at the node  (Eq. 2), once the
+#           node has been FED to the draft (its KV is then in the draft cache, at `slot`)
+# The secondary cache B^(l) of Eq. 5 is every (child token, w = p * sigma(parent), parent) over the fed
+# nodes of layer l. Growing the next layer = sort B^(l) by w, keep the top K (Eq. 6-9):
+#
+#   K = 2, k = 2.  layer 0: root "The" (sigma 1), fed: cands (" cat" .6) (" dog" .3)
+#                  layer 1: " cat" sigma .6, " dog" sigma .3                       (B^(0) has only 2 entries)
+#   feed layer 1:  " cat" -> (" sat" .5) (" ran" .4);  " dog" -> (" ran" .9) (" sat" .05)
+#   B^(1) = [(" sat", .30, cat), (" ran", .24, cat), (" ran", .27, dog), (" sat", .015, dog)]
+#   top-2 -> layer 2: " sat" under " cat" (.30),  " ran" under " dog" (.27)
+#
+# Only the newest layer can be unfed ("the frontier"); every older layer has been fed.
+
+
+@dataclass
+class Node:
+    token: int
+    parent: int  # node id; -1 for the root
+    depth: int  # 0 for the root
+    sigma: float  # cumulative draft probability root -> node (the root: 1)
+    slot: int | None = None  # draft KV cache slot once fed
+    cands: list | None = None  # [(token, p)] top-k next tokens once fed
+    children: dict = field(default_factory=dict)  # token -> node id (materialized children)
+
+
+class CandidateCache:
+    def __init__(self, k: int, topk: int):
+        assert k >= 1 and topk >= 1
+        self.K, self.k = k, topk
+        self.nodes: dict[int, Node] = {}
+        self.layers: list[list[int]] = []
+        self._next = 0
+
+    def reset(self, root_token: int) -> None:
+        """A new tree with just the (unfed) root."""
+        self.nodes, self.layers = {}, []
+        self.root = self._add(root_token, -1, 1.0)
+
+    def _add(self, token: int, parent: int, sigma: float) -> int:
+        i, self._next = self._next, self._next + 1
+        depth = 0 if parent < 0 else self.nodes[parent].depth + 1
+        self.nodes[i] = Node(int(token), parent, depth, sigma)
+        if parent >= 0:
+            self.nodes[parent].children[int(token)] = i
+        if depth == len(self.layers):
+            self.layers.append([])
+        self.layers[depth].append(i)
+        return i
+
+    @property
+    def depth(self) -> int:
+        return len(self.layers) - 1
+
+    def frontier(self) -> list[int]:
+        """The unfed newest layer ([] if every layer has been fed)."""
+        last = self.layers[-1]
+        return last if self.nodes[last[0]].slot is None else []
+
+    def secondary(self, layer: int) -> list[tuple[int, float, int]]:
+        """B^(l) (Eq. 3, 5): (token, w = p * sigma(parent), parent) for the top-k children of every fed node
+        of `layer`."""
+        out = []
+        for i in self.layers[layer]:
+            node = self.nodes[i]
+            out += [(t, p * node.sigma, i) for t, p in node.cands]
+        return out
+
+    def grow(self) -> list[int]:
+        """The next layer from the newest (fed) layer: sort B by score, keep the top K (Eq. 6-9)."""
+        assert not self.frontier(), "the newest layer must be fed first"
+        ranked = sorted(self.secondary(self.depth), key=lambda c: -c[1])[: self.K]  # Eq. 6, 7
+        return [self._add(t, parent, w) for t, w, parent in ranked]  # Eq. 8, 9: s_m = s_{i_m} + y_m
+
+    def path_to(self, i: int) -> list[int]:
+        """Node ids from the root's child down to node i."""
+        out = []
+        while self.nodes[i].parent >= 0:
+            out.append(i)
+            i = self.nodes[i].parent
+        return out[::-1]
+
+    def query(self, r: int) -> list[int]:
+        """QUERY: the highest-weight path of up to r tokens below the root -- the best sigma at depth
+        min(r, depth). (sigma only falls along a path, so the deepest layer's best node IS the best path of
+        that length in the cache.)"""
+        d = min(r, self.depth)
+        if d == 0:
+            return []
+        best = max(self.layers[d], key=lambda i: self.nodes[i].sigma)
+        return self.path_to(best)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# 2. The drafter: draft forwards (§2.2, §2.3) and correction (§2.4)
+# ----------------------------------------------------------------------------------------------------------
+#
+# The draft's KV cache holds  [ verified text[:dp] | fed tree nodes, layer by layer ].
+# Feeding a layer = one draft forward over its (at most K) tokens, with the §2.3 mask:
+#   - every node sees the verified prefix,
+#   - "causal history inheritance": every node sees the slots of its ancestors in the tree,
+#   - "intra-step independence": among the nodes fed in this step, a node sees only itself (identity).
+# Position ids: a node at depth d stands at position (len(text) - 1) + d -- its position in the text if
+# its path were accepted. (The reference code skips one position from depth 1 on; that only hurts the
+# draft's quality, never correctness, but it is wrong.)
+#
+#   prefix P P P, root r fed at slot 3, layer 1 = {a, b} fed at slots 4, 5; feeding layer 2 = {c (under a),
+#   d (under b)} at slots 6, 7:
+#              P P P r a b | c d
+#          c:  1 1 1 1 1 0 | 1 0
+#          d:  1 1 1 1 0 1 | 0 1
+
+
+def draft_mask(tree: CandidateCache, front: Sequence[int], dp: int, cache_len: int) -> np.ndarray:
+    """The §2.3 mask, bool [n, cache_len + n], for feeding the nodes `front` after `cache_len` cached
+    entries of which the first `dp` are the verified prefix."""
+    n = len(front)
+    allowed = np.zeros((n, cache_len + n), dtype=bool)
+    allowed[:, :dp] = True  # the verified prefix
+    for row, i in enumerate(front):
+        j = tree.nodes[i].parent
+        while j >= 0:  # causal history inheritance: the slot of every ancestor
+            allowed[row, tree.nodes[j].slot] = True
+            j = tree.nodes[j].parent
+        allowed[row, cache_len + row] = True  # intra-step independence: among its peers, itself only
+    return allowed
+
+
+class Drafter:
+    def __init__(self, model, k: int, topk: int, correct: bool = True):
+        self.model = model
+        self.tree = CandidateCache(k, topk)
+        self.correct_enabled = correct  # False = the "cache only" ablation of Table 2 (see correct())
+        self.cache = None
+        self.layers_fed = 0  # draft forwards done (one per layer)
+
+    def start(self, text: Sequence[int]) -> None:
+        """text = the verified tokens, its last one the (unfed) root."""
+        self.text = list(text)
+        self.cache = verify.new_cache(self.model)
+        self.dp = 0  # verified tokens whose KV is in the draft cache (text[:dp])
+        self.qroot = None  # "cache only" ablation: the node the verified text has reached
+        self.tree.reset(self.text[-1])
+        self.root_pos = len(self.text) - 1  # the text position of the tree's root
+
+    def _topk(self, logits: torch.Tensor) -> list[list[tuple[int, float]]]:
+        """Eq. 1-2: the draft's distribution at each fed node, reduced to its top-k (token, p)."""
+        probs = torch.softmax(logits.float(), dim=-1)  # [N, V]
+        p, t = probs.topk(self.tree.k, dim=-1)
+        return [list(zip(ti, pi)) for ti, pi in zip(t.tolist(), p.tolist())]
+
+    @torch.no_grad()  # subtle: grad mode is per thread; the worker thread needs its own no_grad
+    def step(self) -> None:
+        """One draft forward: feed the frontier (or, first, the root) and grow the next layer."""
+        tree, model = self.tree, self.model
+        root = tree.nodes[tree.root]
+        if root.slot is None:
+            # Catch up: feed the verified tokens the draft has not seen, ending with the root (causal).
+            assert verify.cache_len(self.cache) == self.dp
+            ids = torch.tensor([self.text[self.dp :]], device=model.device)
+            out = model(input_ids=ids, past_key_values=self.cache, use_cache=True)
+            self.dp = len(self.text) - 1
+            root.slot, root.cands = self.dp, self._topk(out.logits[0, -1:])[0]
+        else:
+            front = tree.frontier()
+            n, c = len(front), verify.cache_len(self.cache)
+            allowed = draft_mask(tree, front, self.dp, c)  # [n, c+n]
+            mask = verify.additive_mask(allowed, model.dtype, model.device)  # [1, 1, n, c+n]
+            ids = torch.tensor([[tree.nodes[i].token for i in front]], device=model.device)  # [1, n]
+            pos = torch.tensor([[self.root_pos + tree.nodes[i].depth for i in front]], device=model.device)  # [1, n]
+            out = model(input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=self.cache, use_cache=True)
+            for row, (i, cands) in enumerate(zip(front, self._topk(out.logits[0]))):
+                tree.nodes[i].slot, tree.nodes[i].cands = c + row, cands
+        self.layers_fed += 1
+        tree.grow()
+
+    def lead(self) -> int:
+        """How many layers the cache reaches below the verified text."""
+        base = 0 if self.qroot is None else self.tree.nodes[self.qroot].depth
+        return self.tree.depth - base
+
+    def query(self, r: int) -> list[int]:
+        """The tokens of the best path of up to r tokens below the verified text (§2, Figure 2)."""
+        tree = self.tree
+        if self.qroot is None:
+            return [tree.nodes[i].token for i in tree.query(r)]
+        # cache-only ablation: the verified text ends inside the tree at qroot; search below it
+        base = tree.nodes[self.qroot].depth
+        d = min(r, tree.depth - base)
+        below = [i for i in tree.layers[base + d] if self.qroot in self._ancestors(i)] if d else []
+        if not below:
+            return []
+        best = max(below, key=lambda i: tree.nodes[i].sigma)
+        path = tree.path_to(best)[base:]
+        return [tree.nodes[i].token for i in path]
+
+    def _ancestors(self, i: int) -> set[int]:
+        out = set()
+        while i >= 0:
+            out.add(i)
+            i = self.tree.nodes[i].parent
+        return out
+
+    def correct(self, accepted: Sequence[int], bonus: int) -> bool:
+        """CORRECT (§2.4) after the target accepted `accepted` (tokens of the queried path) and emitted
+        `bonus`. Returns True on a cache hit (the bonus token is in the cache below the accepted path)."""
+        tree = self.tree
+        start = tree.root if self.qroot is None else self.qroot
+        node, walked = start, []
+        for t in accepted:  # the accepted tokens ARE a path of the cache (they were queried from it)
+            node = tree.nodes[node].children[t]
+            walked.append(node)
+        x = tree.nodes[node].children.get(int(bonus))
+        self.text += list(accepted) + [int(bonus)]
+        if x is not None and not self.correct_enabled:
+            self.qroot = x  # cache-only ablation: follow the text down the tree, prune nothing
+            return True
+        # Verified nodes that are fed become the new verified prefix of the draft cache.
+        verified = [n for n in [tree.root] + self._path_from_root(start) + walked if tree.nodes[n].slot is not None]
+        keep = [n for n in self._subtree(x) if tree.nodes[n].slot is not None] if x is not None else []
+        keep.sort(key=lambda n: tree.nodes[n].slot)  # slot order (BFS order can differ within a layer)
+        slots = [tree.nodes[n].slot for n in verified + keep]
+        assert slots == sorted(slots)
+        verify.compact_kv(self.cache, self.dp, [s - self.dp for s in slots])
+        self.dp += len(verified)
+        self.root_pos = len(self.text) - 1
+        if x is None:  # MISS: restart the cache from the target's token
+            tree.reset(bonus)
+            self.qroot = None
+            return False
+        self._reroot(x, {n: self.dp + k for k, n in enumerate(keep)})  # HIT: keep x's subtree
+        self.qroot = None
+        return True
+
+    def _path_from_root(self, node: int) -> list[int]:
+        return self.tree.path_to(node) if node != self.tree.root else []
+
+    def _subtree(self, x: int) -> list[int]:
+        """x and its descendants, layer by layer (= in slot order for the fed ones)."""
+        out, level = [], [x]
+        while level:
+            out += level
+            level = [c for i in level for c in self.tree.nodes[i].children.values()]
+        return out
+
+    def _reroot(self, x: int, new_slot: dict[int, int]) -> None:
+        """Make x the root: depths shift, sigmas are renormalized by sigma(x) (so they do not underflow),
+        fed nodes move to their compacted slots. The unfed frontier is rebuilt from the secondary cache:
+        its pruned-away entries leave room for the next-best candidates of the surviving parents."""
+        old = self.tree
+        new = CandidateCache(old.K, old.k)
+        new._next = old._next
+        base, s0 = old.nodes[x].depth, old.nodes[x].sigma
+        for i in self._subtree(x):
+            n = old.nodes[i]
+            new.nodes[i] = Node(n.token, -1 if i == x else n.parent, n.depth - base, n.sigma / s0,
+                                new_slot.get(i), n.cands)
+            if n.depth - base == len(new.layers):
+                new.layers.append([])
+            new.layers[n.depth - base].append(i)
+        for i, n in new.nodes.items():
+            if n.parent >= 0:
+                new.nodes[n.parent].children[n.token] = i
+        new.root = x
+        self.tree = new
+        if new.nodes[x].slot is not None:  # rebuild the unfed frontier from B of the newest fed layer
+            if new.frontier():
+                for i in new.layers.pop():
+                    p = new.nodes[i].parent
+                    del new.nodes[p].children[new.nodes[i].token]
+                    del new.nodes[i]
+            new.grow()
+
+
+# ----------------------------------------------------------------------------------------------------------
+# 3. The decode loop
+# ----------------------------------------------------------------------------------------------------------
+#
+# lockstep  per target step the draft does exactly r layers, then the target queries: deterministic, one
+#           thread (what the released code effectively does; the fallback for one-core machines).
+# parallel  a worker thread feeds layers as long as the cache leads the verified text by < max_lead layers.
+#           The target queries, verifies (while the worker keeps drafting), then corrects. The tree is
+#           guarded by a lock: the worker holds it during one draft forward, so the target waits at most
+#           one draft step (~1/r of its own) to query or correct. On CUDA the worker has its own stream;
+#           on a CPU the cores are split between the two models (torch threads are per Python thread).
+
+
+def _worker(drafter: Drafter, cond: threading.Condition, stop: threading.Event, max_lead: int, errors: list,
+            threads: int | None, stream) -> None:
+    if threads:
+        torch.set_num_threads(threads)
+    try:
+        with torch.cuda.stream(stream) if stream is not None else _nullcontext():
+            while not stop.is_set():
+                with cond:
+                    if drafter.lead() < max_lead:
+                        drafter.step()
+                        if stream is not None:
+                            stream.synchronize()  # the tree's tokens are read by the target thread
+                        cond.notify_all()
+                    else:
+                        cond.wait(timeout=0.05)  # woken by a correction
+    except BaseException as e:  # reported to the target thread, which re-raises it
+        errors.append(e)
+        stop.set()
+        with cond:
+            cond.notify_all()
+
+
+class _nullcontext:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *a):
+        return False
+
+
+@torch.no_grad()
+def generate(
+    model,
+    prompt_ids: Sequence[int],
+    max_new_tokens: int,
+    eos_ids: Sequence[int],
+    *,
+    draft=None,
+    k: int = CPU_DEFAULTS["k"],
+    topk: int = CPU_DEFAULTS["topk"],
+    ratio: int = CPU_DEFAULTS["ratio"],
+    mode: str = "lockstep",
+    correct: bool = True,
+    max_lead: int | None = None,
+    draft_threads: int | None = None,
+    on_emit=None,
+    on_step=None,
+) -> Generation:
+    """CARD decoding. `model` is the target, `draft` the draft model (same tokenizer). mode = "lockstep" or
+    "parallel"; correct=False is the "cache only" ablation (Table 2). max_lead caps how far (in layers) the
+    cache may run ahead of the verified text (default 2r: the reference code's ring of layers).
+    draft_threads: CPU threads for the worker in parallel mode (default: half the cores, the target keeps
+    the rest)."""
+    if draft is None:
+        raise verify.UserError("CARD needs a draft model (--draft)")
+    if mode not in ("lockstep", "parallel"):
+        raise verify.UserError(f"--mode must be lockstep or parallel (got {mode!r})")
+    max_lead = 2 * ratio if max_lead is None else max_lead
+    gen = Generation(max_new_tokens, eos_ids, on_emit=on_emit, on_step=on_step)
+    gen.extra.update(hits=0, misses=0, verified=0)
+
+    cache = verify.new_cache(model)
+    pending = int(verify.prefill(model, cache, prompt_ids).argmax())
+    gen.target_forwards += 1
+    if gen.emit([], pending):
+        return gen
+    drafter = Drafter(draft, k, topk, correct)
+    drafter.start(list(prompt_ids) + [pending])
+
+    cond, stop, errors, worker = threading.Condition(), threading.Event(), [], None
+    main_threads = torch.get_num_threads()
+    if mode == "parallel":
+        stream = None
+        if draft.device.type == "cuda":
+            stream = torch.cuda.Stream(device=draft.device)
+        else:
+            draft_threads = draft_threads or max(1, main_threads // 2)
+            torch.set_num_threads(max(1, main_threads - draft_threads))
+        worker = threading.Thread(target=_worker, name="card-draft", daemon=True,
+                                  args=(drafter, cond, stop, max_lead, errors, draft_threads, stream))
+        worker.start()
+    try:
+        while True:
+            # -- QUERY the cache (lockstep: after exactly r new draft layers)
+            t0 = time.perf_counter()
+            if worker is None:
+                for _ in range(ratio):
+                    if drafter.lead() < max_lead:
+                        drafter.step()
+            with cond:
+                if errors:
+                    raise errors[0]
+                chain = drafter.query(ratio)
+            draft_s = time.perf_counter() - t0 if worker is None else 0.0
+            room = max_new_tokens - len(gen.tokens)
+            chain = chain[: max(room - 1, 0)]  # a step emits at most len(chain) + 1 tokens
+
+            # -- VERIFY the chain with the target (the worker keeps drafting meanwhile)
+            tree = Tree.chain(pending, chain)
+            prefix_len = verify.cache_len(cache)
+            logits = verify.tree_forward(model, cache, tree)
+            path, bonus = verify.accept_greedy(tree, logits)
+            verify.rollback(cache, prefix_len + len(path))
+            gen.extra["verified"] += len(tree)
+
+            # -- CORRECT the cache
+            accepted = [tree.tokens[i] for i in path[1:]]
+            with cond:
+                if errors:
+                    raise errors[0]
+                hit = drafter.correct(accepted, bonus)
+                cond.notify_all()
+            gen.extra["hits" if hit else "misses"] += 1
+            if gen.finish_step(tree, path, bonus, draft_s):
+                return gen
+            pending = bonus
+    finally:
+        stop.set()
+        if worker is not None:
+            with cond:
+                cond.notify_all()
+            worker.join()
+            torch.set_num_threads(main_threads)
+        gen.extra["draft_layers"] = drafter.layers_fed
+        steps = max(gen.steps, 1)
+        gen.extra.update(hit_rate=gen.extra["hits"] / steps, draft_layers_per_step=drafter.layers_fed / steps,
+                         verified_per_step=gen.extra["verified"] / steps)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# 4. CLI
+# ----------------------------------------------------------------------------------------------------------
+
+
+def same_vocabulary(tok_a, tok_b) -> bool:
+    """Speculation compares token ids, so the two models must map the same strings to the same ids."""
+    return tok_a.get_vocab() == tok_b.get_vocab()
+
+
+_DRAFTS: dict = {}  # (name, device, dtype) -> (model, tokenizer): bench.py's card and hf-assisted share one
+
+
+def load_draft(args, model, tok):
+    """The draft model: --draft (default: the target's own weights) in --draft-dtype (default bfloat16)."""
+    name = getattr(args, "draft", None) or getattr(args, "model", verify.DEFAULT_MODEL)
+    dtype = getattr(args, "draft_dtype", "bfloat16")
+    key = (name, str(model.device), dtype)
+    if key not in _DRAFTS:
+        _DRAFTS[key] = verify.load_model(name, device=str(model.device), dtype=dtype)
+    draft, draft_tok = _DRAFTS[key]
+    if not same_vocabulary(tok, draft_tok):
+        raise verify.UserError(f"--draft {name} and --target {getattr(args, 'model', '?')} do not share a "
+                               "vocabulary; CARD compares token ids, so both models need the same tokenizer")
+    return draft
+
+
+def prepare(model, tok, args) -> dict:
+    """Once per process, untimed: load the draft model; device-dependent defaults for K, k and r."""
+    defaults = PAPER_DEFAULTS if model.device.type == "cuda" else CPU_DEFAULTS
+    kw = {name: getattr(args, name, None) or defaults[name] for name in ("k", "topk", "ratio")}
+    for name, v in kw.items():
+        if v < 1:
+            raise verify.UserError(f"--{name} must be at least 1 (got {v})")
+    return dict(draft=load_draft(args, model, tok), **kw)
+
+
+def method_kwargs(args) -> dict:
+    return dict(mode=args.mode, correct=not args.no_correct)
+
+
+def bench_runner(model, tok, args, extra, **fixed):
+    """bench.py: `card` (this file) and `hf-assisted` (transformers' assisted generation with the same
+    draft model: the classic draft-then-verify baseline). `extra` is what prepare() returned."""
+    if fixed.pop("hf_assisted", False):
+        draft = extra["draft"]
+        return lambda ids, n, eos: (verify.hf_generate(model, ids, n, eos, assistant_model=draft), None)
+    kwargs = {**extra, **fixed}
+    return lambda ids, n, eos: (lambda g: (g.tokens, g))(generate(model, ids, n, eos, **kwargs))
+
+
+def main(argv=None) -> int:
+    import argparse
+
+    parser = verify.common_parser(__doc__.split("\n\n")[0].strip())
+    g = parser.add_argument_group(
+        "CARD (the paper's names; defaults: K=100, k=10, r=7 on CUDA as in §3.1 for a 1B draft; "
+        f"K={CPU_DEFAULTS['k']}, k={CPU_DEFAULTS['topk']}, r={CPU_DEFAULTS['ratio']} on CPU)")
+    g.add_argument("--target", dest="model", default=argparse.SUPPRESS,
+                   help="the target model (same as --model)")
+    g.add_argument("--draft", default=None,
+                   help="the draft model, same tokenizer as the target (default: the target's own weights in "
+                        "bfloat16 -- an offline STAND-IN for a real small/large pair such as --draft "
+                        "SmolLM2-135M-Instruct --target SmolLM2-1.7B-Instruct)")
+    g.add_argument("--draft-dtype", default="bfloat16", choices=["auto", "float32", "bfloat16", "float16"],
+                   help="the draft's dtype (default: bfloat16; the target follows --dtype)")
+    g.add_argument("--k", type=int, default=None,
+                   help="K, the primary cache size: candidate sequences kept per tree layer (Eq. 7)")
+    g.add_argument("--topk", type=int, default=None,
+                   help="k, the children proposed per node, from the draft's top-k (Eq. 2)")
+    g.add_argument("--ratio", type=int, default=None,
+                   help="r, the communication ratio ~ t(target step) / t(draft step): the target verifies a "
+                        "chain of up to r tokens per step; in lockstep mode the draft adds exactly r layers per step")
+    g.add_argument("--mode", choices=["parallel", "lockstep"], default="parallel",
+                   help="parallel (default): the draft runs in a worker thread concurrently with the target; "
+                        "lockstep: r draft layers, then one target step (deterministic; for one-core machines)")
+    g.add_argument("--no-correct", action="store_true",
+                   help="the Table 2 ablation 'cache only': the target queries the cache but never prunes it")
+    return verify.run_cli(parser, "card", generate, method_kwargs, argv=argv, prepare=prepare)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
