@@ -38,6 +38,10 @@ PROJECT_METHODS = {
     "ngram": ("ngram_predictor", {}),
     "ngram-nogate": ("ngram_predictor", {"draft_cost": 1.0}),  # the chapter exactly: every draft verified
     "cacheback": ("cacheback", {}),
+    # the paper's Table 1 (on CPU the default is already "no frozen"; on CUDA "dual")
+    "cacheback-dual": ("cacheback", {"frozen": "auto"}),
+    "cacheback-nofrozen": ("cacheback", {"frozen": "none"}),
+    "cacheback-onlyfrozen": ("cacheback", {"frozen": "auto", "dynamic_table": False}),
     "card": ("card", {"mode": "parallel"}),
     "card-lockstep": ("card", {"mode": "lockstep"}),
     "card-nocorrect": ("card", {"mode": "lockstep", "correct": False}),  # Table 2's "cache only" ablation

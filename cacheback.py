@@ -13,12 +13,19 @@ File layout, in the paper's order:
     1. CacheTable       the two-level LRU of §3.1 (Figure 1)
     2. Dual tables      sliding-window updates of the dynamic table (§3.2, §3.3)
     3. Draft tree       BFS growth under TDL and CRT, prefixes merged into a trie (§3.2, Figure 2)
+    3b. Cost pruning    our deviation for CPUs: verify only the part of the tree worth its cost
     4. Decode loop      tree attention, acceptance, KV compaction (verify.py)
     5. CLI
 
+    python cacheback.py --prompt "Summarize: ..." --compare
+
 Where this file differs from the reference code (see ../shared/notes/reference-implementations.md and
 TUTORIAL.md §3): accepted tokens keep their KV (compaction) instead of being fed again, shared prefixes are
-merged so no token is verified twice, and speculative lookups inside the tree do not refresh recency.
+merged so no token is verified twice, speculative lookups inside the tree do not refresh recency, and the
+frozen table fills only the budget the dynamic tree leaves. On a CPU the defaults differ from the paper's
+(measured: LL = 2, TDL = 16, no frozen table, cost-aware pruning; see CPU_DEFAULTS).
+
+Greedy and float32: the output is token-identical to model.generate(do_sample=False) (tests/test_cacheback.py).
 """
 
 from __future__ import annotations
@@ -476,12 +483,14 @@ def generate(
     crt: int = 16,
     frozen: CacheTable | None = None,
     cost: dict[int, float] | None = None,
+    dynamic_table: bool = True,
     on_emit=None,
     on_step=None,
 ) -> Generation:
     """Cacheback decoding. A fresh dynamic table per call (stateful methods start from scratch for every
     prompt, as in the paper's SpecBench runs); `frozen` is shared and never modified. `cost` = the measured
-    cost curve {n: t(n)/t(1)} turns on the cost-aware pruning of §3b; None verifies whole trees (the paper)."""
+    cost curve {n: t(n)/t(1)} turns on the cost-aware pruning of §3b; None verifies whole trees (the paper).
+    dynamic_table=False leaves the dynamic table empty: the "only frozen" row of the paper's Table 1."""
     if frozen is not None and (frozen.ll, frozen.fl) != (ll, fl):
         raise verify.UserError(f"frozen table has LL={frozen.ll}, FL={frozen.fl}; this run uses LL={ll}, FL={fl}")
     gen = Generation(max_new_tokens, eos_ids, on_emit=on_emit, on_step=on_step)
@@ -489,13 +498,14 @@ def generate(
     gen.extra.update(grown=0, pruned=0)  # draft tokens grown / removed by the pruning, over all steps
     dynamic = CacheTable(ll, fl, lc, fc)
     text = list(prompt_ids)  # prompt + emitted tokens: the context the tables are queried with
-    update_table(dynamic, text, 0)  # §3.3: initialise the dynamic table with a sliding window over the prompt
+    learn = update_table if dynamic_table else (lambda *a: None)
+    learn(dynamic, text, 0)  # §3.3: initialise the dynamic table with a sliding window over the prompt
 
     cache = verify.new_cache(model)
     pending = int(verify.prefill(model, cache, prompt_ids).argmax())
     gen.target_forwards += 1
     text.append(pending)
-    update_table(dynamic, text, len(text) - 1)
+    learn(dynamic, text, len(text) - 1)
     if gen.emit([], pending):
         return gen
 
@@ -527,7 +537,7 @@ def generate(
         # -- UPDATE the dynamic table with the windows ending at the newly emitted tokens (§3.2).
         first_new = len(text)
         text += gen.tokens[n_before:]
-        update_table(dynamic, text, first_new)
+        learn(dynamic, text, first_new)
         if done:
             return gen
         pending = bonus
@@ -538,51 +548,67 @@ def generate(
 # ----------------------------------------------------------------------------------------------------------
 
 
-# On a CPU a verification forward is far from free (a 96-token tree costs ~5.6x a one-token step with the
-# default model, a 16-token one ~2.2x; TUTORIAL.md §1.1), so the CPU default is a smaller tree. On CUDA: the
-# paper's values.
-# note (work in progress, measured on 7 shipped prompts, 96 new tokens, 2-core CPU): TDL=16/CRT=4 without a
-# frozen table gave 1.84 and 1.37 tokens per forward on two prompt samples (1.22x and 0.92x plain greedy);
-# with the stdlib frozen table 1.52 tokens per forward but 0.73x, because the frozen table fills every tree
-# to TDL and every step then pays the full ~2.2x. TDL 4 and 8 were no better. On 14 prompts: dynamic table
-# only 1.02x (1.60 tokens/forward), frozen always 0.83x (1.71), frozen only when the dynamic table has the
-# context 0.98x. These defaults are provisional until a cost-aware tree (a per-step gate like
-# ngram_predictor.py's) is measured.
-CPU_DEFAULTS = dict(tdl=16, crt=4)
+# The CPU defaults, chosen by measurement (2-core CPU, fp32, default model; 14 shipped prompts, 96 new tokens,
+# speed relative to HF greedy in the same run; TUTORIAL.md §3.5):
+#   - a verification forward is far from free: t(2) ~ 1.65 t(1), t(16) ~ 2.2 t(1), t(96) ~ 5.4 t(1), so
+#     TDL = 16 (TDL 8 and 32 were no better) and the cost-aware pruning of §3b (whole trees: 0.99x; pruned:
+#     1.09x at LL = 1);
+#   - LL = 2: with a leader of two tokens the followers are far more often right, and pruning keeps few
+#     wasted tokens: 1.15-1.18x in two runs, against 1.07-1.09x with LL = 1 (LL = 3: 1.17x);
+#   - no frozen table: the one we can build offline (the Python stdlib's source) does not match chat text,
+#     and its followers cost more than they bring here: dual 1.04x against 1.15x dynamic-only at LL = 2.
+#     `--frozen auto` turns it on (Table 1's ablation, measured: TUTORIAL.md §3.5).
+# On CUDA, where a 96-token forward costs about what a 1-token one does: the paper's values, whole trees,
+# and the frozen table.
+CPU_DEFAULTS = dict(ll=2, tdl=16, crt=4, frozen="none", prune="cost")
+CUDA_DEFAULTS = dict(PAPER_DEFAULTS, frozen="auto", prune="none")
 
 
 def method_kwargs(args) -> dict:
-    for name in ("ll", "fl", "lc", "fc"):
+    for name in ("fl", "lc", "fc"):
         if getattr(args, name) < 1:
             raise verify.UserError(f"--{name} must be at least 1 (got {getattr(args, name)})")
-    return dict(ll=args.ll, fl=args.fl, lc=args.lc, fc=args.fc)
+    return dict(fl=args.fl, lc=args.lc, fc=args.fc)
 
 
 def prepare(model, tok, args) -> dict:
-    """Once per process, before timing: device-dependent TDL/CRT defaults and the frozen table."""
-    ll, fl = getattr(args, "ll", PAPER_DEFAULTS["ll"]), getattr(args, "fl", PAPER_DEFAULTS["fl"])
-    lc, fc = getattr(args, "lc", PAPER_DEFAULTS["lc"]), getattr(args, "fc", PAPER_DEFAULTS["fc"])
-    defaults = PAPER_DEFAULTS if model.device.type == "cuda" else CPU_DEFAULTS
-    tdl = getattr(args, "tdl", None) or defaults["tdl"]
-    crt = getattr(args, "crt", None)
-    crt = defaults["crt"] if crt is None else crt
+    """Once per process, before timing: the device-dependent defaults (LL, TDL, CRT, frozen table, pruning),
+    the frozen table and the measured cost curve."""
+    defaults = CUDA_DEFAULTS if model.device.type == "cuda" else CPU_DEFAULTS
+
+    def pick(name):
+        value = getattr(args, name, None)
+        return defaults[name] if value is None else value
+
+    ll, tdl, crt, which, prune = pick("ll"), pick("tdl"), pick("crt"), pick("frozen"), pick("prune")
+    fl = getattr(args, "fl", PAPER_DEFAULTS["fl"])
+    if ll < 1:
+        raise verify.UserError(f"--ll must be at least 1 (got {ll})")
     if tdl < 1 or not 0 <= crt < tdl:
         raise verify.UserError(f"need TDL >= 1 and 0 <= CRT < TDL (got TDL {tdl}, CRT {crt})")
-    which = getattr(args, "frozen", "auto")
     if which == "none":
         frozen = None
     elif which == "auto":
         frozen = default_frozen(tok, ll, fl, PAPER_DEFAULTS["lc"], PAPER_DEFAULTS["fc"])
     else:
         frozen = load_frozen(which, tok, ll, fl)
-    prune = getattr(args, "prune", "auto")
-    if prune == "auto":
-        prune = "none" if model.device.type == "cuda" else "cost"
     cost = None
     if prune == "cost":  # measure t(n)/t(1) at powers of two up to TDL (a few seconds on a CPU)
         sizes = sorted({min(2**i, tdl) for i in range(tdl.bit_length() + 1)} | {tdl})
         cost = verify.measure_cost_curve(model, sizes, repeats=3)
-    return dict(tdl=tdl, crt=crt, frozen=frozen, cost=cost)
+    return dict(ll=ll, tdl=tdl, crt=crt, frozen=frozen, cost=cost)
+
+
+def bench_runner(model, tok, args, extra, **fixed):
+    """bench.py's ablations of the paper's Table 1: `fixed` may set frozen ('auto'/'none') and
+    dynamic_table; the defaults are then resolved again with that frozen setting."""
+    import argparse
+
+    dynamic = fixed.pop("dynamic_table", True)
+    if fixed:
+        extra = prepare(model, tok, argparse.Namespace(**{**vars(args), **fixed}))
+    kwargs = dict(extra, dynamic_table=dynamic)
+    return lambda ids, n, eos: (lambda g: (g.tokens, g))(generate(model, ids, n, eos, **kwargs))
 
 
 def build_frozen_main(argv) -> int:
@@ -624,25 +650,29 @@ def main(argv=None) -> int:
     if argv[:1] == ["build-frozen"]:
         return build_frozen_main(argv[1:])
     parser = verify.common_parser(__doc__.split("\n\n")[0].strip() + "\n\nAlso: python cacheback.py build-frozen --out FILE")
-    g = parser.add_argument_group("Cacheback (the paper's names; defaults from §4 on CUDA, measured ones on CPU)")
-    g.add_argument("--ll", type=int, default=PAPER_DEFAULTS["ll"], help="LL, leader length: tokens used as the lookup key (default: 1)")
+    cpu, gpu = CPU_DEFAULTS, CUDA_DEFAULTS
+    g = parser.add_argument_group("Cacheback (the paper's names; defaults: the paper's (§4) on CUDA, measured ones on "
+                                  "CPU -- see README and the CPU_DEFAULTS note in this file)")
+    g.add_argument("--ll", type=int, default=None,
+                   help=f"LL, leader length: tokens used as the lookup key (default: {gpu['ll']} on CUDA, {cpu['ll']} on CPU)")
     g.add_argument("--fl", type=int, default=PAPER_DEFAULTS["fl"], help="FL, follower length: tokens per follower / tree branch (default: 3)")
     g.add_argument("--lc", type=int, default=PAPER_DEFAULTS["lc"], help="LC, leader capacity of the dynamic table (default: 2^20)")
     g.add_argument("--fc", type=int, default=PAPER_DEFAULTS["fc"], help="FC, follower capacity per leader (default: 128)")
     g.add_argument("--tdl", type=int, default=None,
-                   help=f"TDL, total draft length: draft tokens + tokens not in the KV cache (default: {PAPER_DEFAULTS['tdl']} "
-                        f"on CUDA as in the paper; {CPU_DEFAULTS['tdl']} on CPU, where big trees are not free: chosen "
-                        "from a measured cost curve, see README)")
+                   help=f"TDL, total draft length: draft tokens + tokens not in the KV cache (default: {gpu['tdl']} "
+                        f"on CUDA as in the paper; {cpu['tdl']} on CPU, where big trees are not free: chosen "
+                        "from a measured cost curve)")
     g.add_argument("--crt", type=int, default=None,
-                   help=f"CRT, chaining-reserved tokens: budget kept for tree levels 2+ (default: {PAPER_DEFAULTS['crt']} "
-                        f"on CUDA, {CPU_DEFAULTS['crt']} on CPU)")
-    g.add_argument("--frozen", default="auto",
+                   help=f"CRT, chaining-reserved tokens: budget kept for tree levels 2+ (default: {gpu['crt']} "
+                        f"on CUDA, {cpu['crt']} on CPU)")
+    g.add_argument("--frozen", default=None,
                    help="the frozen table (§3.3): 'auto' = built once from the Python stdlib and cached (~25 s the first "
-                        "time), 'none' = dynamic table only, or a file from `cacheback.py build-frozen`")
-    g.add_argument("--prune", choices=["auto", "cost", "none"], default="auto",
-                   help="not in the paper (TUTORIAL.md §3): 'cost' verifies only the part of each tree whose expected "
+                        "time), 'none' = dynamic table only, or a file from `cacheback.py build-frozen` (default: auto "
+                        "on CUDA; none on CPU, where the stdlib table measured slower)")
+    g.add_argument("--prune", choices=["cost", "none"], default=None,
+                   help="not in the paper (TUTORIAL.md §3.4): 'cost' verifies only the part of each tree whose expected "
                         "accepted tokens are worth its measured forward cost; 'none' verifies whole trees as the "
-                        "paper does; 'auto' (default) = cost on CPU, none on CUDA")
+                        "paper does (default: cost on CPU, none on CUDA)")
     return verify.run_cli(parser, "cacheback", generate, method_kwargs, argv=argv, prepare=prepare)
 
 

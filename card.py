@@ -38,6 +38,7 @@ False) in both modes (tests/test_card.py). Temperature > 0 is not offered (see T
 
 from __future__ import annotations
 
+import contextlib
 import sys
 import threading
 import time
@@ -302,7 +303,7 @@ class Drafter:
         return self.tree.path_to(node) if node != self.tree.root else []
 
     def _subtree(self, x: int) -> list[int]:
-        """x and its descendants, layer by layer (= in slot order for the fed ones)."""
+        """x and its descendants, layer by layer."""
         out, level = [], [x]
         while level:
             out += level
@@ -356,7 +357,7 @@ def _worker(drafter: Drafter, cond: threading.Condition, stop: threading.Event, 
     if threads:
         torch.set_num_threads(threads)
     try:
-        with torch.cuda.stream(stream) if stream is not None else _nullcontext():
+        with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
             while not stop.is_set():
                 with cond:
                     if drafter.lead() < max_lead:
@@ -371,14 +372,6 @@ def _worker(drafter: Drafter, cond: threading.Condition, stop: threading.Event, 
         stop.set()
         with cond:
             cond.notify_all()
-
-
-class _nullcontext:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *a):
-        return False
 
 
 @torch.no_grad()

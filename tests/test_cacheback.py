@@ -317,7 +317,10 @@ def test_lossless_on_real_prompts(real, prompt):
     gen = cb.generate(model, ids, 64, eos, tdl=16, crt=4)
     assert gen.tokens == want
     assert sum(gen.accepted) > 0
-    # the CPU configuration: dual tables, cost-aware pruning (a fixed curve, so the run is deterministic)
+    # the CPU defaults (LL = 2, cost-aware pruning with a fixed curve, so the run is deterministic), and
+    # the dual tables with pruning
+    gen = cb.generate(model, ids, 64, eos, ll=2, tdl=16, crt=4, cost=CPU_COST)
+    assert gen.tokens == want
     frozen = cb.default_frozen(tok, 1, 3, 2**20, 128)
     gen = cb.generate(model, ids, 64, eos, tdl=16, crt=4, frozen=frozen, cost=CPU_COST)
     assert gen.tokens == want

