@@ -44,7 +44,9 @@ PROJECT_METHODS = {
     "cacheback-onlyfrozen": ("cacheback", {"frozen": "auto", "dynamic_table": False}),
     "card": ("card", {"mode": "parallel"}),
     "card-lockstep": ("card", {"mode": "lockstep"}),
-    "card-nocorrect": ("card", {"mode": "lockstep", "correct": False}),  # Table 2's "cache only" ablation
+    # Table 2's ablation needs a cache with branches: K = 4, k = 2, with and without correction
+    "card-k4": ("card", {"mode": "lockstep", "k": 4, "topk": 2}),
+    "card-nocorrect": ("card", {"mode": "lockstep", "k": 4, "topk": 2, "correct": False}),
     "hf-assisted": ("card", {"hf_assisted": True}),  # transformers' assistant_model with CARD's draft model
     "fafo": ("fafo", {}),
     "lookahead": ("fafo", {"compress": "none"}),

@@ -54,9 +54,13 @@ from verify import Generation, Tree
 # The paper's configuration for a 1B draft (§3.1): K = 100 sequences in the primary cache, communication
 # ratio 7. The reference code expands each node by its own top-K; the paper's Eq. 2 names a separate top-k.
 PAPER_DEFAULTS = dict(k=100, topk=10, ratio=7)
-# On a CPU every extra draft token costs (a draft forward over K tokens is ~1.3x one over 1 token), and our
-# stand-in draft agrees with the target ~99% of the time, so a narrow cache does as well (TUTORIAL.md §4).
-CPU_DEFAULTS = dict(k=8, topk=4, ratio=4)
+# On this CPU (2-core AMD EPYC) a bfloat16 forward is fast only for ONE token: t(1) = 46 ms against 60 ms in
+# float32, but t(8) = 3.7 t(1) = 169 ms against 107 ms in float32 (measured). A wide cache makes every draft
+# layer expensive, and our stand-in draft agrees with its float32 original ~99% of the time anyway, so the
+# measured best is a one-node-wide cache: lockstep r = 4 ran at 11.2-11.6 tokens/s with K = 1, 6.8-7.7 with
+# K = 2 and 6.1-6.6 with K = 4 (two prompts, 64 tokens; TUTORIAL.md §4.6). K = 1 keeps CARD's loop (query,
+# verify, correct) but not its width; pass --k/--topk to see the tree at work.
+CPU_DEFAULTS = dict(k=1, topk=1, ratio=4)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -352,25 +356,44 @@ class Drafter:
 #           on a CPU the cores are split between the two models (torch threads are per Python thread).
 
 
-def _worker(drafter: Drafter, cond: threading.Condition, stop: threading.Event, max_lead: int, errors: list,
-            threads: int | None, stream) -> None:
+def _worker(drafter: Drafter, cond: threading.Condition, turn: threading.Event, stop: threading.Event,
+            max_lead: int, errors: list, threads: int | None, stream) -> None:
     if threads:
         torch.set_num_threads(threads)
     try:
         with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
             while not stop.is_set():
                 with cond:
+                    # subtle: a lock is not fair. Released and re-taken at once, it would starve the target
+                    # thread; so whenever the target is waiting for the cache, the worker steps aside.
+                    while turn.is_set() and not stop.is_set():
+                        cond.wait(timeout=0.05)
+                    if stop.is_set():
+                        break
                     if drafter.lead() < max_lead:
                         drafter.step()
                         if stream is not None:
                             stream.synchronize()  # the tree's tokens are read by the target thread
-                        cond.notify_all()
                     else:
-                        cond.wait(timeout=0.05)  # woken by a correction
+                        cond.wait(timeout=0.05)  # nothing to do until a correction: woken by it
     except BaseException as e:  # reported to the target thread, which re-raises it
         errors.append(e)
         stop.set()
         with cond:
+            cond.notify_all()
+
+
+@contextlib.contextmanager
+def _targets_turn(cond: threading.Condition, turn: threading.Event, errors: list):
+    """The target's exclusive access to the cache (correct + query), ahead of the worker."""
+    turn.set()
+    with cond:
+        try:
+            if errors:
+                raise errors[0]
+            yield
+        finally:
+            turn.clear()
             cond.notify_all()
 
 
@@ -389,6 +412,7 @@ def generate(
     correct: bool = True,
     max_lead: int | None = None,
     draft_threads: int | None = None,
+    target_threads: int | None = None,
     on_emit=None,
     on_step=None,
 ) -> Generation:
@@ -413,7 +437,7 @@ def generate(
     drafter = Drafter(draft, k, topk, correct)
     drafter.start(list(prompt_ids) + [pending])
 
-    cond, stop, errors, worker = threading.Condition(), threading.Event(), [], None
+    cond, turn, stop, errors, worker = threading.Condition(), threading.Event(), threading.Event(), [], None
     main_threads = torch.get_num_threads()
     if mode == "parallel":
         stream = None
@@ -421,45 +445,44 @@ def generate(
             stream = torch.cuda.Stream(device=draft.device)
         else:
             draft_threads = draft_threads or max(1, main_threads // 2)
-            torch.set_num_threads(max(1, main_threads - draft_threads))
+            torch.set_num_threads(max(1, main_threads - draft_threads) if target_threads is None else target_threads)
         worker = threading.Thread(target=_worker, name="card-draft", daemon=True,
-                                  args=(drafter, cond, stop, max_lead, errors, draft_threads, stream))
+                                  args=(drafter, cond, turn, stop, max_lead, errors, draft_threads, stream))
         worker.start()
-    try:
-        while True:
-            # -- QUERY the cache (lockstep: after exactly r new draft layers)
-            t0 = time.perf_counter()
-            if worker is None:
-                for _ in range(ratio):
-                    if drafter.lead() < max_lead:
-                        drafter.step()
-            with cond:
-                if errors:
-                    raise errors[0]
-                chain = drafter.query(ratio)
-            draft_s = time.perf_counter() - t0 if worker is None else 0.0
-            room = max_new_tokens - len(gen.tokens)
-            chain = chain[: max(room - 1, 0)]  # a step emits at most len(chain) + 1 tokens
 
-            # -- VERIFY the chain with the target (the worker keeps drafting meanwhile)
+    def next_chain() -> list[int]:
+        """QUERY the cache (lockstep: after exactly r new draft layers)."""
+        if worker is None:
+            for _ in range(ratio):
+                if drafter.lead() < max_lead:
+                    drafter.step()
+        chain = drafter.query(ratio)
+        return chain[: max(max_new_tokens - len(gen.tokens) - 1, 0)]  # a step emits at most len(chain) + 1
+
+    try:
+        t0 = time.perf_counter()
+        with _targets_turn(cond, turn, errors):
+            chain = next_chain()
+        draft_s = time.perf_counter() - t0
+        while True:
+            # -- VERIFY the chain with the target (in parallel mode the worker keeps drafting meanwhile)
             tree = Tree.chain(pending, chain)
             prefix_len = verify.cache_len(cache)
             logits = verify.tree_forward(model, cache, tree)
             path, bonus = verify.accept_greedy(tree, logits)
             verify.rollback(cache, prefix_len + len(path))
             gen.extra["verified"] += len(tree)
-
-            # -- CORRECT the cache
-            accepted = [tree.tokens[i] for i in path[1:]]
-            with cond:
-                if errors:
-                    raise errors[0]
-                hit = drafter.correct(accepted, bonus)
-                cond.notify_all()
-            gen.extra["hits" if hit else "misses"] += 1
-            if gen.finish_step(tree, path, bonus, draft_s):
+            if gen.finish_step(tree, path, bonus, draft_s if worker is None else 0.0):
                 return gen
             pending = bonus
+
+            # -- CORRECT the cache with what the target accepted, then QUERY it for the next step
+            t0 = time.perf_counter()
+            with _targets_turn(cond, turn, errors):
+                hit = drafter.correct([tree.tokens[i] for i in path[1:]], bonus)
+                chain = next_chain()
+            draft_s = time.perf_counter() - t0
+            gen.extra["hits" if hit else "misses"] += 1
     finally:
         stop.set()
         if worker is not None:
@@ -469,7 +492,8 @@ def generate(
             torch.set_num_threads(main_threads)
         gen.extra["draft_layers"] = drafter.layers_fed
         steps = max(gen.steps, 1)
-        gen.extra.update(hit_rate=gen.extra["hits"] / steps, draft_layers_per_step=drafter.layers_fed / steps,
+        queries = max(gen.extra["hits"] + gen.extra["misses"], 1)
+        gen.extra.update(hit_rate=gen.extra["hits"] / queries, draft_layers_per_step=drafter.layers_fed / steps,
                          verified_per_step=gen.extra["verified"] / steps)
 
 
@@ -530,7 +554,7 @@ def main(argv=None) -> int:
     parser = verify.common_parser(__doc__.split("\n\n")[0].strip())
     g = parser.add_argument_group(
         "CARD (the paper's names; defaults: K=100, k=10, r=7 on CUDA as in §3.1 for a 1B draft; "
-        f"K={CPU_DEFAULTS['k']}, k={CPU_DEFAULTS['topk']}, r={CPU_DEFAULTS['ratio']} on CPU)")
+        f"K={CPU_DEFAULTS['k']}, k={CPU_DEFAULTS['topk']}, r={CPU_DEFAULTS['ratio']} on CPU, measured: see README)")
     g.add_argument("--target", dest="model", default=argparse.SUPPRESS,
                    help="the target model (same as --model)")
     g.add_argument("--draft", default=None,
