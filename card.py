@@ -527,7 +527,7 @@ def load_draft(args, model, tok):
 def prepare(model, tok, args) -> dict:
     """Once per process, untimed: load the draft model; device-dependent defaults for K, k and r."""
     defaults = PAPER_DEFAULTS if model.device.type == "cuda" else CPU_DEFAULTS
-    kw = {name: getattr(args, name, None) or defaults[name] for name in ("k", "topk", "ratio")}
+    kw = {name: defaults[name] if getattr(args, name, None) is None else getattr(args, name) for name in ("k", "topk", "ratio")}
     for name, v in kw.items():
         if v < 1:
             raise verify.UserError(f"--{name} must be at least 1 (got {v})")

@@ -143,8 +143,8 @@ def test_lossless_on_real_prompts(real, draft_bf16, prompt, mode):
     want = verify.hf_generate(model, ids, 48, eos)
     gen = card.generate(model, ids, 48, eos, draft=draft_bf16, k=4, topk=2, ratio=4, mode=mode)
     assert gen.tokens == want
-    if mode == "lockstep":  # the bf16 copy agrees with its fp32 original nearly always
-        assert len(gen.tokens) / gen.target_forwards > 2.5
+    if mode == "lockstep":  # the bf16 copy agrees with its fp32 original nearly always (a broken cache: ~1)
+        assert len(gen.tokens) / gen.target_forwards > 2.0
 
 
 def test_max_new_tokens_and_eos_boundaries():
