@@ -419,8 +419,9 @@ def generate(
     """CARD decoding. `model` is the target, `draft` the draft model (same tokenizer). mode = "lockstep" or
     "parallel"; correct=False is the "cache only" ablation (Table 2). max_lead caps how far (in layers) the
     cache may run ahead of the verified text (default 2r: the reference code's ring of layers).
-    draft_threads: CPU threads for the worker in parallel mode (default: half the cores, the target keeps
-    the rest)."""
+    draft_threads / target_threads: CPU threads of the worker and of the target in parallel mode (default:
+    half the cores each). The function defaults to lockstep (deterministic, for tests and library use); the
+    CLI defaults to parallel, as the paper."""
     if draft is None:
         raise verify.UserError("CARD needs a draft model (--draft)")
     if mode not in ("lockstep", "parallel"):
