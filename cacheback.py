@@ -515,13 +515,14 @@ def generate(
         room = max_new_tokens - len(gen.tokens)  # a step emits at most depth + 1 tokens; deeper is wasted
         keys: list = []
         tree = grow_tree(pending, text, dynamic, frozen, tdl, crt, keys=keys)
-        gen.extra["grown"] += len(tree) - 1
+        grown = len(tree) - 1
+        gen.extra["grown"] += grown
         if max(tree.depths) >= room:
             tree, keys = subtree(tree, lambda i: tree.depths[i] < room, keys)
         if pruner is not None and len(tree) > 1:  # §3b: keep what is worth its cost on this device
             kept, _ = pruner.choose(tree, keys)
             tree, keys = subtree(tree, kept.__contains__, keys)
-        gen.extra["pruned"] = gen.extra["grown"] - sum(gen.drafted) - (len(tree) - 1)
+        gen.extra["pruned"] += grown - (len(tree) - 1)
         draft_s = time.perf_counter() - t0
 
         # -- VERIFY with tree attention, ACCEPT the longest agreeing branch + bonus, COMPACT the KV.
