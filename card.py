@@ -29,8 +29,9 @@ File layout, in the paper's order:
     python card.py --prompt "Explain what a hash map is." --compare
 
 The default pair is the default model in float32 (target) and THE SAME WEIGHTS in bfloat16 (draft): the
-only pair available offline. It stands in for a real small/large pair, e.g. --draft SmolLM2-135M-Instruct
---target SmolLM2-1.7B-Instruct (hub ids need network access or a local copy).
+only pair available offline. It stands in for a real small/large pair, e.g. --draft
+HuggingFaceTB/SmolLM2-135M-Instruct --target HuggingFaceTB/SmolLM2-1.7B-Instruct (hub ids need network
+access or a local copy).
 
 Greedy decoding, float32 target: the output is token-identical to the target's model.generate(do_sample=
 False) in both modes (tests/test_card.py). Temperature > 0 is not offered (see TUTORIAL.md §4).
@@ -561,7 +562,7 @@ def main(argv=None) -> int:
     g.add_argument("--draft", default=None,
                    help="the draft model, same tokenizer as the target (default: the target's own weights in "
                         "bfloat16 -- an offline STAND-IN for a real small/large pair such as --draft "
-                        "SmolLM2-135M-Instruct --target SmolLM2-1.7B-Instruct)")
+                        "HuggingFaceTB/SmolLM2-135M-Instruct --target HuggingFaceTB/SmolLM2-1.7B-Instruct)")
     g.add_argument("--draft-dtype", default="bfloat16", choices=["auto", "float32", "bfloat16", "float16"],
                    help="the draft's dtype (default: bfloat16; the target follows --dtype)")
     g.add_argument("--k", type=int, default=None,
