@@ -32,8 +32,8 @@ from __future__ import annotations
 
 import sys
 import time
-from collections import OrderedDict, deque
-from typing import Iterable, Iterator, Sequence
+from collections import OrderedDict
+from typing import Iterator, Sequence
 
 import torch
 
@@ -307,9 +307,10 @@ def grow_tree(
 ) -> Tree:
     """Build the draft tree for one step. `context` = the text so far, ending with `root` (the pending
     token). Returns a verify.Tree whose node 0 is `root`. If `keys` is a list, it receives one entry per
-    node: None for the root, else (table, rank, pos) -- which table the node's follower came from (0 dynamic,
-    1 frozen), the follower's rank in that table's answer (0 = most recent; 3 = 3rd or later), and the
-    node's position inside its follower. The cost-aware pruning (§3b) learns acceptance rates per key."""
+    node: None for the root, else (table, rank, pos, fanout) -- which table the node's follower came from
+    (0 dynamic, 1 frozen), the follower's rank in that table's answer (0 = most recent; 3 = 4th or later),
+    the node's position inside its follower, and how many followers its leader has (0: one, 1: 2-3, 2: more).
+    The cost-aware pruning (§3b) learns acceptance rates per key."""
     keys = [] if keys is None else keys
     keys[:] = [None]
     ll = dynamic.ll
@@ -382,7 +383,8 @@ def _new_tokens(tree: Tree, node: int, follower: Sequence[int]) -> int:
 # So before verifying we keep only the part of the tree that is worth its cost -- the per-step rule of
 # ngram_predictor.py's cost gate, applied per node:
 #
-#   q(key)  = P(node accepted | its parent accepted), learned online for each key = (table, rank, pos)
+#   q(key)  = P(node accepted | its parent accepted), learned online for each key = (table, rank, pos,
+#             fanout): a leader seen with a single follower so far is a far safer bet than one with twenty
 #   P(node) = P(parent) * q(key(node)),   P(root) = 1       (the probability that the node is on the
 #                                                            accepted path: the tree's branches are
 #                                                            mutually exclusive, so)

@@ -235,7 +235,7 @@ class Drafter:
             root.slot, root.cands = self.dp, self._topk(out.logits[0, -1:])[0]
         else:
             front = tree.frontier()
-            n, c = len(front), verify.cache_len(self.cache)
+            c = verify.cache_len(self.cache)  # n = len(front) new nodes after c cached entries
             allowed = draft_mask(tree, front, self.dp, c)  # [n, c+n]
             mask = verify.additive_mask(allowed, model.dtype, model.device)  # [1, 1, n, c+n]
             ids = torch.tensor([[tree.nodes[i].token for i in front]], device=model.device)  # [1, n]
