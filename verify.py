@@ -18,6 +18,8 @@ Only step 1 differs between methods, so steps 2-4 live here, written once and te
     vanilla_generate / hf_generate                     the baselines (and the correctness oracle)
     Generation                                         stopping rule (EOS, max tokens) and counters
     load_model / run_cli                               the small common helpers every script shares
+    CompactedKVCache / flex_mode                       FAFO's FlexAttention path: selected KV kept contiguous
+                                                       at the head of a fixed buffer, one static BlockMask
 
 Greedy speculative decoding is *lossless*: in float32 the emitted tokens are exactly those of
 `model.generate(do_sample=False)`. The reason is simple: a token is only ever emitted if it is the argmax of
@@ -47,6 +49,7 @@ from typing import Callable, Sequence
 
 import numpy as np
 import torch
+from transformers.cache_utils import Cache, CacheLayerMixin
 
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
 DEFAULT_HUB_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
@@ -820,6 +823,311 @@ def measure_cost_curve(model, sizes: Sequence[int], context: int = 256, repeats:
         top = max(top, times[n] / times[1])
         curve[n] = top
     return curve
+
+
+# ----------------------------------------------------------------------------------------------------------
+# 10. The FlexAttention compacted-block path (FAFO §4.4, Algorithm 1, Appendix H)
+# ----------------------------------------------------------------------------------------------------------
+#
+# Sections 2-5 give every row of a step its own visible set through a DENSE additive mask: correct, but the
+# attention kernel still reads the whole KV cache for every row and only then throws most of it away. FAFO's
+# guess rows ("fumble") may only see a small compressed selection C(kv) of the cache, so most of that read is
+# waste. FlexAttention skips whole KV *blocks* (128 slots on a GPU) that a BlockMask marks as invisible, but
+# a selection scattered over the cache touches almost every block, and rebuilding a BlockMask every step
+# costs more than it saves (FAFO Appendix H). The paper's trick: decouple the LOGICAL position of a cached
+# token (its RoPE position, already baked into its key) from its PHYSICAL slot, and keep the selected
+# entries physically together at the head of a fixed buffer:
+#
+#     slot:  0 ........ H-1 | H ....... H+Q-1 | H+Q ................... H+Q+T-1
+#            [ head: C(kv)  | input: this step | tail: every other cached entry ]
+#              head_len used   Q rows written     tail_len used
+#              by the forward
+#
+# Attention is a sum over (key, value) pairs, so it does not care in which order they sit in memory; only
+# the mask has to follow the entries around. Then one BlockMask, built ONCE from these static shapes, says:
+# guess rows visit the head blocks and the input blocks; verification rows visit everything. Between steps
+# a device-to-device swap (`reselect`) moves newly selected entries into the head and evicted ones out to
+# the tail, so the static BlockMask stays right.
+#
+# subtle: the slot counts in use change every step. They live in two 0-d tensors (head_len, tail_len) that
+# the mask_mod reads, i.e. a valid-length bound, and we never mark a block "full" (a full block skips the
+# mask_mod). The FAFO reference code leaves zero-filled unused slots visible to the verification rows: a
+# zero key scores 0, adds exp(0 - max) to the softmax denominator and shifts every output slightly, which is
+# enough to flip a near-tie argmax. Here unused slots are masked, and tests compare this path with the dense
+# one.
+
+
+def _flex_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0, compiled=False, **kwargs):
+    """A transformers attention function (see `AttentionInterface`): query [B, H, q, D], key/value
+    [B, H_kv, slots, D] as our cache's update() returned them, attention_mask = our BlockMask."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    fn = _compiled_flex() if compiled else flex_attention
+    out = fn(query, key, value, block_mask=attention_mask, scale=scaling, enable_gqa=query.shape[1] != key.shape[1])
+    return out.transpose(1, 2).contiguous(), None  # [B, q, H, D], as every transformers attention returns
+
+
+_COMPILED = {}
+
+
+def _compiled_flex():
+    """torch.compile(flex_attention), made once per process (CPU: ~15 s of compilation on the first call)."""
+    if "flex" not in _COMPILED:
+        from torch.nn.attention.flex_attention import flex_attention
+
+        _COMPILED["flex"] = torch.compile(flex_attention, dynamic=False)
+    return _COMPILED["flex"]
+
+
+FLEX_EAGER, FLEX_COMPILED = "specdec_flex", "specdec_flex_compiled"
+
+
+class flex_mode:
+    """`with flex_mode(model, compiled):` -- the model's attention goes through `_flex_forward` inside the
+    block. Registering a named function and selecting it with `set_attn_implementation` is transformers'
+    public extension point (no patching of model code)."""
+
+    def __init__(self, model, compiled: bool = False):
+        from transformers import AttentionInterface
+
+        AttentionInterface.register(FLEX_EAGER, _flex_forward)
+        AttentionInterface.register(FLEX_COMPILED, lambda *a, **kw: _flex_forward(*a, compiled=True, **kw))
+        self.model, self.name = model, FLEX_COMPILED if compiled else FLEX_EAGER
+
+    def __enter__(self):
+        self.before = self.model.config._attn_implementation
+        self.model.set_attn_implementation(self.name)
+        return self
+
+    def __exit__(self, *exc):
+        self.model.set_attn_implementation(self.before)
+
+
+class CompactedLayer(CacheLayerMixin):
+    """One layer's view of CompactedKVCache's shared buffer. update() writes this step's rows into the
+    input region and hands the attention function the WHOLE buffer (the mask decides what is seen)."""
+
+    def __init__(self, owner, index):
+        super().__init__()
+        self.owner, self.index, self.is_initialized = owner, index, True
+
+    def lazy_initialization(self, key_states, value_states):
+        pass
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        o = self.owner
+        q = key_states.shape[-2]
+        assert q == o.Q, f"flex path: this forward has {q} rows, the buffer's input region {o.Q} (static shapes)"
+        o.K[self.index, :, :, o.H : o.H + q] = key_states  # [1, H_kv, Q, D]
+        o.V[self.index, :, :, o.H : o.H + q] = value_states
+        return o.K[self.index], o.V[self.index]  # [1, H_kv, slots, D]
+
+    def get_mask_sizes(self, query_length):
+        return self.owner.slots, 0
+
+    def get_seq_length(self):
+        return self.owner.length
+
+    def get_max_length(self):
+        return self.owner.slots
+
+
+class CompactedKVCache(Cache):
+    """A fixed KV buffer [head H | input Q | tail T] shared by all layers (see the section comment).
+
+    Book-keeping, all host-side numpy/ints except the two bounds the mask reads:
+      slot_pos[s]   logical position held by slot s, -1 if unused
+      slot_of[x]    slot holding logical position x
+      head_len / tail_len   0-d tensors on the device: the valid-length bounds
+    The logical cache (what a DynamicCache would hold) is `logical(layer)`: the used slots sorted by
+    position. Tests check that `reselect` and `commit` never change it.
+    """
+
+    def __init__(self, model, head_slots: int, input_rows: int, tail_slots: int, block_size: int = 128):
+        cfg = model.config
+        n_layers = cfg.num_hidden_layers
+        h_kv = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
+        d = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        self.block = block_size
+        self.H = -(-head_slots // block_size) * block_size  # the head: whole blocks (B_fixed of them)
+        self.Q = input_rows
+        self.T = tail_slots
+        self.slots = self.H + self.Q + self.T
+        dev, dt = model.device, model.dtype
+        self.K = torch.zeros(n_layers, 1, h_kv, self.slots, d, device=dev, dtype=dt)  # [layers, 1, H_kv, slots, D]
+        self.V = torch.zeros_like(self.K)
+        self.head_len = torch.zeros((), dtype=torch.int64, device=dev)  # the valid-length bounds
+        self.tail_len = torch.zeros((), dtype=torch.int64, device=dev)
+        self.slot_pos = np.full(self.slots, -1, dtype=np.int64)
+        self.slot_of: dict[int, int] = {}
+        self.n_head = self.n_tail = 0  # host copies of the bounds
+        self.moved = 0  # slots written by reselect() so far (the D2D swap traffic)
+        super().__init__(layers=[CompactedLayer(self, i) for i in range(n_layers)])
+
+    # -- the logical view ------------------------------------------------------------------------------
+    @property
+    def length(self) -> int:
+        return self.n_head + self.n_tail
+
+    @property
+    def tail0(self) -> int:
+        return self.H + self.Q
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return self.length
+
+    def logical_slots(self, start: int = 0, end: int | None = None) -> torch.Tensor:
+        end = self.length if end is None else end
+        return torch.tensor([self.slot_of[x] for x in range(start, end)], device=self.K.device)
+
+    def logical(self, layer: int, start: int = 0, end: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(keys, values) of positions start..end-1 in logical order: [1, H_kv, n, D] each."""
+        s = self.logical_slots(start, end)
+        return self.K[layer][:, :, s], self.V[layer][:, :, s]
+
+    def _sync_bounds(self):
+        self.head_len.fill_(self.n_head)
+        self.tail_len.fill_(self.n_tail)
+
+    # -- filling it ------------------------------------------------------------------------------------
+    def load(self, dense_cache, selected: Sequence[int]) -> None:
+        """Move a prefilled DynamicCache in: the selected positions to the head, the rest to the tail."""
+        n = dense_cache.get_seq_length()
+        sel = sorted(set(int(x) for x in selected))
+        rest = [x for x in range(n) if x not in set(sel)]
+        if len(sel) > self.H or len(rest) > self.T:
+            raise ValueError(f"CompactedKVCache: {len(sel)} selected / {len(rest)} other entries do not fit H={self.H}, T={self.T}")
+        slots = list(range(len(sel))) + list(range(self.tail0, self.tail0 + len(rest)))
+        order = torch.tensor(sel + rest, device=self.K.device)
+        dst = torch.tensor(slots, device=self.K.device)
+        for i, layer in enumerate(dense_cache.layers):
+            self.K[i, :, :, dst] = layer.keys[:, :, order].to(self.K.dtype)
+            self.V[i, :, :, dst] = layer.values[:, :, order].to(self.V.dtype)
+        for x, s in zip(sel + rest, slots):
+            self.slot_pos[s], self.slot_of[x] = x, s
+        self.n_head, self.n_tail = len(sel), len(rest)
+        self._sync_bounds()
+
+    def commit(self, rows: Sequence[int], positions: Sequence[int]) -> None:
+        """After a forward: keep the KV of input rows `rows` (the accepted ones) as logical `positions`,
+        appended to the tail. Everything else written to the input region is simply overwritten next step."""
+        if self.n_tail + len(rows) > self.T:
+            raise ValueError("CompactedKVCache: tail is full (allocate more tail_slots)")
+        dst = list(range(self.tail0 + self.n_tail, self.tail0 + self.n_tail + len(rows)))
+        src = torch.tensor([self.H + r for r in rows], device=self.K.device)
+        self.K[:, :, :, dst] = self.K[:, :, :, src]
+        self.V[:, :, :, dst] = self.V[:, :, :, src]
+        for x, s in zip(positions, dst):
+            self.slot_pos[s], self.slot_of[int(x)] = int(x), s
+        self.n_tail += len(rows)
+        self._sync_bounds()
+
+    def reselect(self, selected: Sequence[int]) -> int:
+        """Appendix H's swap: afterwards head[:len(selected)] holds exactly the positions `selected`.
+
+        Each newly selected entry (found in the tail) trades places with an entry that left the selection
+        (found in the head). If more enter than leave, the head grows and the tail's last entry fills the
+        hole; if more leave than enter, the head shrinks the same way. Moves are first simulated on the
+        host, then applied to the buffer as ONE gather + scatter over the touched slots, for all layers.
+        Returns the number of slots written (StreamingLLM: 1 per new token; Quest: whole pages)."""
+        want = set(int(x) for x in selected)
+        if len(want) > self.H:
+            raise ValueError(f"reselect: {len(want)} entries do not fit the head ({self.H} slots)")
+        origin = np.arange(self.slots)  # origin[s]: which slot's ORIGINAL content sits in slot s now
+        pos = self.slot_pos.copy()
+        where = dict(self.slot_of)
+
+        def move(a, b):  # content of slot a -> slot b (a's content stays too until overwritten)
+            origin[b], pos[b] = origin[a], pos[a]
+            where[int(pos[b])] = b
+
+        def swap(a, b):
+            origin[[a, b]], pos[[a, b]] = origin[[b, a]], pos[[b, a]]
+            where[int(pos[a])], where[int(pos[b])] = a, b
+
+        n_head, n_tail = self.n_head, self.n_tail
+        leaving = [s for s in range(n_head) if pos[s] not in want]
+        for x in sorted(x for x in want if where[x] >= self.tail0):
+            t = where[x]
+            if leaving:  # the common case: swap the new entry with an evicted one
+                swap(leaving.pop(), t)
+            else:  # the head grows by one; the tail's last entry fills the hole
+                move(t, n_head)
+                n_head += 1
+                last = self.tail0 + n_tail - 1
+                if t != last:
+                    move(last, t)
+                pos[last] = -1
+                n_tail -= 1
+        for h in sorted(leaving, reverse=True):  # the head shrinks; its last entry fills the hole
+            move(h, self.tail0 + n_tail)
+            n_tail += 1
+            last = n_head - 1
+            if h != last:
+                move(last, h)
+            pos[last] = -1
+            n_head -= 1
+        dst = np.nonzero(origin != np.arange(self.slots))[0]
+        if len(dst):
+            d = torch.tensor(dst, device=self.K.device)
+            s = torch.tensor(origin[dst], device=self.K.device)
+            # subtle: the right-hand side is gathered (copied) before the scatter, so chains of moves and
+            # swaps within one call are safe.
+            self.K[:, :, :, d] = self.K[:, :, :, s]
+            self.V[:, :, :, d] = self.V[:, :, :, s]
+        self.slot_pos = pos
+        self.slot_of = {int(p): i for i, p in enumerate(pos) if p >= 0}
+        self.n_head, self.n_tail = n_head, n_tail
+        self._sync_bounds()
+        self.moved += len(dst)
+        return len(dst)
+
+    # -- the static BlockMask ----------------------------------------------------------------------------
+    def visible_upper_bound(self, inner: np.ndarray, guess_rows: np.ndarray) -> np.ndarray:
+        """bool [Q, slots]: what each input row could EVER see (head and tail full). Block-reduced, this
+        is the BlockMask's sparsity; the exact per-step mask is `mask_mod` below."""
+        allowed = np.zeros((self.Q, self.slots), dtype=bool)
+        allowed[:, : self.H] = True  # everyone may see the head
+        allowed[:, self.H : self.tail0] = inner  # the step's own structure
+        allowed[~guess_rows, self.tail0 :] = True  # only verification rows see the tail
+        return allowed
+
+    def block_mask(self, inner: np.ndarray, guess_rows: np.ndarray):
+        """Build the BlockMask ONCE for this buffer and this step layout.
+
+        inner [Q, Q] bool: which input row sees which (static for fixed n, k, m);
+        guess_rows [Q] bool: rows restricted to the head (FAFO's fumble rows)."""
+        from torch.nn.attention.flex_attention import BlockMask
+
+        dev = self.K.device
+        inner_t = torch.as_tensor(inner, device=dev)
+        guess_t = torch.as_tensor(guess_rows, device=dev)
+        H, Q, tail0 = self.H, self.Q, self.tail0
+        head_len, tail_len = self.head_len, self.tail_len  # captured: read at every call
+
+        def mask_mod(b, h, q_idx, kv_idx):
+            j = kv_idx - H
+            in_input = (j >= 0) & (j < Q)
+            inner_ok = in_input & inner_t[q_idx, j.clamp(0, Q - 1)]
+            head_ok = kv_idx < head_len
+            tail_ok = (kv_idx >= tail0) & (kv_idx < tail0 + tail_len) & ~guess_t[q_idx]
+            return head_ok | inner_ok | tail_ok
+
+        B = self.block
+        bound = self.visible_upper_bound(inner, guess_rows)
+        nq, nk = -(-Q // B), -(-self.slots // B)
+        padded = np.zeros((nq * B, nk * B), dtype=bool)
+        padded[:Q, : self.slots] = bound
+        blocks = padded.reshape(nq, B, nk, B).any(axis=(1, 3))  # [nq, nk]: may q block i see kv block j?
+        counts = torch.tensor(blocks.sum(1), dtype=torch.int32, device=dev).view(1, 1, nq)
+        idx = np.zeros((nq, nk), dtype=np.int32)
+        for i in range(nq):
+            vis = np.nonzero(blocks[i])[0]
+            idx[i, : len(vis)] = vis
+        indices = torch.tensor(idx, device=dev).view(1, 1, nq, nk)
+        # note: no full_kv_* arguments -> every visited block is "partial" -> mask_mod runs on every element.
+        return BlockMask.from_kv_blocks(counts, indices, BLOCK_SIZE=B, mask_mod=mask_mod, seq_lengths=(Q, self.slots))
+
 
 
 def main(argv=None) -> int:

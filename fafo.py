@@ -1,0 +1,674 @@
+"""
+fafo.py -- FAFO: "Fumble Around and Find Out", lossless n-gram decoding whose guesses come from a
+compressed KV cache. Paper: "FAFO: Lossy KV Cache Compression for Lossless Inference Acceleration via
+Draftless Fumble Decoding" (../shared/papers/fafo.md), built on Lookahead Decoding (Fu et al. 2024).
+
+The idea in one paragraph. Lookahead Decoding keeps n "guess streams" running alongside normal decoding:
+each stream is a short window of k tokens that the model keeps extending by one token per step, like a
+Jacobi iteration that never converges but throws off plausible n-grams as it goes. Those n-grams go into a
+POOL; whenever the text so far ends with an n-gram's key, the n-gram becomes a candidate continuation and is
+verified. The trick is that guessing and verifying happen in the SAME forward pass:
+
+    one forward over  [ last token | fumble branch: n streams x k tokens | find-out branch: m candidates x k ]
+                        full KV       sees only C(kv), a compressed cache    full KV, causal per candidate
+
+FAFO's contribution (§4.2): the guess rows only need to be plausible, not exact, so let them attend to a
+compressed selection C(kv) of the cache (StreamingLLM: sinks + recent tokens; Quest: the pages whose keys
+can score highest), which makes many more guesses affordable. The verification rows see the full cache,
+so the output stays exactly greedy. §4.4 adds the systems part -- keep C(kv) physically contiguous at the
+head of a fixed KV buffer so FlexAttention can skip every other block -- which lives in verify.py
+(`CompactedKVCache`) and is used here by `--attn flex`.
+
+Reading order: the pool (Algorithms 2 and 3) -> the guess streams (Eq. 1) -> the compression functions ->
+the step layout and its mask (Appendix E, Figure 4) -> Find Out verification (Algorithm 4) -> the two KV
+back-ends (dense mask / flex compacted blocks) -> the decode loop -> the CLI.
+
+    python fafo.py --prompt "Write a limerick about a cat." --compare
+    python fafo.py --prompt "..." --compress quest --trace
+    python fafo.py --prompt "..." --compress none          # the Lookahead-style baseline (full KV guesses)
+    python fafo.py --prompt "..." --attn flex              # the FlexAttention compacted-block path
+
+Deviations from the paper (each also in TUTORIAL.md chapter 5):
+  * Positions of the guess streams: stream i's tokens sit at positions p+1+i .. p+k+i (Lookahead's column
+    offsets; the paper only says "s_i").
+  * Quest scores pages with the query of the LAST VERIFIED row (the forward that produced the token we now
+    feed), one step stale, because the new token's own query does not exist before the forward; and one
+    page selection is shared by all layers and heads (summed scores), so that one mask and one physical
+    layout serve the whole model. Quest proper selects per head.
+  * The pool is NOT seeded from the prompt by default (neither the paper nor Lookahead does);
+    `--prompt-pool` does it and the bench measures both.
+  * Algorithm 3 as printed never shortens its suffix (an endless loop); we try suffix lengths k .. 1.
+"""
+
+from __future__ import annotations
+
+import random
+import sys
+import time
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+import torch
+
+import verify
+from verify import Generation, Tree, UserError
+
+# ----------------------------------------------------------------------------------------------------------
+# 1. The n-gram pool (Appendix F, Algorithms 2 and 3)
+# ----------------------------------------------------------------------------------------------------------
+#
+# Values are guessed k-grams; keys are the tokens that came right before them in their stream. Each stream
+# remembers its last k discarded tokens (the "buffer"), and a new k-gram is filed under every suffix of that
+# buffer -- the last discarded token, the last two, ... up to k (Algorithm 2). Lookahead keys by one token
+# only; a longer key matches less often but, when it matches, the candidate shares more context with the
+# text (Proposition F.1), so retrieval tries the LONGEST suffix of the decoded text first (Algorithm 3).
+#
+#   stream buffer ['The', ' cat'], new 3-gram (' sat', ' on', ' the')   k = 3
+#   -> pool[(' cat',)]        gets (' sat', ' on', ' the')
+#      pool[('The', ' cat')]  gets (' sat', ' on', ' the')
+#   text "... The cat" -> retrieve: key ('The', ' cat') first, then (' cat',)
+
+
+class NgramPool:
+    """key (tuple of 1..k tokens) -> at most `cap` k-grams, least recently used evicted first."""
+
+    def __init__(self, k: int, cap: int):
+        self.k, self.cap = k, cap
+        self.table: dict[tuple, OrderedDict] = {}
+
+    def __len__(self) -> int:
+        return sum(len(v) for v in self.table.values())
+
+    def add(self, key: Sequence[int], value: Sequence[int]) -> None:
+        bucket = self.table.setdefault(tuple(key), OrderedDict())
+        value = tuple(value)
+        if value in bucket:
+            bucket.move_to_end(value)  # used again: now the most recent
+        else:
+            bucket[value] = None
+            if len(bucket) > self.cap:
+                bucket.popitem(last=False)  # LRU eviction
+
+    def add_guess(self, discarded: Sequence[int], ngram: Sequence[int]) -> None:
+        """Algorithm 2 for one stream: file `ngram` under every suffix (length 1..k) of its buffer."""
+        for length in range(1, min(self.k, len(discarded)) + 1):
+            self.add(discarded[-length:], ngram)
+
+    def seed(self, tokens: Sequence[int]) -> None:
+        """Optional (--prompt-pool): file every k-gram of the prompt under its preceding 1..k tokens."""
+        k = self.k
+        for t in range(1, len(tokens) - k + 1):
+            self.add_guess(tokens[max(0, t - k) : t], tokens[t : t + k])
+
+    def retrieve(self, context: Sequence[int], m: int) -> list[tuple]:
+        """Algorithm 3: up to m distinct k-grams, longest matching suffix of the text first, the most
+        recently filed first within one key."""
+        out: list[tuple] = []
+        for length in range(min(self.k, len(context)), 0, -1):
+            for value in reversed(self.table.get(tuple(context[-length:]), ())):
+                if value not in out:
+                    out.append(value)
+                    if len(out) == m:
+                        return out
+        return out
+
+
+# ----------------------------------------------------------------------------------------------------------
+# 2. Fumble Around: the n guess streams (§4.2, Eq. 1)
+# ----------------------------------------------------------------------------------------------------------
+#
+#   y^i_{k+1} = argmax p( . | y^i_{1..k}, C(kv_{1..|x|}) )   for every stream i, all in one forward   (Eq. 1)
+#
+# After the forward each stream appends its new token and discards its oldest; the discarded token joins
+# the stream's buffer and the window's new k tokens go to the pool. The streams are independent of the
+# accepted text (like Lookahead's window, they are never reset): they only share its KV cache.
+
+
+class Streams:
+    def __init__(self, windows: list[list[int]], k: int):
+        self.windows = windows  # n lists of k tokens: y^i_1 .. y^i_k
+        self.buffers: list[list[int]] = [[] for _ in windows]  # the last k discarded tokens of each stream
+        self.k = k
+
+    @classmethod
+    def from_prompt(cls, prompt_ids: Sequence[int], n: int, k: int, seed: int = 0) -> "Streams":
+        """Lookahead's initialisation: random tokens of the prompt. The first k steps are a warm-up in
+        which the streams replace these with the model's own guesses (and the pool is still empty)."""
+        rng = random.Random(seed)
+        return cls([[rng.choice(list(prompt_ids)) for _ in range(k)] for _ in range(n)], k)
+
+    @property
+    def n(self) -> int:
+        return len(self.windows)
+
+    def advance(self, new_tokens: Sequence[int], pool: NgramPool) -> None:
+        for i, t in enumerate(new_tokens):
+            dropped = self.windows[i][0]
+            self.windows[i] = self.windows[i][1:] + [int(t)]
+            self.buffers[i] = (self.buffers[i] + [dropped])[-self.k :]
+            pool.add_guess(self.buffers[i], self.windows[i])
+
+
+# ----------------------------------------------------------------------------------------------------------
+# 3. The compression functions C (plug-ins)
+# ----------------------------------------------------------------------------------------------------------
+#
+# A compressor answers one question per step: which cached positions may the guess rows see? It returns
+# logical positions (0 .. length-1); the KV back-end turns them into a mask (dense) or into the head of the
+# buffer (flex). `budget` bounds the answer's size (the flex head is allocated from it). To add another
+# method (SnapKV: keep positions the prompt's last window attended to most; H2O: accumulate attention per
+# position), subclass Compressor: `observe` sees every step's KV and the last verified row's queries.
+
+
+class Compressor:
+    name = "base"
+    needs_query = False  # True -> observe() receives per-layer queries [L, H, D]
+
+    def __init__(self):
+        self.budget: int | None = None
+
+    def observe(self, kv, queries: torch.Tensor | None) -> None:
+        pass
+
+    def select(self, length: int) -> list[int]:
+        raise NotImplementedError
+
+
+class FullKV(Compressor):
+    """--compress none: the guess rows see everything, as in Lookahead Decoding."""
+
+    name = "none"
+
+    def select(self, length: int) -> list[int]:
+        return list(range(length))
+
+
+class StreamingLLM(Compressor):
+    """Xiao et al. 2024: the first `sink` tokens (attention sinks) and the `recent` newest ones.
+
+        length 12, sink 2, recent 4  ->  [0, 1, 8, 9, 10, 11]
+    """
+
+    name = "stream"
+
+    def __init__(self, sink: int, recent: int):
+        super().__init__()
+        self.sink, self.recent = sink, recent
+        self.budget = sink + recent
+
+    def select(self, length: int) -> list[int]:
+        head = list(range(min(self.sink, length)))
+        return head + list(range(max(self.sink, length - self.recent), length))
+
+
+def quest_page_scores(query: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor) -> torch.Tensor:
+    """Quest's upper bound on q.k over a page (Tang et al. 2024): per channel d, max(q_d M_d, q_d m_d),
+    where M/m are the page's channel-wise max/min keys; summed over channels, max over heads.
+
+    query [H, D]; kmin, kmax [P, H_kv, D] (H = G * H_kv query heads share each KV head) -> scores [P].
+    Worked example, one head, D = 2: q = (1, -1), page keys (0, 2) and (3, -1): M = (3, 2), m = (0, -1);
+    bound = max(3, 0) + max(-2, 1) = 4, and indeed the best key (3, -1) scores 3 + 1 = 4."""
+    H, D = query.shape
+    h_kv = kmin.shape[1]
+    q = query.view(h_kv, H // h_kv, D)  # [H_kv, G, D]
+    hi = q[None] * kmax[:, :, None]  # [P, H_kv, G, D]
+    lo = q[None] * kmin[:, :, None]
+    return torch.maximum(hi, lo).sum(-1).amax(dim=(1, 2))  # [P]
+
+
+class Quest(Compressor):
+    """Query-aware page selection: the cache is cut into pages of `page_size` positions; each page keeps
+    its channel-wise min and max key per layer; each step the `top_pages` pages with the highest
+    `quest_page_scores` (summed over layers) are selected."""
+
+    name = "quest"
+    needs_query = True
+
+    def __init__(self, page_size: int, top_pages: int):
+        super().__init__()
+        self.page_size, self.top_pages = page_size, top_pages
+        self.budget = page_size * top_pages
+        self.kmin: torch.Tensor | None = None  # [L, P, H_kv, D]
+        self.kmax: torch.Tensor | None = None
+        self.pages_done = 0  # pages whose min/max are final (complete pages)
+        self.scores: torch.Tensor | None = None  # [P] of the last selection (shown by --trace)
+
+    def observe(self, kv, queries: torch.Tensor | None) -> None:
+        length, ps = kv.length, self.page_size
+        n_pages = -(-length // ps)
+        mins, maxs = [], []
+        for p in range(self.pages_done, n_pages):  # only pages that changed: the newest, partial ones
+            keys = kv.keys(p * ps, min(length, (p + 1) * ps))  # [L, H_kv, n, D]
+            mins.append(keys.amin(dim=2))
+            maxs.append(keys.amax(dim=2))
+        if mins:
+            new_min, new_max = torch.stack(mins, 1), torch.stack(maxs, 1)  # [L, P', H_kv, D]
+            keep = self.pages_done
+            self.kmin = new_min if self.kmin is None else torch.cat([self.kmin[:, :keep], new_min], 1)
+            self.kmax = new_max if self.kmax is None else torch.cat([self.kmax[:, :keep], new_max], 1)
+        self.pages_done = length // ps
+        self.queries = queries  # [L, H, D]
+
+    def select(self, length: int) -> list[int]:
+        n_pages = -(-length // self.page_size)
+        if n_pages <= self.top_pages:
+            return list(range(length))
+        scores = sum(quest_page_scores(self.queries[l].float(), self.kmin[l].float(), self.kmax[l].float())
+                     for l in range(self.kmin.shape[0]))  # [P]
+        self.scores = scores
+        pages = sorted(torch.topk(scores, self.top_pages).indices.tolist())
+        ps = self.page_size
+        return [x for p in pages for x in range(p * ps, min(length, (p + 1) * ps))]
+
+
+def make_compressor(compress: str, sink: int, recent: int, page_size: int, top_pages: int) -> Compressor:
+    if compress == "stream":
+        return StreamingLLM(sink, recent)
+    if compress == "quest":
+        return Quest(page_size, top_pages)
+    return FullKV()
+
+
+def layer_queries(model, hidden_states, row: int, position: int) -> torch.Tensor:
+    """The query vectors every layer computed for input row `row` at `position`: [L, H, D], RoPE applied
+    (cached keys carry RoPE too, so q.k here is exactly the attention logit).
+
+    note: Llama-family layout (input_layernorm -> q_proj, rotary_emb); hidden_states[l] is layer l's input,
+    as transformers returns it with output_hidden_states=True."""
+    inner = model.model
+    cfg = model.config
+    H = cfg.num_attention_heads
+    D = getattr(cfg, "head_dim", None) or cfg.hidden_size // H
+    hs = torch.stack([hidden_states[l][0, row] for l in range(cfg.num_hidden_layers)])  # [L, hidden]
+    pos = torch.tensor([[position]], device=hs.device)
+    cos, sin = inner.rotary_emb(hs[None, :1], position_ids=pos)  # [1, 1, D]
+    qs = []
+    for l, layer in enumerate(inner.layers):
+        q = layer.self_attn.q_proj(layer.input_layernorm(hs[l])).view(H, D)  # [H, D]
+        rot = torch.cat([-q[:, D // 2 :], q[:, : D // 2]], dim=-1)  # rotate_half
+        qs.append(q * cos[0] + rot * sin[0])
+    return torch.stack(qs)  # [L, H, D]
+
+
+# ----------------------------------------------------------------------------------------------------------
+# 4. One step's input and its attention mask (Appendix E, Figure 4)
+# ----------------------------------------------------------------------------------------------------------
+#
+# Rows of the step (q = 1 + n*k + m*k), e.g. n = 2 streams, k = 2, m = 1 candidate, last token at p:
+#
+#   row  token   position  sees (besides itself)
+#   0    x       p         the whole cache                          <- verification: "last token"
+#   1    y^1_1   p+1       C(kv), x                                 <- fumble, level 1 (column-wise:
+#   2    y^2_1   p+2       C(kv), x                                    stream 1, stream 2, then level 2)
+#   3    y^1_2   p+2       C(kv), x, y^1_1
+#   4    y^2_2   p+3       C(kv), x, y^2_1
+#   5    a_1     p+1       the whole cache, x                       <- find out: candidate a
+#   6    a_2     p+2       the whole cache, x, a_1
+#
+# Column-wise layout (Lookahead's): a stream's k rows are n apart, so a step's new tokens are simply the
+# last n fumble rows. The layout and the mask inside the step depend only on (n, k, m), which is what lets
+# the flex path build its BlockMask once.
+
+
+@dataclass
+class StepLayout:
+    n: int
+    k: int
+    m: int
+
+    @property
+    def rows(self) -> int:
+        return 1 + self.n * self.k + self.m * self.k
+
+    def fumble_row(self, i: int, j: int) -> int:
+        return 1 + j * self.n + i  # stream i, level j (0-based)
+
+    def cand_row(self, c: int, t: int) -> int:
+        return 1 + self.n * self.k + c * self.k + t
+
+    def guess_rows(self) -> np.ndarray:
+        """bool [q]: the rows restricted to C(kv)."""
+        g = np.zeros(self.rows, dtype=bool)
+        g[1 : 1 + self.n * self.k] = True
+        return g
+
+    def inner_mask(self) -> np.ndarray:
+        """bool [q, q]: which row of the step sees which other row of the step."""
+        q = self.rows
+        allowed = np.eye(q, dtype=bool)
+        allowed[:, 0] = True  # everyone sees the last token
+        for i in range(self.n):
+            for j in range(self.k):
+                for jj in range(j):
+                    allowed[self.fumble_row(i, j), self.fumble_row(i, jj)] = True
+        for c in range(self.m):
+            for t in range(self.k):
+                for tt in range(t):
+                    allowed[self.cand_row(c, t), self.cand_row(c, tt)] = True
+        return allowed
+
+    def inputs(self, last: int, p: int, windows: list[list[int]], cands: list[Sequence[int]]):
+        """(tokens [q], positions [q]) for this step; len(cands) must be m."""
+        assert len(cands) == self.m and len(windows) == self.n
+        tokens = [last] + [0] * (self.rows - 1)
+        positions = [p] + [0] * (self.rows - 1)
+        for i, w in enumerate(windows):
+            for j, t in enumerate(w):
+                r = self.fumble_row(i, j)
+                tokens[r], positions[r] = t, p + 1 + i + j
+        for c, cand in enumerate(cands):
+            for t, tok in enumerate(cand):
+                r = self.cand_row(c, t)
+                tokens[r], positions[r] = tok, p + 1 + t
+        return tokens, positions
+
+
+def combined_mask(layout: StepLayout, cache_len: int, selected: Sequence[int]) -> np.ndarray:
+    """The whole step's visibility, bool [q, cache_len + q]: the readable spec of Figure 4.
+    Verification rows (last token, candidates) see the full cache; fumble rows see only `selected`."""
+    q = layout.rows
+    allowed = np.zeros((q, cache_len + q), dtype=bool)
+    guess = layout.guess_rows()
+    allowed[~guess, :cache_len] = True
+    sel = np.asarray(list(selected), dtype=np.int64)
+    allowed[np.ix_(np.nonzero(guess)[0], sel)] = True
+    allowed[:, cache_len:] = layout.inner_mask()
+    return allowed
+
+
+# ----------------------------------------------------------------------------------------------------------
+# 5. Find Out verification (§4.3, Algorithm 4)
+# ----------------------------------------------------------------------------------------------------------
+#
+# Every candidate is checked against the model's own greedy choices; the longest run wins, plus the bonus
+# token (the model's choice right after it). Ties go to the earlier candidate (= the longer key).
+#
+#   choice after x = ' sat';  candidate A = (' sat', ' on', ' a')    choices on A's rows: (' on', ' the', ...)
+#                             candidate B = (' ran', ...)
+#   A: ' sat' == ' sat' ok, ' on' == ' on' ok, ' a' != ' the'  -> 2 accepted, bonus ' the'
+#   B: ' ran' != ' sat'                                        -> 0
+#   => emit ' sat', ' on' (from A) + ' the' (bonus)
+
+
+def find_out(cands: Sequence[Sequence[int]], first_choice: int, cand_choices: Sequence[Sequence[int]]):
+    """Returns (winner index or -1, accepted count, bonus token). cand_choices[c][t] = the model's argmax
+    on candidate c's row t (what comes after a_1..a_t)."""
+    best, best_len, bonus = -1, 0, first_choice
+    for c, cand in enumerate(cands):
+        a, nxt = 0, first_choice
+        while a < len(cand) and cand[a] == nxt:
+            nxt = cand_choices[c][a]
+            a += 1
+        if a > best_len:
+            best, best_len, bonus = c, a, nxt
+    return best, best_len, bonus
+
+
+# ----------------------------------------------------------------------------------------------------------
+# 6. The two KV back-ends: a dense mask (the spec), and the FlexAttention compacted buffer (the fast path)
+# ----------------------------------------------------------------------------------------------------------
+#
+# Both expose the same four operations, so the decode loop below does not know which one it drives:
+#   select(positions)       C(kv) for the next forward (flex: swap them into the head of the buffer)
+#   forward(tokens, positions, ...) -> logits [q, V] (+ hidden states if asked)
+#   keep(rows, positions)   after acceptance: keep the KV of these input rows only
+#   keys(start, end)        logical keys [L, H_kv, n, D] (Quest's page statistics)
+
+
+class DenseKV:
+    """A transformers DynamicCache in logical order + an additive float mask built every step."""
+
+    def __init__(self, model, cache, layout: StepLayout):
+        self.model, self.cache, self.layout = model, cache, layout
+        self.selected: list[int] = []
+
+    @property
+    def length(self) -> int:
+        return verify.cache_len(self.cache)
+
+    def select(self, positions: Sequence[int]) -> None:
+        self.selected = list(positions)
+
+    def forward(self, tokens, positions, hidden: bool = False, layout: StepLayout | None = None):
+        layout = layout or self.layout
+        p = self.length
+        dev = self.model.device
+        allowed = combined_mask(layout, p, self.selected)  # [q, p + q]
+        mask = verify.additive_mask(allowed, self.model.dtype, dev)  # [1, 1, q, p + q], 0 / finfo.min
+        out = self.model(input_ids=torch.tensor([tokens], device=dev), attention_mask=mask,
+                         position_ids=torch.tensor([positions], device=dev), past_key_values=self.cache,
+                         use_cache=True, output_hidden_states=hidden)
+        return out.logits[0], (out.hidden_states if hidden else None)
+
+    def keep(self, rows: Sequence[int], positions: Sequence[int]) -> None:
+        verify.compact_kv(self.cache, positions[0], rows)  # rows are consecutive logical positions
+
+    def keys(self, start: int, end: int) -> torch.Tensor:
+        return torch.stack([layer.keys[0, :, start:end] for layer in self.cache.layers])  # [L, H_kv, n, D]
+
+
+class FlexKV:
+    """verify.CompactedKVCache + FlexAttention: C(kv) is kept at the head of a fixed buffer and one static
+    BlockMask lets the guess rows skip every other block."""
+
+    def __init__(self, model, cache, layout: StepLayout, budget: int, max_len: int, block_size: int, compiled: bool):
+        self.model, self.layout = model, layout
+        self.kv = verify.CompactedKVCache(model, head_slots=budget, input_rows=layout.rows,
+                                          tail_slots=max_len, block_size=block_size)
+        self.kv.load(cache, [])  # everything to the tail; the first select() swaps C(kv) in
+        self.block_mask = self.kv.block_mask(layout.inner_mask(), layout.guess_rows())  # built ONCE
+        self.mode = verify.flex_mode(model, compiled)
+
+    @property
+    def length(self) -> int:
+        return self.kv.length
+
+    def select(self, positions: Sequence[int]) -> None:
+        self.kv.reselect(positions)
+
+    def forward(self, tokens, positions, hidden: bool = False, layout=None):
+        dev = self.model.device
+        with self.mode:
+            out = self.model(input_ids=torch.tensor([tokens], device=dev), attention_mask=self.block_mask,
+                             position_ids=torch.tensor([positions], device=dev), past_key_values=self.kv,
+                             use_cache=True, output_hidden_states=hidden)
+        return out.logits[0], (out.hidden_states if hidden else None)
+
+    def keep(self, rows: Sequence[int], positions: Sequence[int]) -> None:
+        self.kv.commit(rows, positions)
+
+    def keys(self, start: int, end: int) -> torch.Tensor:
+        s = self.kv.logical_slots(start, end)
+        return self.kv.K[:, 0][:, :, s]  # [L, H_kv, n, D]
+
+
+# ----------------------------------------------------------------------------------------------------------
+# 7. The decode loop
+# ----------------------------------------------------------------------------------------------------------
+
+PAPER_DEFAULTS = dict(n_guess=40, k=6, m=8, sink=4, recent=252, page_size=16, top_pages=16)
+# On a 2-core CPU every extra row of the forward costs time (TUTORIAL §1.1: t(16) ~ 1.8 t(1)), so the CPU
+# defaults keep the step small: 4 streams x 4 + 2 candidates x 4 = 25 rows.
+CPU_DEFAULTS = dict(n_guess=4, k=4, m=2, sink=4, recent=60, page_size=16, top_pages=4)
+
+
+@torch.no_grad()
+def generate(
+    model,
+    prompt_ids: Sequence[int],
+    max_new_tokens: int,
+    eos_ids: Sequence[int],
+    *,
+    n_guess: int = 4,
+    k: int = 4,
+    m: int = 2,
+    compress: str = "stream",
+    sink: int = 4,
+    recent: int = 60,
+    page_size: int = 16,
+    top_pages: int = 4,
+    attn: str = "dense",
+    pool_cap: int | None = None,
+    prompt_pool: bool = False,
+    block_size: int = 128,
+    seed: int = 0,
+    on_emit=None,
+    on_step=None,
+) -> Generation:
+    """FAFO greedy decoding; returns a verify.Generation (tokens + counters). gen.extra gets: pool size,
+    guess rows per step, candidates verified per step, slots swapped per step (flex)."""
+    if attn not in ("dense", "flex", "flex-compiled"):
+        raise UserError(f"--attn must be dense or flex (got {attn!r})")
+    if attn != "dense" and compress == "none":
+        raise UserError("--attn flex needs a fixed compression budget (--compress stream or quest)")
+    gen = Generation(max_new_tokens, eos_ids, on_emit=on_emit, on_step=on_step)
+    compressor = make_compressor(compress, sink, recent, page_size, top_pages)
+    pool = NgramPool(k, pool_cap or n_guess)
+    streams = Streams.from_prompt(prompt_ids, n_guess, k, seed)
+    if prompt_pool:
+        pool.seed(prompt_ids)
+    # subtle: the dense path takes as many candidates as the pool has (its mask is rebuilt anyway); the
+    # flex path pads to exactly m (static shapes) with dummy candidates that can never be accepted.
+    static = attn != "dense"
+
+    # -- prefill (a plain forward) and the first token
+    cache = verify.new_cache(model)
+    ids = torch.tensor([list(prompt_ids)], device=model.device)
+    out = model(input_ids=ids, past_key_values=cache, use_cache=True, output_hidden_states=compressor.needs_query)
+    gen.target_forwards += 1
+    pending = int(out.logits[0, -1].argmax())
+    if gen.emit([], pending):
+        return gen
+    context = list(prompt_ids) + [pending]  # x_1 .. x_|x|; the last one is not in the KV cache yet
+    layout = StepLayout(n_guess, k, m)
+    if static:
+        kv = FlexKV(model, cache, layout, compressor.budget, len(prompt_ids) + max_new_tokens + k + 1,
+                    block_size, compiled=attn == "flex-compiled")
+    else:
+        kv = DenseKV(model, cache, layout)
+    queries = layer_queries(model, out.hidden_states, len(prompt_ids) - 1, len(prompt_ids) - 1) if compressor.needs_query else None
+    compressor.observe(kv, queries)
+    moved0 = kv.kv.moved if static else 0
+    guess_rows = cand_rows = 0
+
+    while True:
+        t0 = time.perf_counter()
+        p = kv.length  # = len(context) - 1
+        cands = pool.retrieve(context, m)  # Algorithm 3
+        real = len(cands)
+        if static:
+            cands = cands + [(pending,) * k] * (m - real)
+        step = layout if static else StepLayout(n_guess, k, len(cands))
+        kv.select(compressor.select(p))  # C(kv_1..p)
+        tokens, positions = step.inputs(pending, p, streams.windows, cands)
+        draft_s = time.perf_counter() - t0
+
+        logits, hidden = kv.forward(tokens, positions, hidden=compressor.needs_query, layout=step)  # [q, V]
+        choice = logits.argmax(dim=-1).tolist()  # the model's greedy token after every row
+
+        # Find Out (Algorithm 4) on the real candidates only
+        cand_choices = [[choice[step.cand_row(c, t)] for t in range(k)] for c in range(real)]
+        best, a, bonus = find_out(cands[:real], choice[0], cand_choices)
+        accepted = list(cands[best][:a]) if a else []
+        rows = [0] + [step.cand_row(best, t) for t in range(a)]
+
+        # Fumble Around: every stream's newest row predicted its next token (Eq. 1) -> pool (Algorithm 2)
+        streams.advance([choice[step.fumble_row(i, k - 1)] for i in range(n_guess)], pool)
+
+        # keep the KV of x and the accepted tokens -- from the VERIFICATION rows, never from guess rows
+        kv.keep(rows, [p + j for j in range(len(rows))])
+        if compressor.needs_query:
+            last = rows[-1]  # the row that produced the bonus token
+            compressor.observe(kv, layer_queries(model, hidden, last, positions[last]))
+        else:
+            compressor.observe(kv, None)
+
+        gen.target_forwards += 1
+        gen.steps += 1
+        gen.draft_s += draft_s
+        gen.accepted.append(a)
+        gen.drafted.append(real * k)
+        guess_rows += n_guess * k
+        cand_rows += real
+        if gen.on_step:
+            tree = Tree.from_branches(pending, [list(c) for c in cands[:real]])
+            path = [0]
+            for t in accepted:
+                path.append(tree.children[path[-1]][t])
+            gen.on_step(gen, tree, path, bonus)
+        context += accepted + [bonus]
+        pending = bonus
+        done = gen.emit(accepted, bonus)
+        gen.extra.update({
+            "compress": compressor.name,
+            "pool_ngrams": len(pool),
+            "guess_rows_per_step": guess_rows / gen.steps,
+            "candidates_per_step": cand_rows / gen.steps,
+        })
+        if static:
+            gen.extra["slots_swapped_per_step"] = (kv.kv.moved - moved0) / gen.steps
+        if done:
+            return gen
+
+
+# ----------------------------------------------------------------------------------------------------------
+# 8. CLI
+# ----------------------------------------------------------------------------------------------------------
+
+
+def add_arguments(p) -> None:
+    g = p.add_argument_group("FAFO (paper names; defaults: CPU_DEFAULTS on CPU, PAPER_DEFAULTS on CUDA)")
+    g.add_argument("--n-guess", type=int, help="n: number of guess streams (subsequences) in the fumble branch (§4.2)")
+    g.add_argument("--k", type=int, help="k: tokens per guess stream = length of the guessed n-grams and of the "
+                                         "pool keys' maximum length (§4.2, Algorithm 2)")
+    g.add_argument("--m", type=int, help="m: candidates retrieved from the pool and verified per step (Algorithm 3)")
+    g.add_argument("--compress", default="stream", choices=["stream", "quest", "none"],
+                   help="C: what the guess rows attend to. stream = StreamingLLM (sinks + recent), quest = Quest "
+                        "(top pages by key bound), none = full KV (the Lookahead-style baseline). Default: stream")
+    g.add_argument("--sink", type=int, help="StreamingLLM: attention-sink tokens kept from the start")
+    g.add_argument("--recent", type=int, help="StreamingLLM: most recent tokens kept")
+    g.add_argument("--page-size", type=int, help="Quest: positions per page")
+    g.add_argument("--top-pages", type=int, help="Quest: pages selected per step")
+    g.add_argument("--attn", default="dense", choices=["dense", "flex", "flex-compiled"],
+                   help="dense = additive mask through the model's attention (the spec); flex = verify.py's "
+                        "FlexAttention compacted-block path (eager; flex-compiled = torch.compile'd kernel)")
+    g.add_argument("--pool-cap", type=int, help="pool: k-grams kept per key, LRU-evicted (Appendix F; default n)")
+    g.add_argument("--prompt-pool", action="store_true", help="seed the pool with the prompt's k-grams (not in the paper)")
+    g.add_argument("--block-size", type=int, default=128, help="flex: KV block size (B_z in Algorithm 1; default 128)")
+
+
+def method_kwargs(args) -> dict:
+    defaults = PAPER_DEFAULTS if verify.pick_device(args.device).type == "cuda" else CPU_DEFAULTS
+    kw = {name: getattr(args, name) if getattr(args, name) is not None else defaults[name] for name in defaults}
+    for name in ("n_guess", "k", "m", "recent", "page_size", "top_pages"):
+        if kw[name] < 1:
+            raise UserError(f"--{name.replace('_', '-')} must be at least 1 (got {kw[name]})")
+    if kw["sink"] < 0:
+        raise UserError(f"--sink must be >= 0 (got {kw['sink']})")
+    if args.pool_cap is not None and args.pool_cap < 1:
+        raise UserError(f"--pool-cap must be at least 1 (got {args.pool_cap})")
+    if args.block_size < 16 or args.block_size & (args.block_size - 1):
+        raise UserError(f"--block-size must be a power of two >= 16 (got {args.block_size})")
+    return {**kw, "compress": args.compress, "attn": args.attn, "pool_cap": args.pool_cap,
+            "prompt_pool": args.prompt_pool, "block_size": args.block_size}
+
+
+def prepare(model, tok, args) -> dict:
+    """bench.py hook: the device's defaults (the CLI passes them through method_kwargs)."""
+    return dict(PAPER_DEFAULTS if model.device.type == "cuda" else CPU_DEFAULTS)
+
+
+def main(argv=None) -> int:
+    parser = verify.common_parser(
+        "FAFO: n guess streams attend to a compressed KV cache (fumble around) while the pool's candidates are\n"
+        "verified against the full cache (find out), in one forward per step. Lossless: the output equals greedy\n"
+        "decoding. --trace shows each step's candidates; the stats line shows the pool and the step's shape."
+    )
+    add_arguments(parser)
+    return verify.run_cli(parser, "fafo", generate, method_kwargs, argv=argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
