@@ -431,6 +431,7 @@ class DenseKV:
     def select(self, positions: Sequence[int]) -> None:
         self.selected = list(positions)
 
+    @torch.no_grad()
     def forward(self, tokens, positions, hidden: bool = False, layout: StepLayout | None = None):
         layout = layout or self.layout
         p = self.length
@@ -468,6 +469,7 @@ class FlexKV:
     def select(self, positions: Sequence[int]) -> None:
         self.kv.reselect(positions)
 
+    @torch.no_grad()
     def forward(self, tokens, positions, hidden: bool = False, layout=None):
         dev = self.model.device
         with self.mode:
