@@ -48,8 +48,10 @@ PROJECT_METHODS = {
     "card-k4": ("card", {"mode": "lockstep", "k": 4, "topk": 2}),
     "card-nocorrect": ("card", {"mode": "lockstep", "k": 4, "topk": 2, "correct": False}),
     "hf-assisted": ("card", {"hf_assisted": True}),  # transformers' assistant_model with CARD's draft model
-    "fafo": ("fafo", {}),
-    "lookahead": ("fafo", {"compress": "none"}),
+    "fafo": ("fafo", {}),  # StreamingLLM guesses
+    "fafo-quest": ("fafo", {"compress": "quest"}),
+    "fafo-promptpool": ("fafo", {"prompt_pool": True}),  # the pool seeded with the prompt's k-grams
+    "lookahead": ("fafo", {"compress": "none"}),  # the same file with full-KV guesses
 }
 HF_METHODS = ["vanilla", "hf-greedy", "hf-pld"]
 

@@ -87,6 +87,7 @@ def test_missing_default_wheel_names_the_pip_command():
 METHOD_FLAGS = {
     "cacheback.py": ["--ll", "--fl", "--lc", "--fc", "--tdl", "--crt", "--frozen", "--prune"],
     "card.py": ["--target", "--draft", "--k", "--topk", "--ratio", "--mode", "--no-correct"],
+    "fafo.py": ["--n-guess", "--k", "--m", "--compress", "--sink", "--recent", "--page-size", "--top-pages", "--attn"],
 }
 
 
@@ -103,6 +104,8 @@ def test_method_help_names_the_papers_parameters(script):
     ("cacheback.py", ["--fl", "0"], "--fl must be at least 1"),
     ("card.py", ["--ratio", "0", "--mode", "lockstep"], "--ratio must be at least 1"),
     ("card.py", ["--draft", "./no/such/model"], "no such model"),
+    ("fafo.py", ["--k", "0"], "--k must be at least 1"),
+    ("fafo.py", ["--compress", "none", "--attn", "flex"], "fixed compression budget"),
 ])
 def test_method_bad_input_gives_one_line_error(script, args, message):
     r = run("--prompt", "hi", "--max-new-tokens", "4", *args, script=script)
@@ -114,6 +117,8 @@ def test_method_bad_input_gives_one_line_error(script, args, message):
     ("cacheback.py", []),
     ("card.py", ["--mode", "lockstep"]),
     ("card.py", ["--mode", "parallel"]),
+    ("fafo.py", ["--compress", "quest"]),
+    ("fafo.py", ["--attn", "flex"]),
 ])
 def test_method_json_run_is_identical_to_hf_greedy(script, args):
     r = run("--prompt", "Name three colors.", "--max-new-tokens", "12", "--json", "--compare", *args, script=script)
