@@ -205,8 +205,15 @@ def main(argv=None) -> int:
     p.add_argument("--limit", type=int, default=None, help="at most this many prompts per category")
     p.add_argument("--out", default="bench/results/latest.jsonl", help="one JSON row per (method, prompt); a .png chart and .md table go beside it")
     p.add_argument("--pld-tokens", type=int, default=10, help="hf-pld: prompt_lookup_num_tokens (default: 10)")
+    p.add_argument("--fafo-steps", metavar="CONTEXTS",
+                   help="instead of the prompt set: time one FAFO step, dense mask vs flex compacted blocks, after "
+                        "each of these cached-context lengths, e.g. 1024,4096,16384 (fafo.step_times)")
+    p.add_argument("--fafo-attn", default="flex-compiled", choices=["flex", "flex-compiled"],
+                   help="--fafo-steps: eager or compiled flex (default: flex-compiled)")
     args = p.parse_args(argv)
     try:
+        if args.fafo_steps:
+            return run_fafo_steps(args)
         return run(args)
     except verify.UserError as e:
         print(f"error: {e}", file=sys.stderr)
@@ -214,6 +221,26 @@ def main(argv=None) -> int:
     except KeyboardInterrupt:
         print("\ninterrupted", file=sys.stderr)
         return 130
+
+
+def run_fafo_steps(args) -> int:
+    """FAFO §4.4: the step-time ratio of the flex compacted-block path to the dense-mask path."""
+    try:
+        contexts = [int(x) for x in args.fafo_steps.split(",")]
+    except ValueError:
+        raise verify.UserError(f"--fafo-steps: a comma list of integers (got {args.fafo_steps!r})") from None
+    import fafo
+
+    model, _ = verify.load_model(args.model, args.device, args.dtype)
+    lines = ["| context | rows | dense ms/step | flex ms/step | flex / dense |", "|---|---|---|---|---|"]
+    with open(args.out, "w") as f:
+        for c in contexts:
+            r = fafo.step_times(model, c, attn=args.fafo_attn)
+            f.write(json.dumps({**r, "device": str(model.device), "dtype": str(model.dtype)}) + "\n")
+            lines.append(f"| {c} | {r['rows']} | {r['dense_ms']:.1f} | {r['flex_ms']:.1f} | {r['flex_over_dense']:.2f} |")
+            print(lines[-1], flush=True)
+    print(f"\n{model.device}, {model.dtype}, {args.fafo_attn}\n" + "\n".join(lines))
+    return 0
 
 
 def run(args) -> int:

@@ -520,18 +520,24 @@ def generate(
     prompt_pool: bool = False,
     block_size: int = 128,
     seed: int = 0,
+    pool: NgramPool | None = None,
     on_emit=None,
     on_step=None,
 ) -> Generation:
     """FAFO greedy decoding; returns a verify.Generation (tokens + counters). gen.extra gets: pool size,
-    guess rows per step, candidates verified per step, slots swapped per step (flex)."""
+    guess rows per step, candidates verified per step, slots swapped per step (flex).
+    Pass your own `pool` (an NgramPool with the same k) to inspect it afterwards or to carry it over to
+    the next prompt; by default every call starts from an empty pool."""
     if attn not in ("dense", "flex", "flex-compiled"):
         raise UserError(f"--attn must be dense or flex (got {attn!r})")
     if attn != "dense" and compress == "none":
         raise UserError("--attn flex needs a fixed compression budget (--compress stream or quest)")
     gen = Generation(max_new_tokens, eos_ids, on_emit=on_emit, on_step=on_step)
     compressor = make_compressor(compress, sink, recent, page_size, top_pages)
-    pool = NgramPool(k, pool_cap or n_guess)
+    if pool is None:
+        pool = NgramPool(k, pool_cap or n_guess)
+    elif pool.k != k:
+        raise UserError(f"the pool given was built for k = {pool.k}, not k = {k}")
     streams = Streams.from_prompt(prompt_ids, n_guess, k, seed)
     if prompt_pool:
         pool.seed(prompt_ids)
@@ -617,6 +623,49 @@ def generate(
             gen.extra["slots_swapped_per_step"] = (kv.kv.moved - moved0) / gen.steps
         if done:
             return gen
+
+
+@torch.no_grad()
+def step_times(model, context: int, attn: str = "flex-compiled", repeats: int = 10, block_size: int = 128,
+               **params) -> dict:
+    """§4.4's claim, measured: one FAFO step after `context` cached tokens, through the dense mask and through
+    the flex compacted-block path (same rows, same StreamingLLM selection). Returns ms per step (median of
+    `repeats`, after warm-up) and flex/dense. Used by `bench.py --fafo-steps`; a GPU is where it matters."""
+    d = {**(PAPER_DEFAULTS if model.device.type == "cuda" else CPU_DEFAULTS), **params}
+    lay = StepLayout(d["n_guess"], d["k"], d["m"])
+    comp = StreamingLLM(d["sink"], d["recent"])
+    rng = random.Random(0)
+    vocab = model.config.vocab_size
+    ids = [rng.randrange(vocab) for _ in range(context)]
+    cache = verify.new_cache(model)
+    verify.prefill(model, cache, ids)
+    windows = [[rng.randrange(vocab) for _ in range(lay.k)] for _ in range(lay.n)]
+    cands = [tuple(rng.randrange(vocab) for _ in range(lay.k)) for _ in range(lay.m)]
+    tokens, positions = lay.inputs(ids[-1], context, windows, cands)
+    sel = comp.select(context)
+    flex = FlexKV(model, cache, lay, comp.budget, context + 1, block_size, compiled=attn == "flex-compiled")
+    flex.select(sel)
+    dense = DenseKV(model, cache, lay)
+    dense.select(sel)
+
+    def timed(step) -> float:
+        ts = []
+        for i in range(repeats + 2):
+            verify.sync(model)
+            t0 = time.perf_counter()
+            step()
+            verify.sync(model)
+            ts.append(time.perf_counter() - t0)
+        return 1000 * float(np.median(ts[2:]))  # the first two calls are warm-up (and compilation)
+
+    def dense_step():
+        dense.forward(tokens, positions)
+        verify.rollback(cache, context)
+
+    out = {"context": context, "rows": lay.rows, "head_slots": flex.kv.H, "block": block_size, "attn": attn,
+           "dense_ms": timed(dense_step), "flex_ms": timed(lambda: flex.forward(tokens, positions))}
+    out["flex_over_dense"] = out["flex_ms"] / out["dense_ms"]
+    return out
 
 
 # ----------------------------------------------------------------------------------------------------------
