@@ -17,8 +17,12 @@ How the measurement is made fair (the same rules as SpecBench, Xia et al. 2024):
 The prompt file uses SpecBench's question.jsonl format: {"question_id", "category", "turns"}; the first turn
 is the prompt. bench/prompts.jsonl is the project's own set (see bench/make_prompts.py).
 
-Methods: vanilla, hf-greedy, hf-pld (transformers' prompt lookup decoding), and each method file of this
-project once it exists (ngram, cacheback, card, fafo, lookahead, hf-assisted).
+Methods: vanilla, hf-greedy, hf-pld (transformers' prompt lookup decoding), and the PROJECT_METHODS below
+(each method file's variants, plus hf-assisted).
+
+    python bench.py --fafo-steps 1024,4096,16384 --out bench/results/fafo-steps.jsonl
+
+times one FAFO step instead (dense mask vs the FlexAttention compacted-block path, FAFO §4.4): a GPU question.
 """
 
 from __future__ import annotations
