@@ -47,6 +47,7 @@ import sys
 import time
 from collections import OrderedDict
 from dataclasses import dataclass
+from functools import cache
 from typing import Sequence
 
 import numpy as np
@@ -312,7 +313,7 @@ def layer_queries(model, hidden_states, row: int, position: int) -> torch.Tensor
 # the flex path build its BlockMask once.
 
 
-@dataclass
+@dataclass(frozen=True)  # hashable, so the masks below are built once per (n, k, m), not once per step
 class StepLayout:
     n: int
     k: int
@@ -328,14 +329,16 @@ class StepLayout:
     def cand_row(self, c: int, t: int) -> int:
         return 1 + self.n * self.k + c * self.k + t
 
+    @cache
     def guess_rows(self) -> np.ndarray:
-        """bool [q]: the rows restricted to C(kv)."""
+        """bool [q]: the rows restricted to C(kv). (Cached: treat as read-only.)"""
         g = np.zeros(self.rows, dtype=bool)
         g[1 : 1 + self.n * self.k] = True
         return g
 
+    @cache
     def inner_mask(self) -> np.ndarray:
-        """bool [q, q]: which row of the step sees which other row of the step."""
+        """bool [q, q]: which row of the step sees which other row of the step. (Cached: treat as read-only.)"""
         q = self.rows
         allowed = np.eye(q, dtype=bool)
         allowed[:, 0] = True  # everyone sees the last token
@@ -562,7 +565,6 @@ def generate(
         kv = DenseKV(model, cache, layout)
     queries = layer_queries(model, out.hidden_states, len(prompt_ids) - 1, len(prompt_ids) - 1) if compressor.needs_query else None
     compressor.observe(kv, queries)
-    moved0 = kv.kv.moved if static else 0
     guess_rows = cand_rows = 0
 
     while True:
@@ -620,7 +622,7 @@ def generate(
             "candidates_per_step": cand_rows / gen.steps,
         })
         if static:
-            gen.extra["slots_swapped_per_step"] = (kv.kv.moved - moved0) / gen.steps
+            gen.extra["slots_swapped_per_step"] = kv.kv.moved / gen.steps
         if done:
             return gen
 

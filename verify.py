@@ -993,8 +993,9 @@ class CompactedKVCache(Cache):
     def load(self, dense_cache, selected: Sequence[int]) -> None:
         """Move a prefilled DynamicCache in: the selected positions to the head, the rest to the tail."""
         n = dense_cache.get_seq_length()
-        sel = sorted(set(int(x) for x in selected))
-        rest = [x for x in range(n) if x not in set(sel)]
+        chosen = set(int(x) for x in selected)
+        sel = sorted(chosen)
+        rest = [x for x in range(n) if x not in chosen]
         if len(sel) > self.H or len(rest) > self.T:
             raise ValueError(f"CompactedKVCache: {len(sel)} selected / {len(rest)} other entries do not fit H={self.H}, T={self.T}")
         slots = list(range(len(sel))) + list(range(self.tail0, self.tail0 + len(rest)))
@@ -1035,7 +1036,7 @@ class CompactedKVCache(Cache):
             raise ValueError(f"reselect: {len(want)} entries do not fit the head ({self.H} slots)")
         origin = np.arange(self.slots)  # origin[s]: which slot's ORIGINAL content sits in slot s now
         pos = self.slot_pos.copy()
-        where = dict(self.slot_of)
+        where = self.slot_of  # updated in place by every move/swap below: O(moves), not O(slots), per step
 
         def move(a, b):  # content of slot a -> slot b (a's content stays too until overwritten)
             origin[b], pos[b] = origin[a], pos[a]
@@ -1076,7 +1077,6 @@ class CompactedKVCache(Cache):
             self.K[:, :, :, d] = self.K[:, :, :, s]
             self.V[:, :, :, d] = self.V[:, :, :, s]
         self.slot_pos = pos
-        self.slot_of = {int(p): i for i, p in enumerate(pos) if p >= 0}
         self.n_head, self.n_tail = n_head, n_tail
         self._sync_bounds()
         self.moved += len(dst)
