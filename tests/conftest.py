@@ -46,6 +46,12 @@ def real():
     return verify.load_model(verify.DEFAULT_MODEL, device="cpu", dtype="float32")
 
 
+@pytest.fixture(scope="session")
+def draft_bf16():
+    """CARD's default draft: the default model's own weights in bfloat16."""
+    return verify.load_model(verify.DEFAULT_MODEL, device="cpu", dtype="bfloat16")[0]
+
+
 # A few real prompts, used by the lossless tests of every method.
 REAL_PROMPTS = [
     "Write a short poem about the sea.",
@@ -54,3 +60,9 @@ REAL_PROMPTS = [
     "Translate into French: The cat is sleeping on the warm windowsill.",
     "Write a Python function that returns the factorial of n.",
 ]
+
+
+def pytest_configure(config):
+    config.addinivalue_line(
+        "markers", "compat: the lossless tests the CI compatibility job re-runs with the oldest transformers"
+    )

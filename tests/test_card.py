@@ -129,11 +129,6 @@ def test_lossless_on_a_tiny_pair_including_a_bad_draft(mode):
             assert gen.tokens == want
 
 
-@pytest.fixture(scope="module")
-def draft_bf16():
-    return verify.load_model(verify.DEFAULT_MODEL, device="cpu", dtype="bfloat16")[0]
-
-
 @pytest.mark.parametrize("mode", ["lockstep", "parallel"])
 @pytest.mark.parametrize("prompt", REAL_PROMPTS)
 def test_lossless_on_real_prompts(real, draft_bf16, prompt, mode):

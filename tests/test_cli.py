@@ -42,7 +42,8 @@ def test_plain_run_streams_text_then_stats():
 def test_help_explains_every_shared_parameter():
     r = run("--help")
     assert r.returncode == 0
-    for flag in ["--prompt", "--model", "--max-new-tokens", "--device", "--dtype", "--no-chat", "--compare",
+    for flag in ["--prompt", "--model", "--max-new-tokens", "--device", "--dtype", "--attn-implementation",
+                 "--no-chat", "--compare",
                  "--json", "--trace", "--seed"]:
         assert flag in r.stdout
 

@@ -1,0 +1,255 @@
+"""Portability: every method and mode is token-identical to HF greedy on tiny random-weight models of the
+common decoder-only families, built from configs right here (no download), and models whose KV cache cannot
+be rolled back are refused with a one-line reason.
+
+Why tiny random models can test losslessness: the oracle (HF `generate(do_sample=False)`) runs the very same
+model, so any mistake in masks, positions or KV surgery shows up as a differing token. The weights are
+random (each family's own initialisation) and the output layer, untied, is scaled up 20x, so greedy text
+is varied (the fixture checks it is not one token repeated) and its argmax decisive (no near-ties that fp32 rounding could flip). The prompt repeats a
+pattern, so every method finds drafts and really accepts some: each case asserts that it did."""
+
+import copy
+
+import pytest
+import torch
+
+import cacheback
+import card
+import fafo
+import ngram_predictor
+import verify
+from conftest import REAL_PROMPTS
+
+VOCAB = 96
+EOS = 2
+# A repeated pattern: the n-gram tables and caches all find drafts in it.
+PROMPT = [1] + [5, 6, 7, 8, 9, 10, 11, 12] * 4 + [5, 6, 7]
+NEW = 40
+
+
+def _common(**extra):
+    # untied output layer: sharpening it (below) must not also blow up the input embeddings
+    return dict(vocab_size=VOCAB, bos_token_id=1, eos_token_id=EOS, pad_token_id=EOS, tie_word_embeddings=False,
+                **extra)
+
+
+def tiny_config(arch: str):
+    """A 2-layer, 64-wide config of each family, with its own quirks left on (GQA, QK-norm, partial
+    rotary, absolute positions, tied embeddings, ...)."""
+    import transformers as tf
+
+    llama_like = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, max_position_embeddings=512)
+    if arch == "llama":
+        return tf.LlamaConfig(**_common(**llama_like))
+    if arch == "qwen2":
+        return tf.Qwen2Config(**_common(**llama_like))  # use_sliding_window=False by default
+    if arch == "qwen3":
+        return tf.Qwen3Config(**_common(head_dim=16, **llama_like))  # QK-norm
+    if arch == "mistral":
+        return tf.MistralConfig(**_common(sliding_window=None, **llama_like))
+    if arch == "phi3":
+        return tf.Phi3Config(**_common(**llama_like))  # fused qkv / gate_up projections
+    if arch == "gemma":
+        return tf.GemmaConfig(**_common(head_dim=16, **llama_like))  # scaled embeddings, tied head
+    if arch == "gpt_neox":
+        return tf.GPTNeoXConfig(**_common(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                          num_attention_heads=4, max_position_embeddings=512, rotary_pct=0.25,))  # partial rotary, parallel residual
+    if arch == "gpt2":
+        return tf.GPT2Config(**_common(n_embd=64, n_layer=2, n_head=4, n_positions=512))  # absolute positions, no RoPE
+    raise ValueError(arch)
+
+
+ARCHS = ["llama", "qwen2", "qwen3", "mistral", "phi3", "gemma", "gpt_neox", "gpt2"]
+
+
+def tiny_model(arch: str, seed: int = 0):
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    config = tiny_config(arch)
+    model = verify.with_attention(lambda impl: AutoModelForCausalLM.from_config(config, attn_implementation=impl))
+    model = model.float().eval()
+    with torch.no_grad():  # sharpen the output distribution: a decisive argmax, so no near-ties
+        model.get_output_embeddings().weight.mul_(20.0)
+    verify.check_supported(model)
+    return model
+
+
+def _testable(tokens) -> bool:
+    """Greedy text worth testing on: no early EOS, not one token repeated, and some trigram repeats (so the
+    n-gram tables and caches have something to draft from, and drafts are really accepted)."""
+    trigrams = [tuple(tokens[i : i + 3]) for i in range(len(tokens) - 2)]
+    return len(tokens) == NEW and len(set(tokens)) >= 4 and len(set(trigrams)) < len(trigrams)
+
+
+@pytest.fixture(scope="module", params=ARCHS)
+def arch_model(request):
+    """The first seed whose greedy text is _testable. A search, not a fixed seed: the families' weight
+    initialisations change between transformers releases, and this keeps the test meaningful on all."""
+    for seed in range(40):
+        model = tiny_model(request.param, seed)
+        want = verify.hf_generate(model, PROMPT, NEW, [EOS])
+        if _testable(want):
+            return request.param, model, want
+    pytest.fail(f"{request.param}: no seed in 0..39 gives varied greedy text with repeats")
+
+
+def _cases():
+    """Every method and mode, with small settings so that drafts are short and the runs take milliseconds."""
+    cost = {1: 1.0, 2: 1.2, 4: 1.4, 8: 1.8, 16: 2.4}  # a made-up cost curve: the pruner prunes something
+    cb = dict(ll=1, tdl=16, crt=4)
+    cd = dict(k=4, topk=2, ratio=3)
+    ff = dict(n_guess=3, k=3, m=2, sink=2, recent=8, page_size=4, top_pages=2, prompt_pool=True)
+    return {
+        "ngram": lambda m, d: ngram_predictor.generate(m, PROMPT, NEW, [EOS], draft_cost=1.0),
+        "cacheback": lambda m, d: cacheback.generate(m, PROMPT, NEW, [EOS], **cb),
+        "cacheback-pruned": lambda m, d: cacheback.generate(m, PROMPT, NEW, [EOS], cost=cost, **cb),
+        "card-lockstep": lambda m, d: card.generate(m, PROMPT, NEW, [EOS], draft=d, mode="lockstep", **cd),
+        "card-parallel": lambda m, d: card.generate(m, PROMPT, NEW, [EOS], draft=d, mode="parallel", **cd),
+        "fafo-dense": lambda m, d: fafo.generate(m, PROMPT, NEW, [EOS], attn="dense", **ff),
+        "fafo-quest": lambda m, d: fafo.generate(m, PROMPT, NEW, [EOS], compress="quest", **ff),
+        "fafo-flex": lambda m, d: fafo.generate(m, PROMPT, NEW, [EOS], attn="flex", block_size=16, **ff),
+    }
+
+
+CASES = list(_cases())
+
+
+@pytest.fixture(scope="module")
+def draft_of(arch_model):
+    """CARD's draft: the same weights in bfloat16 (like the default pair), so it is often right."""
+    return copy.deepcopy(arch_model[1]).to(torch.bfloat16)
+
+
+@pytest.mark.compat
+@pytest.mark.parametrize("case", CASES)
+def test_every_method_is_token_identical_to_hf_greedy(arch_model, draft_of, case):
+    arch, model, want = arch_model
+    if case == "fafo-quest":
+        try:
+            fafo.check_llama_layout(model)
+        except verify.UserError:
+            pytest.skip(f"{arch}: Quest needs the Llama-style layout (refusal tested below)")
+    gen = _cases()[case](model, draft_of)
+    assert gen.tokens == want, f"{arch} / {case}"
+    assert sum(gen.accepted) > 0, f"{arch} / {case}: no draft token was ever accepted, so nothing was tested"
+
+
+# ------------------------------------------------------------------------------------ the real default model
+
+
+@pytest.mark.compat
+@pytest.mark.parametrize("prompt", REAL_PROMPTS[:2])
+def test_every_method_on_the_real_default_model(real, draft_bf16, prompt):
+    """The same matrix on SmolLM2-135M-Instruct, the model the README promises losslessness for: the CI
+    compatibility job runs this with the oldest transformers in the range."""
+    model, tok = real
+    ids = verify.encode_prompt(tok, prompt)
+    eos = verify.eos_ids_of(model, tok)
+    want = verify.hf_generate(model, ids, 32, eos)
+    cost = {1: 1.0, 2: 1.65, 4: 1.8, 8: 2.0, 16: 2.2}  # about this CPU's measured curve (TUTORIAL §1.1)
+    small = dict(n_guess=4, k=3, m=3, sink=2, recent=12, prompt_pool=True)
+    runs = {
+        "ngram": lambda: ngram_predictor.generate(model, ids, 32, eos, draft_cost=1.0),
+        "cacheback": lambda: cacheback.generate(model, ids, 32, eos, ll=2, tdl=16, crt=4),
+        "cacheback-pruned": lambda: cacheback.generate(model, ids, 32, eos, ll=2, tdl=16, crt=4, cost=cost),
+        "card-lockstep": lambda: card.generate(model, ids, 32, eos, draft=draft_bf16, k=2, topk=2, ratio=3,
+                                               mode="lockstep"),
+        "card-parallel": lambda: card.generate(model, ids, 32, eos, draft=draft_bf16, k=2, topk=2, ratio=3,
+                                               mode="parallel"),
+        "fafo-dense": lambda: fafo.generate(model, ids, 32, eos, attn="dense", **small),
+        "fafo-flex": lambda: fafo.generate(model, ids, 32, eos, attn="flex", block_size=16, **small),
+    }
+    for name, run in runs.items():
+        gen = run()
+        assert gen.tokens == want, name
+
+
+# ---------------------------------------------------------------------------------------------- refusals
+
+
+def _refusal_models():
+    import transformers as tf
+
+    small = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                 num_key_value_heads=1)
+    yield "mistral sliding window", tf.MistralForCausalLM(tf.MistralConfig(sliding_window=16, **small)), "sliding-window"
+    yield "qwen2 sliding window", tf.Qwen2ForCausalLM(tf.Qwen2Config(use_sliding_window=True, sliding_window=16,
+                                                                     max_window_layers=0, **small)), "sliding-window"
+    yield "mamba", tf.MambaForCausalLM(tf.MambaConfig(vocab_size=64, hidden_size=32, num_hidden_layers=2,
+                                                      state_size=4)), "recurrent"
+    llama = tf.LlamaForCausalLM(tf.LlamaConfig(**small))
+    llama.generation_config.cache_implementation = "static"
+    yield "static cache", llama, "cannot be rolled back"
+
+
+@pytest.mark.compat
+def test_models_that_cannot_stay_lossless_are_refused_with_a_reason():
+    for name, model, reason in _refusal_models():
+        with pytest.raises(verify.UserError, match=reason) as e:
+            verify.check_supported(model)
+        assert "\n" not in str(e.value), name  # one line, for the CLI
+        with pytest.raises(verify.UserError, match=reason):
+            verify.new_cache(model)  # every method's generate() starts here, so library users get it too
+
+
+@pytest.mark.compat
+def test_attention_implementation_is_sdpa_where_supported_else_eager():
+    import transformers as tf
+
+    config = tiny_config("llama")
+    assert verify.with_attention(lambda impl: tf.AutoModelForCausalLM.from_config(
+        config, attn_implementation=impl)).config._attn_implementation == "sdpa"
+
+    def no_sdpa(impl):  # a model class without an sdpa implementation, as transformers reports it
+        if impl == "sdpa":
+            raise ValueError("XForCausalLM does not support an attention implementation through "
+                             "torch.nn.functional.scaled_dot_product_attention yet.")
+        return impl
+
+    assert verify.with_attention(no_sdpa) == "eager"
+    assert verify.with_attention(no_sdpa, "eager") == "eager"
+    with pytest.raises(ValueError, match="does not support"):
+        verify.with_attention(no_sdpa, "sdpa")  # asked for explicitly: no silent fallback
+    with pytest.raises(verify.UserError, match="ignores the tree attention mask"):
+        verify.attn_implementations("flash_attention_2")
+    # eager gives the same tokens as sdpa (and as HF greedy) on a RoPE model and an absolute-position one
+    for arch in ("llama", "gpt2"):
+        config = tiny_config(arch)
+        torch.manual_seed(0)
+        eager = tf.AutoModelForCausalLM.from_config(config, attn_implementation="eager").float().eval()
+        torch.manual_seed(0)
+        sdpa = tf.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").float().eval()
+        for m in (eager, sdpa):
+            with torch.no_grad():
+                m.get_output_embeddings().weight.mul_(8.0)
+        a = cacheback.generate(eager, PROMPT, 16, [EOS], ll=1, tdl=16, crt=4).tokens
+        assert a == verify.hf_generate(sdpa, PROMPT, 16, [EOS]), arch
+
+
+def test_cli_refuses_an_unsupported_model_before_generating(tmp_path):
+    """What a user sees: `python cacheback.py --model DIR` on a sliding-window model -> one line, status 2."""
+    import os
+    import subprocess
+    import sys
+
+    import transformers as tf
+
+    model = tf.MistralForCausalLM(tf.MistralConfig(vocab_size=64, hidden_size=32, intermediate_size=64,
+                                                   num_hidden_layers=1, num_attention_heads=2,
+                                                   num_key_value_heads=1, sliding_window=16))
+    model.save_pretrained(tmp_path)
+    tok_dir = verify.resolve_model(verify.DEFAULT_MODEL)  # any tokenizer will do: it never gets to generate
+    tf.AutoTokenizer.from_pretrained(tok_dir).save_pretrained(tmp_path)
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    r = subprocess.run([sys.executable, "cacheback.py", "--model", str(tmp_path), "--prompt", "hi"], cwd=root,
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+    assert r.stderr.strip().count("\n") == 0 and "sliding-window" in r.stderr
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "gpt_neox", "phi3"])
+def test_quest_refuses_a_layout_it_cannot_read(arch):
+    with pytest.raises(verify.UserError, match="Llama-style"):
+        fafo.generate(tiny_model(arch), PROMPT, 4, [EOS], compress="quest")
