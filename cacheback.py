@@ -322,7 +322,12 @@ def grow_tree(
     # that the dynamic table's deeper levels -- the text's own continuations -- should get.)
     passes = [[dynamic]] + ([[dynamic, frozen]] if frozen is not None else [])
     for n_pass, tables in enumerate(passes):
-        limit = budget - crt  # level 1 may not use the reserved tokens
+        # Level 1 may not use the CRT reserved tokens. subtle: the check below counts the WHOLE tree, so in
+        # pass 2 the limit must not be below what pass 1 already grew (all levels): else the first existing
+        # dynamic follower (0 new tokens) would already "not fit", and the frozen table could never add
+        # anything once the dynamic tree holds more than TDL-1-CRT tokens, against §3.3's "then the frozen
+        # one to further grow the tree if TDL still allows".
+        limit = max(budget - crt, len(tree) - 1)
         # The leaves to extend, each with the last LL tokens of its root-to-leaf text (its leader).
         frontier = [(0, tuple(context[-ll:]))] if len(context) >= ll else []
         level = 1
@@ -592,7 +597,8 @@ def prepare(model, tok, args) -> dict:
     if which == "none":
         frozen = None
     elif which == "auto":
-        frozen = default_frozen(tok, ll, fl, PAPER_DEFAULTS["lc"], PAPER_DEFAULTS["fc"])
+        frozen = default_frozen(tok, ll, fl, getattr(args, "lc", PAPER_DEFAULTS["lc"]),
+                                getattr(args, "fc", PAPER_DEFAULTS["fc"]))
     else:
         frozen = load_frozen(which, tok, ll, fl)
     cost = None

@@ -1,6 +1,8 @@
 """cacheback.py: the LRU rules of §3.1 one by one, sliding-window updates, tree growth under TDL/CRT on
 hand-built tables, the tree's attention mask, and losslessness against HF greedy on the real model."""
 
+import types
+
 import numpy as np
 import pytest
 import torch
@@ -151,6 +153,43 @@ def test_frozen_table_only_fills_the_remaining_budget_and_shared_prefixes_merge(
     assert len(tree) == 6  # (6,9) shares the 6 with (6,7): one new node
     tree = cb.grow_tree(5, [5], dyn, frozen, tdl=3, crt=0)
     assert tree.tokens == [5, 6, 7]  # the dynamic table's follower first, no room for the frozen ones
+
+
+def test_frozen_followers_fill_the_budget_after_a_big_dynamic_tree():
+    # TDL 16, CRT 4: level 1 may use 15 - 4 = 11 tokens. The dynamic tree: three level-1 followers (9 tokens)
+    # and one level-2 follower below "12" -> 12 tokens, more than 11. The frozen table then still adds a
+    # follower at level 2 (below "22"), filling the tree to 15 = TDL - 1 (§3.3: "if TDL still allows").
+    dyn = table_with([((5,), (30, 31, 32)), ((5,), (20, 21, 22)), ((5,), (10, 11, 12)), ((12,), (13, 14, 15))],
+                     fl=3)
+    frozen = table_with([((5,), (40, 41, 42)), ((22,), (26, 27, 28))], fl=3)
+    frozen.frozen = True
+    alone = cb.grow_tree(5, [5], dyn, None, tdl=16, crt=4)
+    assert len(alone) - 1 == 12
+    tree = cb.grow_tree(5, [5], dyn, frozen, tdl=16, crt=4)
+    assert len(tree) - 1 == 15  # before the fix: 12 (the frozen pass stopped at its first dynamic follower)
+    assert [tree.tokens[n] for n in tree.branches()[-1]] == [20, 21, 22, 26, 27, 28]
+    assert 40 not in tree.tokens  # level 1 stays within its TDL-1-CRT share (already used up)
+
+
+def test_auto_frozen_table_is_built_with_lc_and_fc(monkeypatch, tmp_path):
+    import argparse
+
+    monkeypatch.setenv("SPECDEC_CACHE", str(tmp_path))
+    seen = {}
+
+    def fake_build(tok, ll, fl, lc, fc, **kw):
+        seen.update(ll=ll, fl=fl, lc=lc, fc=fc)
+        t = cb.CacheTable(ll, fl, lc, fc)
+        t.frozen = True
+        return t, {"corpus": "test", "seed": 0, "tokens": 0}
+
+    monkeypatch.setattr(cb, "build_frozen", fake_build)
+    tok = types.SimpleNamespace(get_vocab=lambda: {"a": 0, "b": 1})
+    model = types.SimpleNamespace(device=torch.device("cpu"))
+    args = argparse.Namespace(ll=1, fl=3, lc=7, fc=5, tdl=16, crt=4, frozen="auto", prune="none")
+    extra = cb.prepare(model, tok, args)
+    assert seen == dict(ll=1, fl=3, lc=7, fc=5)
+    assert (extra["frozen"].lc, extra["frozen"].fc) == (7, 5)
 
 
 def test_only_the_first_level_query_refreshes_recency():
