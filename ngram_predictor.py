@@ -204,6 +204,15 @@ def measure_cost_ratio(model, d: int) -> float:
     return verify.measure_cost_curve(model, [1 + d])[1 + d] if d > 0 else 1.0
 
 
+@torch.no_grad()
+def measure_draft_costs(model, d: int) -> dict[int, float]:
+    """{n: t(1+n)/t(1)} for n = 1..D drafts: what the cost gate charges a draft of each length."""
+    if d <= 0:
+        return {}
+    curve = verify.measure_cost_curve(model, list(range(2, d + 2)))
+    return {n: curve[1 + n] for n in range(1, d + 1)}
+
+
 # ----------------------------------------------------------------------------------------------------------
 # 3b. The cost gate (deviation from the chapter)
 # ----------------------------------------------------------------------------------------------------------
@@ -215,7 +224,7 @@ def measure_cost_ratio(model, d: int) -> float:
 # slower. Measured without a gate, QA and math prompts ran at 0.8x of plain greedy decoding.
 #
 # So we apply the chapter's own estimate *per step*, before verifying:
-#     verify the draft only if   1 + E[accepted]  >  t(1+D) / t(1)   ("draft_cost")
+#     verify the draft only if   1 + E[accepted]  >  t(1+n) / t(1)   ("draft_cost" of its length n <= D)
 # i.e. only if the expected tokens per forward beat the plain step's 1 token per 1 unit of cost.
 # E[accepted] = sum_k prod_{j<=k} alpha(order_j), with alpha measured online separately for drafts that came
 # from 4-grams, trigrams and bigrams (a 4-gram match is far more reliable than a bigram one).
@@ -227,12 +236,27 @@ def measure_cost_ratio(model, d: int) -> float:
 
 
 class CostGate:
-    def __init__(self, draft_cost: float, max_order: int = MAX_ORDER):
-        self.draft_cost = draft_cost
+    def __init__(self, draft_cost: dict[int, float] | float, max_order: int = MAX_ORDER,
+                 draft_count: int = DRAFT_COUNT):
+        """draft_cost: {n: t(1+n)/t(1)} for drafts of n = 1..D tokens (measured, `measure_draft_costs`), or one
+        number c = t(1+D)/t(1) for a full draft, taken as linear in n below it (c = 1: the gate is off).
+        note: a draft of n < D tokens is charged ITS cost, t(1+n)/t(1), not that of a full D-token draft."""
+        if isinstance(draft_cost, dict):
+            self.cost = {int(n): float(c) for n, c in draft_cost.items()}
+        else:
+            d = max(draft_count, 1)
+            self.cost = {n: 1 + (float(draft_cost) - 1) * n / d for n in range(1, d + 1)}
         # Optimistic prior: alpha = 3/4 for every order until measured (3 pseudo-hits in 4 pseudo-trials).
         self.hits = {order: 3 for order in range(2, max_order + 1)}
         self.trials = {order: 4 for order in range(2, max_order + 1)}
         self.skipped = 0  # drafts withheld because they were not worth their cost
+
+    def cost_of(self, n: int) -> float:
+        """t(1+n)/t(1) for a draft of n tokens (the largest measured length if n is beyond it)."""
+        if n <= 0 or not self.cost:
+            return 1.0
+        longer = [k for k in self.cost if k >= n]  # normally n itself; a bigger forward never costs less
+        return self.cost[min(longer)] if longer else self.cost[max(self.cost)]
 
     def alpha(self, order: int) -> float:
         return self.hits[order] / self.trials[order]
@@ -245,7 +269,7 @@ class CostGate:
         return e
 
     def allows(self, orders: Sequence[int]) -> bool:
-        ok = 1 + self.expected_accepted(orders) > self.draft_cost
+        ok = 1 + self.expected_accepted(orders) > self.cost_of(len(orders))
         self.skipped += not ok
         return ok
 
@@ -273,19 +297,20 @@ def generate(
     draft_count: int = DRAFT_COUNT,
     max_history: int = MAX_HISTORY,
     max_batch: int = MAX_BATCH,
-    draft_cost: float | None = None,
+    draft_cost: dict[int, float] | float | None = None,
     on_emit=None,
     on_step=None,
 ) -> Generation:
-    """Greedy speculative decoding with n-gram drafts. draft_cost = t(1+D)/t(1) for the cost gate (§3b):
-    None measures it now (about a second on a CPU; `prepare` does it once per process instead), 1.0 turns
-    the gate off (the chapter's behaviour: always verify whatever the predictor drafts)."""
+    """Greedy speculative decoding with n-gram drafts. draft_cost = {n: t(1+n)/t(1)} for the cost gate
+    (§3b), or one number for a full draft (see CostGate): None measures the curve now (about a second on a
+    CPU; `prepare` does it once per process instead), 1.0 turns the gate off (the chapter's behaviour:
+    always verify whatever the predictor drafts)."""
     if draft_cost is None:
-        draft_cost = measure_cost_ratio(model, draft_count)
+        draft_cost = measure_draft_costs(model, draft_count)
     gen = Generation(max_new_tokens, eos_ids, on_emit=on_emit, on_step=on_step)
     predictor = NGramPredictor(max_order, draft_count, max_history)
     predictor.update_batch(prompt_ids)  # seed the tables with the prompt (chat template included)
-    gate = CostGate(draft_cost, max_order)
+    gate = CostGate(draft_cost, max_order, draft_count)
 
     cache = verify.new_cache(model)
     known = int(verify.prefill(model, cache, prompt_ids).argmax())  # the first new token
@@ -328,7 +353,7 @@ def generate(
         done = gen.finish_step(tree, path, bonus, draft_s)
         predictor.update_batch(gen.tokens[n_before:])  # the predictor learns every emitted token
         if done:
-            gen.extra["draft_cost"] = draft_cost
+            gen.extra["draft_cost"] = gate.cost_of(draft_count)  # t(1+D)/t(1), the cost of a full draft
             gen.extra["gated_drafts"] = gate.skipped
             return gen
         known = bonus
@@ -343,7 +368,7 @@ def prepare(model, tok, args) -> dict:
     """Once per process, before any timing: measure t(1+D)/t(1) for the cost gate unless given."""
     d = getattr(args, "draft_count", DRAFT_COUNT)
     cost = getattr(args, "draft_cost", "auto")
-    return {"draft_cost": measure_cost_ratio(model, d) if cost == "auto" else float(cost)}
+    return {"draft_cost": measure_draft_costs(model, d) if cost == "auto" else float(cost)}
 
 
 def report(model, prompt_ids, gen: Generation, args) -> dict:
@@ -391,9 +416,10 @@ def main(argv=None) -> int:
                    help=f"buffer capacity guard: at most this many tokens per verification forward, known token "
                         f"included (default: {MAX_BATCH})")
     g.add_argument("--draft-cost", default="auto",
-                   help="cost gate (a deviation, see the file's section 3b): t(1+D)/t(1), the cost of a drafted "
-                        "step in plain steps; a draft is verified only if 1 + E[accepted] exceeds it. 'auto' "
-                        "measures it at start-up (~1.8 on a 2-core CPU, ~1 on a GPU); 1 = the chapter: always draft")
+                   help="cost gate (a deviation, see the file's section 3b): a draft of n tokens is verified only "
+                        "if 1 + E[accepted] exceeds t(1+n)/t(1). 'auto' measures t(1+n)/t(1) for n = 1..D at "
+                        "start-up (~1.8 for D = 4 on a 2-core CPU, ~1 on a GPU); a number c sets t(1+D)/t(1) = c, "
+                        "linear below; 1 = the chapter: always draft")
     return verify.run_cli(parser, "ngram", generate, method_kwargs, argv=argv, prepare=prepare, report=report)
 
 

@@ -141,16 +141,28 @@ def test_cost_gate_off_always_allows():
 
 
 def test_cost_gate_weighs_expected_acceptance_against_cost():
-    gate = ng.CostGate(draft_cost=1.8)  # optimistic prior alpha = 3/4 for every order
+    gate = ng.CostGate(draft_cost={1: 1.8, 2: 1.85, 3: 1.9, 4: 1.95})  # optimistic prior alpha = 3/4
     assert not gate.allows([2])  # 1 + 0.75 < 1.8
-    assert gate.allows([2, 2])  # 1 + 0.75 + 0.5625 > 1.8: unmeasured drafts get tried
+    assert gate.allows([2, 2])  # 1 + 0.75 + 0.5625 > 1.85: unmeasured drafts get tried
     assert gate.skipped == 1
     for _ in range(10):
         gate.update([2, 2, 2], accepted=0)  # bigram drafts keep being wrong (only the first one counts)
-    assert gate.alpha(2) == pytest.approx(3 / 14) and not gate.allows([2, 2, 2, 2])  # 1 + 0.27 < 1.8
+    assert gate.alpha(2) == pytest.approx(3 / 14) and not gate.allows([2, 2, 2, 2])  # 1 + 0.27 < 1.95
     assert gate.allows([4, 4, 4, 4])  # 4-grams are still trusted
     gate.update([4, 3, 2], accepted=1)  # 4-gram right, trigram wrong, bigram untested
     assert (gate.hits[4], gate.trials[4], gate.hits[3], gate.trials[3], gate.trials[2]) == (4, 5, 3, 5, 14)
+
+
+def test_cost_gate_charges_a_short_draft_its_own_cost():
+    # t(2)/t(1) = 1.3 but t(5)/t(1) = 1.8: one 4-gram draft (alpha 3/4) is worth 1.75 tokens for 1.3 units.
+    # Charged the full draft's cost, as before the fix, it would have been withheld.
+    gate = ng.CostGate(draft_cost={1: 1.3, 2: 1.5, 3: 1.65, 4: 1.8})
+    assert gate.cost_of(1) == 1.3 and gate.cost_of(4) == 1.8 and gate.cost_of(0) == 1.0
+    assert gate.allows([4]) and not ng.CostGate(draft_cost={1: 1.8}).allows([4])
+    # one number: the cost of a full draft of D tokens, linear below it
+    gate = ng.CostGate(draft_cost=1.8, draft_count=4)
+    assert [round(gate.cost_of(n), 3) for n in range(5)] == [1.0, 1.2, 1.4, 1.6, 1.8]
+    assert gate.allows([2])  # 1.75 > 1.2
 
 
 # ---------------------------------------------------------------------------------------------- decode loop
