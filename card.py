@@ -40,6 +40,7 @@ False) in both modes (tests/test_card.py). Temperature > 0 is not offered (see T
 from __future__ import annotations
 
 import contextlib
+import math
 import sys
 import threading
 import time
@@ -53,8 +54,9 @@ import verify
 from verify import Generation, Tree
 
 # The paper's configuration for a 1B draft (§3.1): K = 100 sequences in the primary cache, communication
-# ratio 7. The reference code expands each node by its own top-K; the paper's Eq. 2 names a separate top-k.
-PAPER_DEFAULTS = dict(k=100, topk=10, ratio=7)
+# ratio 7. note: the paper gives no value for Eq. 2's top-k; its reference code expands each node by its own
+# top-K, i.e. k = K, which is what we use (K x k = 10^4 candidates per layer, cheap on a GPU).
+PAPER_DEFAULTS = dict(k=100, topk=100, ratio=7)
 # On this CPU (2-core AMD EPYC) a bfloat16 forward is fast only for ONE token: t(1) = 46 ms against 60 ms in
 # float32, but t(8) = 3.7 t(1) = 169 ms against 107 ms in float32 (measured). A wide cache makes every draft
 # layer expensive, and our stand-in draft agrees with its float32 original ~99% of the time anyway, so the
@@ -205,6 +207,7 @@ class Drafter:
         self.correct_enabled = correct  # False = the "cache only" ablation of Table 2 (see correct())
         self.cache = None
         self.layers_fed = 0  # draft forwards done (one per layer)
+        self.kv_ready = None  # CUDA: an event recorded after correct() compacted the draft KV (see step())
 
     def start(self, text: Sequence[int]) -> None:
         """text = the verified tokens, its last one the (unfed) root."""
@@ -225,6 +228,14 @@ class Drafter:
     def step(self) -> None:
         """One draft forward: feed the frontier (or, first, the root) and grow the next layer."""
         tree, model = self.tree, self.model
+        if self.kv_ready is not None:
+            # subtle (CUDA, parallel mode): correct() compacted the draft KV on the TARGET thread's stream,
+            # and this forward runs on the worker's own stream. CUDA orders work only within a stream, so
+            # without this wait the forward could read the KV while the compaction is still moving it. The
+            # wait is queued on the GPU (the host thread does not block); in lockstep mode both run on one
+            # stream and it costs nothing.
+            torch.cuda.current_stream(model.device).wait_event(self.kv_ready)
+            self.kv_ready = None
         root = tree.nodes[tree.root]
         if root.slot is None:
             # Catch up: feed the verified tokens the draft has not seen, ending with the root (causal).
@@ -294,6 +305,9 @@ class Drafter:
         slots = [tree.nodes[n].slot for n in verified + keep]
         assert slots == sorted(slots)
         verify.compact_kv(self.cache, self.dp, [s - self.dp for s in slots])
+        if self.model.device.type == "cuda":  # the worker's next step() waits for this (see there)
+            self.kv_ready = torch.cuda.Event()
+            self.kv_ready.record(torch.cuda.current_stream(self.model.device))
         self.dp += len(verified)
         self.root_pos = len(self.text) - 1
         if x is None:  # MISS: restart the cache from the target's token
@@ -374,7 +388,9 @@ def _worker(drafter: Drafter, cond: threading.Condition, turn: threading.Event, 
                     if drafter.lead() < max_lead:
                         drafter.step()
                         if stream is not None:
-                            stream.synchronize()  # the tree's tokens are read by the target thread
+                            # the tree's tokens are read by the target thread, and correct()'s compaction
+                            # (on the target's stream) moves the KV this step wrote: both need it finished
+                            stream.synchronize()
                     else:
                         cond.wait(timeout=0.05)  # nothing to do until a correction: woken by it
     except BaseException as e:  # reported to the target thread, which re-raises it
@@ -527,14 +543,47 @@ def load_draft(args, model, tok):
     return draft
 
 
+@torch.no_grad()
+def step_time(model, n: int, context: int = 256, repeats: int = 3) -> float:
+    """Seconds for one forward of `model` over n new tokens after `context` cached ones (the fastest of
+    `repeats`, after a warm-up). n = 1: a target step; n = K: one draft layer of the candidate cache."""
+    ids = [i % model.config.vocab_size for i in range(1000, 1000 + context)]
+    cache = verify.new_cache(model)
+    verify.prefill(model, cache, ids)
+    times = []
+    for _ in range(repeats + 1):
+        t0 = time.perf_counter()
+        verify.tree_forward(model, cache, Tree.chain(ids[-1], ids[-n:][: n - 1]))
+        verify.sync(model)
+        times.append(time.perf_counter() - t0)
+        verify.rollback(cache, context)
+    return min(times[1:])
+
+
+def measure_ratio(model, draft, k: int) -> int:
+    """§3.1's communication ratio r = ceil(t_target / t_draft): how many K-node draft layers fit in the time
+    of one target step (here: a one-token target step against one draft layer of K tokens)."""
+    return max(1, math.ceil(step_time(model, 1) / step_time(draft, k)))
+
+
 def prepare(model, tok, args) -> dict:
-    """Once per process, untimed: load the draft model; device-dependent defaults for K, k and r."""
+    """Once per process, untimed: load the draft model; device-dependent defaults for K, k and r;
+    --ratio auto measures r."""
     defaults = PAPER_DEFAULTS if model.device.type == "cuda" else CPU_DEFAULTS
     kw = {name: defaults[name] if getattr(args, name, None) is None else getattr(args, name) for name in ("k", "topk", "ratio")}
+    if kw["ratio"] != "auto":
+        try:
+            kw["ratio"] = int(kw["ratio"])
+        except ValueError:
+            raise verify.UserError(f"--ratio must be a whole number or 'auto' (got {kw['ratio']!r})") from None
     for name, v in kw.items():
-        if v < 1:
+        if v != "auto" and v < 1:
             raise verify.UserError(f"--{name} must be at least 1 (got {v})")
-    return dict(draft=load_draft(args, model, tok), **kw)
+    draft = load_draft(args, model, tok)
+    if kw["ratio"] == "auto":
+        kw["ratio"] = measure_ratio(model, draft, kw["k"])
+        print(f"[card] --ratio auto: measured r = {kw['ratio']}", file=sys.stderr)
+    return dict(draft=draft, **kw)
 
 
 def method_kwargs(args) -> dict:
@@ -556,8 +605,8 @@ def main(argv=None) -> int:
 
     parser = verify.common_parser(__doc__.split("\n\n")[0].strip())
     g = parser.add_argument_group(
-        "CARD (the paper's names; defaults: K=100, k=10, r=7 on CUDA as in §3.1 for a 1B draft; "
-        f"K={CPU_DEFAULTS['k']}, k={CPU_DEFAULTS['topk']}, r={CPU_DEFAULTS['ratio']} on CPU, measured: see README)")
+        "CARD (the paper's names; defaults: K=100, r=7 on CUDA as in §3.1 for a 1B draft, and k=K as in the paper's "
+        f"reference code; K={CPU_DEFAULTS['k']}, k={CPU_DEFAULTS['topk']}, r={CPU_DEFAULTS['ratio']} on CPU, measured: see README)")
     g.add_argument("--target", dest="model", default=argparse.SUPPRESS,
                    help="the target model (same as --model)")
     g.add_argument("--draft", default=None,
@@ -570,14 +619,17 @@ def main(argv=None) -> int:
                    help="K, the primary cache size: candidate sequences kept per tree layer (Eq. 7)")
     g.add_argument("--topk", type=int, default=None,
                    help="k, the children proposed per node, from the draft's top-k (Eq. 2)")
-    g.add_argument("--ratio", type=int, default=None,
-                   help="r, the communication ratio ~ t(target step) / t(draft step): the target verifies a "
-                        "chain of up to r tokens per step; in lockstep mode the draft adds exactly r layers per step")
+    g.add_argument("--ratio", default=None,
+                   help="r, the communication ratio ~ t(target step) / t(draft step): the target verifies a chain "
+                        "of up to r tokens per step; in lockstep mode the draft adds exactly r layers per step. "
+                        "'auto' measures r = ceil(t_target / t_draft) at start-up (§3.1)")
     g.add_argument("--mode", choices=["parallel", "lockstep"], default="parallel",
                    help="parallel (default): the draft runs in a worker thread concurrently with the target; "
                         "lockstep: r draft layers, then one target step (deterministic; for one-core machines)")
     g.add_argument("--no-correct", action="store_true",
-                   help="the Table 2 ablation 'cache only': the target queries the cache but never prunes it")
+                   help="Table 2's 'cache only' ablation (query but don't correct): on a hit the verified text is "
+                        "followed down the cache, nothing is pruned; only on a miss, when the text has left the "
+                        "cache, is the draft restarted from the target's token")
     return verify.run_cli(parser, "card", generate, method_kwargs, argv=argv, prepare=prepare)
 
 

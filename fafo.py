@@ -70,6 +70,11 @@ from verify import Generation, Tree, UserError
 #   -> pool[(' cat',)]        gets (' sat', ' on', ' the')
 #      pool[('The', ' cat')]  gets (' sat', ' on', ' the')
 #   text "... The cat" -> retrieve: key ('The', ' cat') first, then (' cat',)
+#
+# note: key lengths. The paper's text says 1..k ("prefixes of increasing length up to k", §4.2; "1 <= m <= k",
+# §4.3), but the printed pseudo-code disagrees: Algorithm 2's loop `for j = s+1 down to s-k` files under
+# k+2 suffix lengths, and Algorithm 3 starts at `suffixSeqLen <- k+2`, although the buffer holds only k
+# discarded tokens. We follow the text (1..k), which is also all a buffer of k tokens can provide.
 
 
 class NgramPool:
@@ -132,6 +137,7 @@ class Streams:
         self.windows = windows  # n lists of k tokens: y^i_1 .. y^i_k
         self.buffers: list[list[int]] = [[] for _ in windows]  # the last k discarded tokens of each stream
         self.k = k
+        self.advances = 0  # forwards so far; after k of them every window holds only the model's guesses
 
     @classmethod
     def from_prompt(cls, prompt_ids: Sequence[int], n: int, k: int, seed: int = 0) -> "Streams":
@@ -145,11 +151,22 @@ class Streams:
         return len(self.windows)
 
     def advance(self, new_tokens: Sequence[int], pool: NgramPool) -> None:
+        """Shift every stream by its new token; file the new windows in the pool once they are the model's.
+
+        Warm-up, as Lookahead: the initial windows are random prompt tokens, so for the first k advances a
+        window still holds some of them, and a dropped token is one of them. Neither is the model's guess,
+        so nothing is filed until the window is all guesses, and only guessed tokens enter the buffers
+        (the keys). With k = 2: advances 1 and 2 file nothing, advance 3 files its window under a key of
+        length 1, advance 4 under keys of length 1 and 2."""
+        dropped_is_guess = self.advances >= self.k  # the token about to be dropped was guessed by the model
+        self.advances += 1
         for i, t in enumerate(new_tokens):
             dropped = self.windows[i][0]
             self.windows[i] = self.windows[i][1:] + [int(t)]
-            self.buffers[i] = (self.buffers[i] + [dropped])[-self.k :]
-            pool.add_guess(self.buffers[i], self.windows[i])
+            if dropped_is_guess:
+                self.buffers[i] = (self.buffers[i] + [dropped])[-self.k :]
+            if self.buffers[i]:  # empty during the warm-up
+                pool.add_guess(self.buffers[i], self.windows[i])
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -553,6 +570,13 @@ def generate(
         raise UserError("--attn flex needs a fixed compression budget (--compress stream or quest)")
     if compress == "quest":
         check_llama_layout(model)
+    # subtle: guess rows run ahead of the text: stream i's level-j token sits at position p + 1 + i + j, up
+    # to p + n + k - 1. A model with absolute position embeddings fails past its table, and a RoPE model is
+    # untested there, so the context check must include them, not just prompt + max_new_tokens.
+    reach = len(prompt_ids) + max_new_tokens + n_guess + k
+    if reach > verify.context_length(model):
+        raise UserError(f"prompt ({len(prompt_ids)}) + max new tokens ({max_new_tokens}) + the guess rows' lead "
+                        f"(n + k = {n_guess + k}) exceeds the model's context of {verify.context_length(model)}")
     gen = Generation(max_new_tokens, eos_ids, on_emit=on_emit, on_step=on_step)
     compressor = make_compressor(compress, sink, recent, page_size, top_pages)
     if pool is None:

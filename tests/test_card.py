@@ -197,3 +197,12 @@ def test_refuses_a_draft_with_another_vocabulary(monkeypatch):
     with pytest.raises(verify.UserError, match="do not share a vocabulary"):
         card.load_draft(args, target, tok)
     card._DRAFTS.clear()
+
+
+def test_ratio_auto_is_the_ceiling_of_the_step_time_ratio(monkeypatch):
+    # §3.1: r = ceil(t_target / t_draft); here a 60 ms target step against a 25 ms draft layer -> 3
+    times = {"target": 0.060, "draft": 0.025}
+    monkeypatch.setattr(card, "step_time", lambda model, n: times[model])
+    assert card.measure_ratio("target", "draft", k=4) == 3
+    times["draft"] = 0.5  # a draft slower than the target still gets one layer per step
+    assert card.measure_ratio("target", "draft", k=4) == 1

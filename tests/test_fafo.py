@@ -59,14 +59,29 @@ def test_prompt_seeding_files_each_kgram_under_its_preceding_tokens():
 # -- 2. the guess streams --------------------------------------------------------------------------------
 
 
-def test_streams_shift_and_file_their_new_window():
+def test_streams_shift_and_file_their_new_window_only_after_the_warm_up():
+    # k = 3: the initial windows are random prompt tokens (Lookahead's initialisation). For 3 advances a
+    # window still holds some of them, so nothing is filed; from the 4th on, the model's own guesses are.
     s = fafo.Streams([[1, 2, 3], [4, 5, 6]], k=3)
     pool = fafo.NgramPool(k=3, cap=4)
     s.advance([7, 8], pool)
-    assert s.windows == [[2, 3, 7], [5, 6, 8]] and s.buffers == [[1], [4]]
-    assert pool.table == {(1,): {(2, 3, 7): None}, (4,): {(5, 6, 8): None}}
+    assert s.windows == [[2, 3, 7], [5, 6, 8]] and s.buffers == [[], []] and len(pool) == 0
     s.advance([9, 9], pool)
-    assert s.buffers[0] == [1, 2] and (1, 2) in pool.table and pool.table[(2,)] == {(3, 7, 9): None}
+    s.advance([10, 11], pool)
+    assert s.windows == [[7, 9, 10], [8, 9, 11]] and len(pool) == 0  # all guesses now, but no guessed key yet
+    s.advance([12, 13], pool)
+    assert s.buffers == [[7], [8]]  # the first guessed token dropped: the first key
+    assert pool.table == {(7,): {(9, 10, 12): None}, (8,): {(9, 11, 13): None}}
+    s.advance([14, 14], pool)
+    assert s.buffers[0] == [7, 9] and pool.table[(7, 9)] == {(10, 12, 14): None}
+    assert pool.table[(9,)] == {(10, 12, 14): None, (11, 13, 14): None}
+
+
+def test_guess_rows_are_inside_the_context_check(tiny):
+    # tiny's context is 512: 500 + 4 new tokens fit, but the guess rows reach 500 + 4 + n + k = 514
+    with pytest.raises(verify.UserError, match="guess rows"):
+        fafo.generate(tiny, [5] * 500, 4, [], n_guess=5, k=5, m=2)
+    assert len(fafo.generate(tiny, [5] * 500, 4, [], n_guess=4, k=3, m=2).tokens) == 4
 
 
 # -- 3. the compression functions ------------------------------------------------------------------------
