@@ -33,8 +33,9 @@ only pair available offline. It stands in for a real small/large pair, e.g. --dr
 HuggingFaceTB/SmolLM2-135M-Instruct --target HuggingFaceTB/SmolLM2-1.7B-Instruct (hub ids need network
 access or a local copy).
 
-Greedy decoding, float32 target: the output is token-identical to the target's model.generate(do_sample=
-False) in both modes (tests/test_card.py). Temperature > 0 is not offered (see TUTORIAL.md §4).
+Greedy decoding, float32 target: the output is identical to the target's model.generate(do_sample=False) in
+both modes, except at exact ties within rounding (see verify.py); measured on every prompt we run
+(tests/test_card.py). Temperature > 0 is not offered (see TUTORIAL.md §4).
 """
 
 from __future__ import annotations

@@ -15,7 +15,7 @@ verified. The trick is that guessing and verifying happen in the SAME forward pa
 FAFO's contribution (§4.2): the guess rows only need to be plausible, not exact, so let them attend to a
 compressed selection C(kv) of the cache (StreamingLLM: sinks + recent tokens; Quest: the pages whose keys
 can score highest), which makes many more guesses affordable. The verification rows see the full cache,
-so the output stays exactly greedy. §4.4 adds the systems part -- keep C(kv) physically contiguous at the
+so the output stays greedy (identical in float32 except at exact ties within rounding, see verify.py). §4.4 adds the systems part -- keep C(kv) physically contiguous at the
 head of a fixed KV buffer so FlexAttention can skip every other block -- which lives in verify.py
 (`CompactedKVCache`) and is used here by `--attn flex`.
 

@@ -126,3 +126,19 @@ def test_method_json_run_is_identical_to_hf_greedy(script, args):
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout.strip().splitlines()[-1])
     assert out["identical"] is True and out["new_tokens"] == len(out["token_ids"])
+
+
+def test_first_difference_reports_the_index_and_the_top2_margin(tiny):
+    """--compare's diagnosis when outputs differ: where, and whether the target's choice there was a tie."""
+    import verify
+
+    prompt = [1, 5, 6, 7]
+    want = verify.hf_generate(tiny, prompt, 6, [95])
+    got = want[:3] + [(want[3] + 1) % 96] + want[4:]
+    d = verify.first_difference(tiny, prompt, want, got)
+    with torch.no_grad():
+        logits = tiny(torch.tensor([prompt + want[:3]])).logits[0, -1]
+    top2 = logits.topk(2).values
+    assert d["first_difference"] == 3 and d["hf_token"] == want[3] and d["ours_token"] == got[3]
+    assert d["top2_margin"] == pytest.approx(float(top2[0] - top2[1]), abs=1e-5) and d["top2_margin"] > 0
+    assert verify.first_difference(tiny, prompt, want, want[:4])["first_difference"] == 4  # a shorter output
