@@ -9,7 +9,9 @@ How the measurement is made fair (the same rules as SpecBench, Xia et al. 2024):
     machine (thermal, other processes) hit every method alike;
   * one untimed warm-up run of every method before timing;
   * every run starts from scratch (stateful drafters get a fresh state per prompt);
-  * speedup = mean tokens/s of the method / mean tokens/s of hf-greedy (ratio of means, not a mean of ratios);
+  * speedup = mean tokens/s of the method / mean tokens/s of hf-greedy (ratio of means, not a mean of ratios):
+    SpecBench's definition; the tables also give total tokens over total time, which weighs slow prompts more;
+  * the prompt set is split in two fixed halves (`split_of`): defaults are tuned on one, reported on the other;
   * mean accepted tokens = new tokens / target forwards, bonus token included; target forwards are counted
     by a forward hook on the target model, so HF's own methods are counted the same way as ours;
   * "identical" = the token ids equal hf-greedy's on that prompt (the lossless check).
@@ -18,7 +20,8 @@ The prompt file uses SpecBench's question.jsonl format: {"question_id", "categor
 is the prompt. bench/prompts.jsonl is the project's own set (see bench/make_prompts.py).
 
 Methods: vanilla, hf-greedy, hf-pld (transformers' prompt lookup decoding), and the PROJECT_METHODS below
-(each method file's variants, plus hf-assisted).
+(each method file's variants, plus hf-assisted). A method may fix generate() parameters for a tuning sweep:
+`--methods cacheback@ll=1@tdl=32,ngram@draft_count=6 --split tune`.
 
     python bench.py --fafo-steps 1024,4096,16384 --out bench/results/fafo-steps.jsonl
 
@@ -60,8 +63,27 @@ PROJECT_METHODS = {
 HF_METHODS = ["vanilla", "hf-greedy", "hf-pld"]
 
 
-def make_runner(name: str, model, tok, args):
+def parse_method(spec: str) -> tuple[str, dict]:
+    """'cacheback@ll=1@tdl=32' -> ('cacheback', {'ll': 1, 'tdl': 32}): a method with some of its generate()
+    parameters fixed, for tuning sweeps. Values are read as int, then float, else kept as text."""
+    name, *pairs = spec.split("@")
+    fixed = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep or not key:
+            raise verify.UserError(f"--methods {spec}: expected name@key=value@...")
+        for cast in (int, float, str):
+            try:
+                fixed[key.replace("-", "_")] = cast(value)
+                break
+            except ValueError:
+                continue
+    return name, fixed
+
+
+def make_runner(spec: str, model, tok, args):
     """Returns run(prompt_ids, max_new_tokens, eos_ids) -> (token ids, Generation or None)."""
+    name, overrides = parse_method(spec)
     if name == "vanilla":
         return lambda ids, n, eos: _gen(verify.vanilla_generate(model, ids, n, eos))
     if name == "hf-greedy":
@@ -71,6 +93,7 @@ def make_runner(name: str, model, tok, args):
         return lambda ids, n, eos: (verify.hf_generate(model, ids, n, eos, prompt_lookup_num_tokens=args.pld_tokens), None)
     if name in PROJECT_METHODS:
         module_name, fixed = PROJECT_METHODS[name]
+        fixed = {**fixed, **overrides}
         try:
             module = importlib.import_module(module_name)
         except ModuleNotFoundError:
@@ -89,9 +112,17 @@ def _gen(gen):
     return gen.tokens, gen
 
 
-def load_prompts(path: str, limit: int | None):
+def split_of(question_id: int) -> str:
+    """The fixed split of the shipped prompt set: odd question ids are the TUNING half (every default was
+    chosen on them), even ids the REPORTING half (every table in README and TUTORIAL is measured on them).
+    bench/prompts.jsonl holds four consecutive ids per category, so each category is in both halves."""
+    return "tune" if int(question_id) % 2 else "report"
+
+
+def load_prompts(path: str, limit: int | None, split: str = "all"):
     """SpecBench question.jsonl rows -> [{question_id, category, prompt}], the first turn as the prompt,
-    at most `limit` per category (in file order). A malformed line is a one-line error, not a traceback."""
+    only those of `split` (tune / report / all), at most `limit` per category (in file order). A malformed
+    line is a one-line error, not a traceback."""
     if not os.path.isfile(path):
         raise verify.UserError(f"--prompts {path}: no such file")
     rows, per_cat = [], defaultdict(int)
@@ -104,6 +135,8 @@ def load_prompts(path: str, limit: int | None):
                 q = {"question_id": row["question_id"], "category": row["category"], "prompt": row["turns"][0]}
             except (ValueError, KeyError, IndexError, TypeError):
                 raise verify.UserError(f"{path}:{line_no}: not a SpecBench question (question_id, category, turns)") from None
+            if split != "all" and split_of(q["question_id"]) != split:
+                continue
             if limit is None or per_cat[q["category"]] < limit:
                 per_cat[q["category"]] += 1
                 rows.append(q)
@@ -133,9 +166,12 @@ def summarize(rows, methods):
             if not rs:
                 continue
             tps = sum(r["tokens_per_s"] for r in rs) / len(rs)
+            total_tps = sum(r["new_tokens"] for r in rs) / sum(r["wall_s"] for r in rs)
+            base_total = sum(r["new_tokens"] for r in base) / sum(r["wall_s"] for r in base) if base else float("nan")
             out[g][m] = {
                 "tokens_per_s": tps,
-                "speedup": tps / base_tps,
+                "speedup": tps / base_tps,  # SpecBench's: mean of per-prompt tokens/s, over the baseline's
+                "speedup_total": total_tps / base_total,  # total tokens over total time, over the baseline's
                 "mean_accepted": sum(r["new_tokens"] for r in rs) / max(1, sum(r["target_forwards"] for r in rs)),
                 "identical": sum(bool(r["identical"]) for r in rs) / len(rs),
                 "n": len(rs),
@@ -146,7 +182,8 @@ def summarize(rows, methods):
 def markdown(summary, methods) -> str:
     """A compact speedup table (methods x categories), then one detailed table per category."""
     cats = [c for c in summary if c != "overall"] + ["overall"]
-    lines = ["Speedup vs hf-greedy (mean tokens/s ratio), per category:", ""]
+    lines = ["Speedup vs hf-greedy, SpecBench's definition (mean of per-prompt tokens/s, over hf-greedy's), "
+             "per category:", ""]
     lines.append("| method | " + " | ".join(cats) + " |")
     lines.append("|---" * (len(cats) + 1) + "|")
     for m in methods:
@@ -155,12 +192,13 @@ def markdown(summary, methods) -> str:
     for c in cats:
         n = next(iter(summary[c].values()))["n"]
         lines += ["", f"**{c}** ({n} prompts)", "",
-                  "| method | tokens/s | speedup | mean accepted | identical |", "|---|---|---|---|---|"]
+                  "| method | tokens/s | speedup (SpecBench) | speedup (total tokens / total time) | mean accepted "
+                  "| identical |", "|---|---|---|---|---|---|"]
         for m in methods:
             if m in summary[c]:
                 s = summary[c][m]
-                lines.append(f"| {m} | {s['tokens_per_s']:.1f} | {s['speedup']:.2f}x | {s['mean_accepted']:.2f} | "
-                             f"{100 * s['identical']:.0f}% |")
+                lines.append(f"| {m} | {s['tokens_per_s']:.1f} | {s['speedup']:.2f}x | {s['speedup_total']:.2f}x | "
+                             f"{s['mean_accepted']:.2f} | {100 * s['identical']:.0f}% |")
     return "\n".join(lines)
 
 
@@ -207,6 +245,9 @@ def main(argv=None) -> int:
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"], help="auto = float32 on CPU, bfloat16 on CUDA")
     p.add_argument("--no-chat", action="store_true", help="feed the raw prompt, no chat template")
     p.add_argument("--limit", type=int, default=None, help="at most this many prompts per category")
+    p.add_argument("--split", default="report", choices=["report", "tune", "all"],
+                   help="which half of the prompt set: report (even question ids: what README and TUTORIAL report), "
+                        "tune (odd ids: what the defaults were chosen on) or all (default: report)")
     p.add_argument("--out", default="bench/results/latest.jsonl", help="one JSON row per (method, prompt); a .png chart and .md table go beside it")
     p.add_argument("--pld-tokens", type=int, default=10, help="hf-pld: prompt_lookup_num_tokens (default: 10)")
     p.add_argument("--fafo-steps", metavar="CONTEXTS",
@@ -257,7 +298,7 @@ def run(args) -> int:
         raise verify.UserError("--max-new-tokens must be positive")
     if args.limit is not None and args.limit <= 0:
         raise verify.UserError("--limit must be positive")
-    prompts = load_prompts(args.prompts, args.limit)
+    prompts = load_prompts(args.prompts, args.limit, args.split)
     verify.set_seed(0)
     model, tok = verify.load_model(args.model, args.device, args.dtype)
     eos = verify.eos_ids_of(model, tok)
@@ -311,7 +352,7 @@ def run(args) -> int:
     summary = summarize(rows, methods)
     table = markdown(summary, methods)
     header = (f"model {args.model} | device {model.device} | dtype {str(model.dtype).removeprefix('torch.')} | "
-              f"max new tokens {args.max_new_tokens} | {len(prompts)} prompts | torch threads "
+              f"max new tokens {args.max_new_tokens} | {len(prompts)} prompts ({args.split} split) | torch threads "
               f"{__import__('torch').get_num_threads()}")
     print(header + "\n\n" + table)
 
