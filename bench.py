@@ -46,9 +46,11 @@ PROJECT_METHODS = {
     "ngram-nogate": ("ngram_predictor", {"draft_cost": 1.0}),  # the chapter exactly: every draft verified
     "cacheback": ("cacheback", {}),
     # the paper's Table 1 (on CPU the default is already "no frozen"; on CUDA "dual")
-    "cacheback-dual": ("cacheback", {"frozen": "auto"}),
+    "cacheback-dual": ("cacheback", {"frozen": "stdlib"}),
+    "cacheback-dual-selfchat": ("cacheback", {"frozen": "selfchat"}),
     "cacheback-nofrozen": ("cacheback", {"frozen": "none"}),
-    "cacheback-onlyfrozen": ("cacheback", {"frozen": "auto", "dynamic_table": False}),
+    "cacheback-onlyfrozen": ("cacheback", {"frozen": "stdlib", "dynamic_table": False}),
+    "cacheback-onlyfrozen-selfchat": ("cacheback", {"frozen": "selfchat", "dynamic_table": False}),
     "card": ("card", {"mode": "parallel"}),
     "card-lockstep": ("card", {"mode": "lockstep"}),
     # Table 2's ablation needs a cache with branches: K = 4, k = 2, with and without correction

@@ -31,6 +31,7 @@ rounding (see verify.py); measured on every prompt we run (tests/test_cacheback.
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 from collections import OrderedDict
@@ -180,8 +181,11 @@ def stdlib_corpus(seed: int) -> list[str]:
 
 
 def build_frozen(tok, ll: int, fl: int, lc: int, fc: int, max_tokens: int = 2_000_000, seed: int = 0,
-                 progress: bool = True) -> tuple[CacheTable, dict]:
-    """Count leaders and their followers over the corpus; keep the top LC leaders and their top FC followers."""
+                 progress: bool = True, sequences=None, corpus: str = "python-stdlib") -> tuple[CacheTable, dict]:
+    """Count leaders and their followers over the corpus; keep the top LC leaders and their top FC followers.
+
+    The corpus is `sequences` (token-id lists; `selfchat_sequences` gives the model's own answers) or, by
+    default, the Python standard library's source, tokenized with `tok`, up to max_tokens tokens."""
     from collections import Counter, defaultdict
 
     from tqdm import tqdm
@@ -189,11 +193,15 @@ def build_frozen(tok, ll: int, fl: int, lc: int, fc: int, max_tokens: int = 2_00
     leader_counts: Counter = Counter()
     follower_counts: dict[tuple, Counter] = defaultdict(Counter)
     used = 0
-    files = stdlib_corpus(seed)
+    if sequences is None:
+        def read(path):
+            with open(path, encoding="utf-8", errors="replace") as f:
+                return tok(f.read(), add_special_tokens=False).input_ids
+
+        sequences = (read(path) for path in stdlib_corpus(seed))
     bar = tqdm(total=max_tokens, desc="frozen table: counting n-grams", unit="tok", disable=not progress, file=sys.stderr)
-    for path in files:
-        with open(path, encoding="utf-8", errors="replace") as f:
-            ids = tok(f.read(), add_special_tokens=False).input_ids[: max_tokens - used]
+    for ids in sequences:
+        ids = list(ids)[: max_tokens - used]
         for leader, follower in windows(ids, ll, fl):
             leader_counts[leader] += 1
             follower_counts[leader][follower] += 1
@@ -211,8 +219,64 @@ def build_frozen(tok, ll: int, fl: int, lc: int, fc: int, max_tokens: int = 2_00
         for follower, _ in reversed(best):
             table.insert(leader, follower)
     table.frozen = True
-    meta = {"corpus": "python-stdlib", "seed": seed, "tokens": used}
+    meta = {"corpus": corpus, "seed": seed, "tokens": used}
     return table, meta
+
+
+# A second corpus, for chat text: the target model's OWN greedy answers to a shipped instruction set
+# (corpus/instructions.jsonl, 247 instructions written for this project, disjoint from the benchmark
+# prompts). Still training-free: nothing is learned, the table caches the model's habitual phrasing ("Here
+# are some tips for", "In summary,", the chat template's own tokens), which the Python source cannot.
+# The answers of the default model are shipped (corpus/selfchat-<model>.jsonl); for another model they are
+# generated once (batched greedy, a few minutes on a CPU) and cached.
+
+CORPUS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "corpus")
+SELFCHAT_TOKENS = 192  # answer length: most answers of the default model end before it
+
+
+def selfchat_answers(model, tok, model_name: str, progress: bool = True, batch: int = 16) -> list[dict]:
+    """[{id, instruction, answer}]: the model's greedy answers, from the shipped file if it is this model's,
+    else generated now and cached. Deterministic: greedy decoding of fixed batches in a fixed order."""
+    import json
+
+    from tqdm import tqdm
+
+    safe = os.path.basename(str(model_name).rstrip("/")).replace(os.sep, "_")
+    shipped = os.path.join(CORPUS_DIR, f"selfchat-{safe}.jsonl")
+    cached = os.path.join(verify._cache_root(), f"selfchat-{safe}.jsonl")
+    for path in (shipped, cached):
+        if os.path.exists(path):
+            with open(path, encoding="utf-8") as f:
+                return [json.loads(line) for line in f]
+    with open(os.path.join(CORPUS_DIR, "instructions.jsonl"), encoding="utf-8") as f:
+        rows = [json.loads(line) for line in f]
+    eos = verify.eos_ids_of(model, tok)
+    side, tok.padding_side = tok.padding_side, "left"  # batched decoding pads on the left
+    out = []
+    try:
+        for i in tqdm(range(0, len(rows), batch), desc="selfchat: the model answers", unit="batch",
+                      disable=not progress, file=sys.stderr):
+            texts = [tok.apply_chat_template([{"role": "user", "content": r["instruction"]}],
+                                             add_generation_prompt=True, tokenize=False) for r in rows[i : i + batch]]
+            enc = tok(texts, add_special_tokens=False, return_tensors="pt", padding=True).to(model.device)
+            with torch.no_grad():
+                ids = model.generate(**enc, do_sample=False, max_new_tokens=SELFCHAT_TOKENS, eos_token_id=eos,
+                                     pad_token_id=eos[0], temperature=None, top_p=None, top_k=None)
+            for r, row in zip(rows[i : i + batch], ids[:, enc.input_ids.shape[1] :].tolist()):
+                out.append({**r, "answer": tok.decode(row, skip_special_tokens=True)})
+    finally:
+        tok.padding_side = side
+    os.makedirs(os.path.dirname(cached), exist_ok=True)
+    with open(cached, "w", encoding="utf-8") as f:
+        for r in out:
+            f.write(json.dumps(r, ensure_ascii=False) + "\n")
+    return out
+
+
+def selfchat_sequences(tok, answers: list[dict]) -> list[list[int]]:
+    """Each instruction in the chat template, followed by the model's answer: token ids as the model sees them."""
+    return [verify.encode_prompt(tok, r["instruction"]) + tok(r["answer"], add_special_tokens=False).input_ids
+            for r in answers]
 
 
 def save_frozen(table: CacheTable, path: str, tok, meta: dict) -> None:
@@ -250,14 +314,27 @@ def load_frozen(path: str, tok, ll: int, fl: int) -> CacheTable:
     return table
 
 
-def default_frozen(tok, ll: int, fl: int, lc: int, fc: int) -> CacheTable:
-    """The default frozen table: built once from the stdlib corpus and cached beside the converted model."""
-    import os
+FROZEN_CORPORA = ("stdlib", "selfchat")
 
+
+def default_frozen(tok, ll: int, fl: int, lc: int, fc: int, corpus: str = "stdlib", model=None,
+                   model_name: str = verify.DEFAULT_MODEL) -> CacheTable:
+    """A frozen table built once from one of the corpora and cached beside the converted model:
+    'stdlib' = the Python standard library's source (~25 s), 'selfchat' = the model's own answers to the
+    shipped instructions (needs `model`; seconds with the shipped answers, minutes to generate them)."""
+    if corpus not in FROZEN_CORPORA:
+        raise verify.UserError(f"--frozen {corpus}: expected none, {', '.join(FROZEN_CORPORA)} or a table file")
     ident = tokenizer_identity(tok)["vocab_sha1"][:10]
-    path = os.path.join(verify._cache_root(), f"cacheback-frozen-{ident}-ll{ll}-fl{fl}-lc{lc}-fc{fc}.json.gz")
+    if corpus == "selfchat":  # the answers are this model's: the key names it
+        ident += "-" + os.path.basename(str(model_name).rstrip("/"))
+    path = os.path.join(verify._cache_root(), f"cacheback-frozen-{corpus}-{ident}-ll{ll}-fl{fl}-lc{lc}-fc{fc}.json.gz")
     if not os.path.exists(path):
-        table, meta = build_frozen(tok, ll, fl, lc, fc)
+        if corpus == "selfchat":
+            answers = selfchat_answers(model, tok, model_name)
+            table, meta = build_frozen(tok, ll, fl, lc, fc, sequences=selfchat_sequences(tok, answers),
+                                       corpus="selfchat")
+        else:
+            table, meta = build_frozen(tok, ll, fl, lc, fc)
         os.makedirs(os.path.dirname(path), exist_ok=True)
         tmp = f"{path}.tmp{os.getpid()}"
         save_frozen(table, tmp, tok, meta)
@@ -566,11 +643,11 @@ def generate(
 #     wasted tokens: 1.15-1.18x in two runs, against 1.07-1.09x with LL = 1 (LL = 3: 1.17x);
 #   - no frozen table: the one we can build offline (the Python stdlib's source) does not match chat text,
 #     and its followers cost more than they bring here: dual 1.04x against 1.15x dynamic-only at LL = 2.
-#     `--frozen auto` turns it on (Table 1's ablation, measured: TUTORIAL.md §3.5).
+#     `--frozen stdlib` turns it on (Table 1's ablation, measured: TUTORIAL.md §3.5).
 # On CUDA, where a 96-token forward costs about what a 1-token one does: the paper's values, whole trees,
 # and the frozen table.
 CPU_DEFAULTS = dict(ll=2, tdl=16, crt=4, frozen="none", prune="cost")
-CUDA_DEFAULTS = dict(PAPER_DEFAULTS, frozen="auto", prune="none")
+CUDA_DEFAULTS = dict(PAPER_DEFAULTS, frozen="stdlib", prune="none")
 
 
 def method_kwargs(args) -> dict:
@@ -597,9 +674,10 @@ def prepare(model, tok, args) -> dict:
         raise verify.UserError(f"need TDL >= 1 and 0 <= CRT < TDL (got TDL {tdl}, CRT {crt})")
     if which == "none":
         frozen = None
-    elif which == "auto":
+    elif which in FROZEN_CORPORA:
         frozen = default_frozen(tok, ll, fl, getattr(args, "lc", PAPER_DEFAULTS["lc"]),
-                                getattr(args, "fc", PAPER_DEFAULTS["fc"]))
+                                getattr(args, "fc", PAPER_DEFAULTS["fc"]), corpus=which, model=model,
+                                model_name=getattr(args, "model", verify.DEFAULT_MODEL))
     else:
         frozen = load_frozen(which, tok, ll, fl)
     cost = None
@@ -610,7 +688,7 @@ def prepare(model, tok, args) -> dict:
 
 
 def bench_runner(model, tok, args, extra, **fixed):
-    """bench.py's ablations of the paper's Table 1: `fixed` may set frozen ('auto'/'none') and
+    """bench.py's ablations of the paper's Table 1: `fixed` may set frozen ('stdlib'/'selfchat'/'none') and
     dynamic_table; the defaults are then resolved again with that frozen setting."""
     import argparse
 
@@ -625,24 +703,35 @@ def build_frozen_main(argv) -> int:
     import argparse
 
     p = argparse.ArgumentParser(prog="cacheback.py build-frozen",
-                                description="Build a frozen Cacheback table (§3.3, §4) from the Python standard "
-                                            "library's source, tokenized with the model's tokenizer.")
+                                description="Build a frozen Cacheback table (§3.3, §4): from the Python standard "
+                                            "library's source (--corpus stdlib) or from the model's own greedy answers "
+                                            "to corpus/instructions.jsonl (--corpus selfchat).")
     p.add_argument("--out", required=True, help="output file (.json.gz)")
-    p.add_argument("--model", default=verify.DEFAULT_MODEL, help="whose tokenizer to use")
+    p.add_argument("--corpus", default="stdlib", choices=list(FROZEN_CORPORA),
+                   help="stdlib = Python source; selfchat = the model's answers (shipped for the default model, "
+                        "else generated: minutes on a CPU). Default: stdlib")
+    p.add_argument("--model", default=verify.DEFAULT_MODEL, help="whose tokenizer (and, for selfchat, answers) to use")
     p.add_argument("--ll", type=int, default=1, help="LL, leader length (default: 1)")
     p.add_argument("--fl", type=int, default=3, help="FL, follower length (default: 3)")
     p.add_argument("--lc", type=int, default=2**20, help="LC: keep the LC most frequent leaders (default: 2^20)")
     p.add_argument("--fc", type=int, default=128, help="FC: keep each leader's FC most frequent followers (default: 128)")
     p.add_argument("--max-tokens", type=int, default=2_000_000, help="corpus size in tokens (default: 2,000,000)")
-    p.add_argument("--seed", type=int, default=0, help="order in which corpus files are sampled (default: 0)")
+    p.add_argument("--seed", type=int, default=0, help="stdlib: order in which corpus files are sampled (default: 0)")
     args = p.parse_args(argv)
     try:
         if min(args.ll, args.fl, args.lc, args.fc, args.max_tokens) < 1:
             raise verify.UserError("--ll, --fl, --lc, --fc and --max-tokens must be positive")
-        from transformers import AutoTokenizer
+        t0 = time.perf_counter()
+        if args.corpus == "selfchat":
+            model, tok = verify.load_model(args.model)
+            seqs = selfchat_sequences(tok, selfchat_answers(model, tok, args.model))
+            table, meta = build_frozen(tok, args.ll, args.fl, args.lc, args.fc, args.max_tokens, sequences=seqs,
+                                       corpus="selfchat")
+        else:
+            from transformers import AutoTokenizer
 
-        tok = AutoTokenizer.from_pretrained(verify.resolve_model(args.model))
-        table, meta = build_frozen(tok, args.ll, args.fl, args.lc, args.fc, args.max_tokens, args.seed)
+            tok = AutoTokenizer.from_pretrained(verify.resolve_model(args.model))
+            table, meta = build_frozen(tok, args.ll, args.fl, args.lc, args.fc, args.max_tokens, args.seed)
         save_frozen(table, args.out, tok, meta)
     except verify.UserError as e:
         print(f"error: {e}", file=sys.stderr)
@@ -651,7 +740,8 @@ def build_frozen_main(argv) -> int:
         print(f"error: cannot write {args.out}: {e.strerror}", file=sys.stderr)
         return 2
     n = sum(len(f) for f in table.leaders.values())
-    print(f"wrote {args.out}: {len(table)} leaders, {n} followers from {meta['tokens']} tokens of the Python stdlib")
+    print(f"wrote {args.out}: {len(table)} leaders, {n} followers from {meta['tokens']} tokens ({meta['corpus']}) in "
+          f"{time.perf_counter() - t0:.1f} s, {os.path.getsize(args.out) / 1e6:.2f} MB")
     return 0
 
 
@@ -676,9 +766,10 @@ def main(argv=None) -> int:
                    help=f"CRT, chaining-reserved tokens: budget kept for tree levels 2+ (default: {gpu['crt']} "
                         f"on CUDA, {cpu['crt']} on CPU)")
     g.add_argument("--frozen", default=None,
-                   help="the frozen table (§3.3): 'auto' = built once from the Python stdlib and cached (~25 s the first "
-                        "time), 'none' = dynamic table only, or a file from `cacheback.py build-frozen` (default: auto "
-                        "on CUDA; none on CPU, where the stdlib table measured slower)")
+                   help="the frozen table (§3.3): 'stdlib' = built once from the Python stdlib's source and cached "
+                        "(~25 s the first time), 'selfchat' = from the model's own answers to the shipped "
+                        "instructions, 'none' = dynamic table only, or a file from `cacheback.py build-frozen` "
+                        f"(default: {gpu['frozen']} on CUDA, {cpu['frozen']} on CPU; measured: TUTORIAL.md §3.5)")
     g.add_argument("--prune", choices=["cost", "none"], default=None,
                    help="not in the paper (TUTORIAL.md §3.4): 'cost' verifies only the part of each tree whose expected "
                         "accepted tokens are worth its measured forward cost; 'none' verifies whole trees as the "

@@ -186,7 +186,7 @@ def test_auto_frozen_table_is_built_with_lc_and_fc(monkeypatch, tmp_path):
     monkeypatch.setattr(cb, "build_frozen", fake_build)
     tok = types.SimpleNamespace(get_vocab=lambda: {"a": 0, "b": 1})
     model = types.SimpleNamespace(device=torch.device("cpu"))
-    args = argparse.Namespace(ll=1, fl=3, lc=7, fc=5, tdl=16, crt=4, frozen="auto", prune="none")
+    args = argparse.Namespace(ll=1, fl=3, lc=7, fc=5, tdl=16, crt=4, frozen="stdlib", prune="none")
     extra = cb.prepare(model, tok, args)
     assert seen == dict(ll=1, fl=3, lc=7, fc=5)
     assert (extra["frozen"].lc, extra["frozen"].fc) == (7, 5)
@@ -379,3 +379,31 @@ def test_max_new_tokens_inside_a_tree(tiny):
     for n in (1, 2, 5, 13):
         gen = cb.generate(tiny, prompt, n, [95], tdl=12, crt=2)
         assert gen.tokens == verify.hf_generate(tiny, prompt, n, [95])
+
+
+def test_selfchat_instructions_are_disjoint_from_the_bench_prompts():
+    import json
+    import os
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    with open(os.path.join(root, "bench", "prompts.jsonl")) as f:
+        bench = {t.strip().lower() for line in f for t in json.loads(line)["turns"]}
+    with open(os.path.join(cb.CORPUS_DIR, "instructions.jsonl")) as f:
+        instructions = [json.loads(line)["instruction"] for line in f]
+    assert len(instructions) == len(set(instructions)) >= 200
+    assert not {i.strip().lower() for i in instructions} & bench
+    with open(os.path.join(cb.CORPUS_DIR, "selfchat-SmolLM2-135M-Instruct.jsonl")) as f:
+        answers = [json.loads(line) for line in f]
+    assert [a["instruction"] for a in answers] == instructions  # the shipped answers are to these instructions
+
+
+def test_selfchat_table_is_deterministic_and_learns_the_models_phrasing(tokenizer):
+    answers = cb.selfchat_answers(None, tokenizer, verify.DEFAULT_MODEL, progress=False)  # shipped: no model needed
+    seqs = cb.selfchat_sequences(tokenizer, answers)
+    a, meta = cb.build_frozen(tokenizer, 1, 3, lc=1000, fc=8, sequences=seqs, corpus="selfchat", progress=False)
+    b, _ = cb.build_frozen(tokenizer, 1, 3, lc=1000, fc=8, sequences=seqs, corpus="selfchat", progress=False)
+    assert meta["corpus"] == "selfchat" and meta["tokens"] == sum(len(s) for s in seqs) > 30_000
+    assert list(a.leaders.items()) == list(b.leaders.items())
+    # the chat template's "assistant" turn start is among the leaders, with the answer openings as followers
+    start = tuple(verify.encode_prompt(tokenizer, "x")[-1:])
+    assert start in a.leaders and len(a.leaders[start]) >= 4
