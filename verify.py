@@ -12,12 +12,15 @@ Every method here (ngram_predictor.py, cacheback.py, card.py, fafo.py) does the 
 Only step 1 differs between methods, so steps 2-4 live here, written once and tested once:
 
     Tree / tree_attention_mask / tree_position_ids     what a draft tree is, and how one forward sees it
+    check_supported / new_cache                        which models can stay lossless; a cache we can roll back
     tree_forward                                       the single verification forward pass
     accept_greedy                                      longest accepted path + bonus token
     rollback / compact_kv                              KV-cache surgery after acceptance
     vanilla_generate / hf_generate                     the baselines (and the correctness oracle)
     Generation                                         stopping rule (EOS, max tokens) and counters
-    load_model / run_cli                               the small common helpers every script shares
+    load_model / with_attention / run_cli              the small common helpers every script shares (sdpa
+                                                       where the model has it, else eager)
+    first_difference                                   where two outputs part, and the top-2 margin there
     CompactedKVCache / flex_mode                       FAFO's FlexAttention path: selected KV kept contiguous
                                                        at the head of a fixed buffer, one static BlockMask
 
