@@ -678,6 +678,8 @@ def prepare(model, tok, args) -> dict:
         frozen = default_frozen(tok, ll, fl, getattr(args, "lc", PAPER_DEFAULTS["lc"]),
                                 getattr(args, "fc", PAPER_DEFAULTS["fc"]), corpus=which, model=model,
                                 model_name=getattr(args, "model", verify.DEFAULT_MODEL))
+    elif not os.path.isfile(which):
+        raise verify.UserError(f"--frozen {which}: expected none, {', '.join(FROZEN_CORPORA)} or a table file")
     else:
         frozen = load_frozen(which, tok, ll, fl)
     cost = None

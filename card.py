@@ -588,7 +588,10 @@ def prepare(model, tok, args) -> dict:
 
 
 def method_kwargs(args) -> dict:
-    return dict(mode=args.mode, correct=not args.no_correct)
+    # --mode: parallel on CUDA (the paper's point), lockstep on a CPU, where the two models share two cores
+    # and lockstep measured faster (0.77x against 0.59x of greedy on the tuning prompts; TUTORIAL.md §4.6)
+    mode = args.mode or ("parallel" if verify.pick_device(args.device).type == "cuda" else "lockstep")
+    return dict(mode=mode, correct=not args.no_correct)
 
 
 def bench_runner(model, tok, args, extra, **fixed):
@@ -624,9 +627,10 @@ def main(argv=None) -> int:
                    help="r, the communication ratio ~ t(target step) / t(draft step): the target verifies a chain "
                         "of up to r tokens per step; in lockstep mode the draft adds exactly r layers per step. "
                         "'auto' measures r = ceil(t_target / t_draft) at start-up (§3.1)")
-    g.add_argument("--mode", choices=["parallel", "lockstep"], default="parallel",
-                   help="parallel (default): the draft runs in a worker thread concurrently with the target; "
-                        "lockstep: r draft layers, then one target step (deterministic; for one-core machines)")
+    g.add_argument("--mode", choices=["parallel", "lockstep"], default=None,
+                   help="parallel: the draft runs in a worker thread concurrently with the target; lockstep: r "
+                        "draft layers, then one target step (deterministic). Default: parallel on CUDA, lockstep "
+                        "on CPU (measured faster on 2 cores)")
     g.add_argument("--no-correct", action="store_true",
                    help="Table 2's 'cache only' ablation (query but don't correct): on a hit the verified text is "
                         "followed down the cache, nothing is pruned; only on a miss, when the text has left the "

@@ -104,6 +104,8 @@ def test_method_help_names_the_papers_parameters(script):
     ("cacheback.py", ["--tdl", "4", "--crt", "4"], "0 <= CRT < TDL"),
     ("cacheback.py", ["--fl", "0"], "--fl must be at least 1"),
     ("card.py", ["--ratio", "0", "--mode", "lockstep"], "--ratio must be at least 1"),
+    ("card.py", ["--ratio", "fast"], "--ratio must be a whole number or 'auto'"),
+    ("cacheback.py", ["--frozen", "wiki"], "--frozen wiki"),
     ("card.py", ["--draft", "./no/such/model"], "no such model"),
     ("fafo.py", ["--k", "0"], "--k must be at least 1"),
     ("fafo.py", ["--compress", "none", "--attn", "flex"], "fixed compression budget"),
