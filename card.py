@@ -60,10 +60,9 @@ from verify import Generation, Tree
 PAPER_DEFAULTS = dict(k=100, topk=100, ratio=7)
 # On this CPU (2-core AMD EPYC) a bfloat16 forward is fast only for ONE token (t(8) = 3.7 t(1), against 1.8 in
 # float32), so a wide cache makes every draft layer expensive, and our stand-in draft agrees with its float32
-# original ~99% of the time anyway: the measured best is a one-node-wide cache, K = 1 (an earlier two-prompt
-# run: 11.2-11.6 tokens/s against 6.8-7.7 with K = 2). r = 4 and lockstep were chosen on the tuning half of
-# the shipped prompts: 0.77x of greedy, against 0.63x with r = 2 and 0.59x in parallel mode (TUTORIAL.md
-# §4.6). K = 1 keeps CARD's loop (query, verify, correct) but not its width; pass --k/--topk to see the tree.
+# original ~99% of the time anyway: the measured best is a one-node-wide cache. On the tuning half of the
+# shipped prompts (TUTORIAL.md §4.6): K = 1 0.80x of greedy against 0.61x with K = k = 2; r = 4 and lockstep
+# 0.77x, against 0.63x with r = 2 and 0.59x in parallel mode. K = 1 keeps CARD's loop (query, verify, correct) but not its width; pass --k/--topk to see the tree.
 CPU_DEFAULTS = dict(k=1, topk=1, ratio=4)
 
 
