@@ -231,6 +231,7 @@ def build_frozen(tok, ll: int, fl: int, lc: int, fc: int, max_tokens: int = 2_00
 # generated once (batched greedy, a few minutes on a CPU) and cached.
 
 CORPUS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "corpus")
+INSTRUCTIONS = os.path.join(CORPUS_DIR, "instructions.jsonl")
 SELFCHAT_TOKENS = 192  # answer length: most answers of the default model end before it
 
 
@@ -248,7 +249,10 @@ def selfchat_answers(model, tok, model_name: str, progress: bool = True, batch: 
         if os.path.exists(path):
             with open(path, encoding="utf-8") as f:
                 return [json.loads(line) for line in f]
-    with open(os.path.join(CORPUS_DIR, "instructions.jsonl"), encoding="utf-8") as f:
+    if not os.path.exists(INSTRUCTIONS):
+        raise verify.UserError(f"--frozen selfchat: {INSTRUCTIONS} is missing (copy the corpus/ folder beside "
+                               "cacheback.py, or use --frozen stdlib)")
+    with open(INSTRUCTIONS, encoding="utf-8") as f:
         rows = [json.loads(line) for line in f]
     eos = verify.eos_ids_of(model, tok)
     side, tok.padding_side = tok.padding_side, "left"  # batched decoding pads on the left
@@ -317,6 +321,16 @@ def load_frozen(path: str, tok, ll: int, fl: int) -> CacheTable:
 FROZEN_CORPORA = ("stdlib", "selfchat")
 
 
+def build_corpus_table(tok, corpus: str, ll: int, fl: int, lc: int, fc: int, model=None,
+                       model_name: str = verify.DEFAULT_MODEL, max_tokens: int = 2_000_000, seed: int = 0):
+    """build_frozen over one of FROZEN_CORPORA: (table, meta). selfchat needs the model for its answers
+    unless they are shipped or cached."""
+    if corpus == "selfchat":
+        seqs = selfchat_sequences(tok, selfchat_answers(model, tok, model_name))
+        return build_frozen(tok, ll, fl, lc, fc, max_tokens=max_tokens, sequences=seqs, corpus="selfchat")
+    return build_frozen(tok, ll, fl, lc, fc, max_tokens=max_tokens, seed=seed)
+
+
 def default_frozen(tok, ll: int, fl: int, lc: int, fc: int, corpus: str = "stdlib", model=None,
                    model_name: str = verify.DEFAULT_MODEL) -> CacheTable:
     """A frozen table built once from one of the corpora and cached beside the converted model:
@@ -329,12 +343,7 @@ def default_frozen(tok, ll: int, fl: int, lc: int, fc: int, corpus: str = "stdli
         ident += "-" + os.path.basename(str(model_name).rstrip("/"))
     path = os.path.join(verify._cache_root(), f"cacheback-frozen-{corpus}-{ident}-ll{ll}-fl{fl}-lc{lc}-fc{fc}.json.gz")
     if not os.path.exists(path):
-        if corpus == "selfchat":
-            answers = selfchat_answers(model, tok, model_name)
-            table, meta = build_frozen(tok, ll, fl, lc, fc, sequences=selfchat_sequences(tok, answers),
-                                       corpus="selfchat")
-        else:
-            table, meta = build_frozen(tok, ll, fl, lc, fc)
+        table, meta = build_corpus_table(tok, corpus, ll, fl, lc, fc, model=model, model_name=model_name)
         os.makedirs(os.path.dirname(path), exist_ok=True)
         tmp = f"{path}.tmp{os.getpid()}"
         save_frozen(table, tmp, tok, meta)
@@ -662,6 +671,11 @@ def prepare(model, tok, args) -> dict:
         return defaults[name] if value is None else value
 
     ll, tdl, crt, which, prune = pick("ll"), pick("tdl"), pick("crt"), pick("frozen"), pick("prune")
+    if which == "selfchat" and getattr(args, "frozen", None) is None and not os.path.isdir(CORPUS_DIR):
+        # note: the CUDA default needs corpus/ beside this file; someone who copied only cacheback.py and
+        # verify.py gets the corpus every Python install has instead of an error
+        print("[cacheback] corpus/ not found beside cacheback.py: frozen table from --frozen stdlib", file=sys.stderr)
+        which = "stdlib"
     fl = getattr(args, "fl", PAPER_DEFAULTS["fl"])
     if ll < 1:
         raise verify.UserError(f"--ll must be at least 1 (got {ll})")
@@ -719,16 +733,14 @@ def build_frozen_main(argv) -> int:
         if min(args.ll, args.fl, args.lc, args.fc, args.max_tokens) < 1:
             raise verify.UserError("--ll, --fl, --lc, --fc and --max-tokens must be positive")
         t0 = time.perf_counter()
-        if args.corpus == "selfchat":
+        if args.corpus == "selfchat":  # the model itself writes this corpus
             model, tok = verify.load_model(args.model)
-            seqs = selfchat_sequences(tok, selfchat_answers(model, tok, args.model))
-            table, meta = build_frozen(tok, args.ll, args.fl, args.lc, args.fc, args.max_tokens, sequences=seqs,
-                                       corpus="selfchat")
         else:
             from transformers import AutoTokenizer
 
-            tok = AutoTokenizer.from_pretrained(verify.resolve_model(args.model))
-            table, meta = build_frozen(tok, args.ll, args.fl, args.lc, args.fc, args.max_tokens, args.seed)
+            model, tok = None, AutoTokenizer.from_pretrained(verify.resolve_model(args.model))
+        table, meta = build_corpus_table(tok, args.corpus, args.ll, args.fl, args.lc, args.fc, model=model,
+                                         model_name=args.model, max_tokens=args.max_tokens, seed=args.seed)
         save_frozen(table, args.out, tok, meta)
     except verify.UserError as e:
         print(f"error: {e}", file=sys.stderr)

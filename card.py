@@ -543,21 +543,10 @@ def load_draft(args, model, tok):
     return draft
 
 
-@torch.no_grad()
-def step_time(model, n: int, context: int = 256, repeats: int = 3) -> float:
-    """Seconds for one forward of `model` over n new tokens after `context` cached ones (the fastest of
-    `repeats`, after a warm-up). n = 1: a target step; n = K: one draft layer of the candidate cache."""
-    ids = [i % model.config.vocab_size for i in range(1000, 1000 + context)]
-    cache = verify.new_cache(model)
-    verify.prefill(model, cache, ids)
-    times = []
-    for _ in range(repeats + 1):
-        t0 = time.perf_counter()
-        verify.tree_forward(model, cache, Tree.chain(ids[-1], ids[-n:][: n - 1]))
-        verify.sync(model)
-        times.append(time.perf_counter() - t0)
-        verify.rollback(cache, context)
-    return min(times[1:])
+def step_time(model, n: int) -> float:
+    """Seconds for one forward of `model` over n new tokens after 256 cached ones (verify's timing loop).
+    n = 1: a target step; n = K: one draft layer of the candidate cache."""
+    return verify.measure_step_times(model, [n], repeats=3)[n]
 
 
 def measure_ratio(model, draft, k: int) -> int:

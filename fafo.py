@@ -15,9 +15,10 @@ verified. The trick is that guessing and verifying happen in the SAME forward pa
 FAFO's contribution (§4.2): the guess rows only need to be plausible, not exact, so let them attend to a
 compressed selection C(kv) of the cache (StreamingLLM: sinks + recent tokens; Quest: the pages whose keys
 can score highest), which makes many more guesses affordable. The verification rows see the full cache,
-so the output stays greedy (identical in float32 except at exact ties within rounding, see verify.py). §4.4 adds the systems part -- keep C(kv) physically contiguous at the
-head of a fixed KV buffer so FlexAttention can skip every other block -- which lives in verify.py
-(`CompactedKVCache`) and is used here by `--attn flex`.
+so the output stays greedy (identical in float32 except at exact ties within rounding, see verify.py).
+§4.4 adds the systems part -- keep C(kv) physically contiguous at the head of a fixed KV buffer so
+FlexAttention can skip every other block -- which lives in verify.py (`CompactedKVCache`) and is used here
+by `--attn flex`.
 
 Reading order: the pool (Algorithms 2 and 3) -> the guess streams (Eq. 1) -> the compression functions ->
 the step layout and its mask (Appendix E, Figure 4) -> Find Out verification (Algorithm 4) -> the two KV
@@ -594,6 +595,7 @@ def generate(
     cache = verify.new_cache(model)
     ids = torch.tensor([list(prompt_ids)], device=model.device)
     out = model(input_ids=ids, past_key_values=cache, use_cache=True, output_hidden_states=compressor.needs_query)
+    verify.check_filled(cache, len(prompt_ids))  # as verify.prefill does: a recurrent model fills no cache
     gen.target_forwards += 1
     pending = int(out.logits[0, -1].argmax())
     if gen.emit([], pending):

@@ -17,6 +17,7 @@ Only step 1 differs between methods, so steps 2-4 live here, written once and te
     accept_greedy                                      longest accepted path + bonus token
     rollback / compact_kv                              KV-cache surgery after acceptance
     vanilla_generate / hf_generate                     the baselines (and the correctness oracle)
+    measure_step_times / measure_cost_curve            what a forward over n tokens costs on this device
     Generation                                         stopping rule (EOS, max tokens) and counters
     load_model / with_attention / run_cli              the small common helpers every script shares (sdpa
                                                        where the model has it, else eager)
@@ -548,9 +549,8 @@ def gguf_to_hf_dir(gguf_path: str) -> str:
     Why: transformers dequantizes GGUF on every load (about 35 s for the default model on 2 CPU cores,
     most of it in the tokenizer conversion). The cached copy loads in well under a second and holds exactly
     the same float32 weights (the tests compare logits bit for bit)."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     import transformers
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     st = os.stat(gguf_path)
     # note: the transformers major version is part of the key: a checkpoint saved by 5.x (its tokenizer files
@@ -649,7 +649,8 @@ def with_attention(build: Callable, requested: str = "auto"):
     raise AssertionError("unreachable")
 
 
-def load_model(name: str = DEFAULT_MODEL, device: str = "auto", dtype: str = "auto", attn_implementation: str = "auto"):
+def load_model(name: str = DEFAULT_MODEL, device: str = "auto", dtype: str = "auto",
+               attn_implementation: str = "auto"):
     """Returns (model, tokenizer), the model in eval mode on the chosen device and dtype, with sdpa attention
     where the model supports it, else eager (see attn_implementations). Models on which we cannot stay
     lossless are refused here, before any generation (check_supported)."""
@@ -910,17 +911,15 @@ def sync(model) -> None:
 
 
 @torch.no_grad()
-def measure_cost_curve(model, sizes: Sequence[int], context: int = 256, repeats: int = 5) -> dict[int, float]:
-    """{n: t(n) / t(1)}: the measured cost of a verification forward over n new tokens relative to a plain
-    one-token step, after `context` cached tokens (the fastest of `repeats`, after a warm-up). The methods with
-    a cost gate use it to decide whether a draft is worth verifying (see TUTORIAL.md §1.1: on a 2-core CPU
-    t(2) is already ~1.65 t(1); on a GPU the curve is nearly flat up to ~100 tokens)."""
+def measure_step_times(model, sizes: Sequence[int], context: int = 256, repeats: int = 5) -> dict[int, float]:
+    """{n: seconds} for one verification forward over n new tokens after `context` cached tokens (the
+    fastest of `repeats`, after a warm-up: the minimum is the least noisy estimate)."""
     prompt_ids = [i % model.config.vocab_size for i in range(1000, 1000 + context)]
     cache = new_cache(model)
     prefill(model, cache, prompt_ids)
     p = cache_len(cache)
     times = {}
-    for n in sorted({1, *sizes}):
+    for n in sorted(set(sizes)):
         ts = []
         for _ in range(repeats + 1):
             t0 = time.perf_counter()
@@ -928,7 +927,16 @@ def measure_cost_curve(model, sizes: Sequence[int], context: int = 256, repeats:
             sync(model)
             ts.append(time.perf_counter() - t0)
             rollback(cache, p)
-        times[n] = min(ts[1:])  # the first call is a warm-up; the minimum is the least noisy estimate
+        times[n] = min(ts[1:])  # the first call is a warm-up
+    return times
+
+
+def measure_cost_curve(model, sizes: Sequence[int], context: int = 256, repeats: int = 5) -> dict[int, float]:
+    """{n: t(n) / t(1)}: the measured cost of a verification forward over n new tokens relative to a plain
+    one-token step, after `context` cached tokens. The methods with a cost gate use it to decide whether a
+    draft is worth verifying (see TUTORIAL.md §1.1: on a 2-core CPU t(2) is already ~1.65 t(1); on a GPU the
+    curve is nearly flat up to ~100 tokens)."""
+    times = measure_step_times(model, [1, *sizes], context, repeats)
     curve, top = {}, 1.0
     for n in sorted(times):  # subtle: timing noise can make t(8) < t(4); a bigger forward never costs less
         top = max(top, times[n] / times[1])
@@ -1257,7 +1265,8 @@ class CompactedKVCache(Cache):
             idx[i, : len(vis)] = vis
         indices = torch.tensor(idx, device=dev).view(1, 1, nq, nk)
         # note: no full_kv_* arguments -> every visited block is "partial" -> mask_mod runs on every element.
-        return _BlockMask4D.from_kv_blocks(counts, indices, BLOCK_SIZE=B, mask_mod=mask_mod, seq_lengths=(Q, self.slots))
+        return _BlockMask4D.from_kv_blocks(counts, indices, BLOCK_SIZE=B, mask_mod=mask_mod,
+                                           seq_lengths=(Q, self.slots))
 
 
 
