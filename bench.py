@@ -20,7 +20,7 @@ The prompt file uses SpecBench's question.jsonl format: {"question_id", "categor
 is the prompt. bench/prompts.jsonl is the project's own set (see bench/make_prompts.py).
 
 Methods: vanilla, hf-greedy, hf-pld (transformers' prompt lookup decoding), and the PROJECT_METHODS below
-(each method file's variants, plus hf-assisted). A method may fix generate() parameters for a tuning sweep:
+(each method file's variants, plus hf-assisted). A method may fix fields of its config for a tuning sweep:
 `--methods cacheback@ll=1@tdl=32,ngram@draft_count=6 --split tune`.
 
     python bench.py --fafo-steps 1024,4096,16384 --out bench/results/fafo-steps.jsonl
@@ -31,6 +31,7 @@ times one FAFO step instead (dense mask vs the FlexAttention compacted-block pat
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib
 import json
 import os
@@ -40,7 +41,9 @@ from collections import defaultdict
 
 import verify
 
-# name -> (module, keyword arguments for its generate()). Modules are imported only when asked for.
+# name -> (module, fields of the module's config to fix). Modules are imported only when asked for. Each
+# method file has the same interface: <X>Config.for_device(device), prepare(model, tok, cfg, name) -> (cfg,
+# extra), generate(model, ids, n, eos, cfg, **extra).
 PROJECT_METHODS = {
     "ngram": ("ngram_predictor", {}),
     "ngram-nogate": ("ngram_predictor", {"draft_cost": 1.0}),  # the chapter exactly: every draft verified
@@ -56,18 +59,20 @@ PROJECT_METHODS = {
     # Table 2's ablation needs a cache with branches: K = 4, k = 2, with and without correction
     "card-k4": ("card", {"mode": "lockstep", "k": 4, "topk": 2}),
     "card-nocorrect": ("card", {"mode": "lockstep", "k": 4, "topk": 2, "correct": False}),
-    "hf-assisted": ("card", {"hf_assisted": True}),  # transformers' assistant_model with CARD's draft model
     "fafo": ("fafo", {}),  # StreamingLLM guesses
     "fafo-quest": ("fafo", {"compress": "quest"}),
     "fafo-promptpool": ("fafo", {"prompt_pool": True}),  # the pool seeded with the prompt's k-grams
     "lookahead": ("fafo", {"compress": "none"}),  # the same file with full-KV guesses
 }
-HF_METHODS = ["vanilla", "hf-greedy", "hf-pld"]
+CONFIG_CLASSES = {"ngram_predictor": "NgramConfig", "cacheback": "CachebackConfig", "card": "CardConfig",
+                  "fafo": "FafoConfig"}
+# transformers' assisted generation with CARD's draft model: the classic draft-then-verify baseline
+HF_METHODS = ["vanilla", "hf-greedy", "hf-pld", "hf-assisted"]
 
 
 def parse_method(spec: str) -> tuple[str, dict]:
-    """'cacheback@ll=1@tdl=32' -> ('cacheback', {'ll': 1, 'tdl': 32}): a method with some of its generate()
-    parameters fixed, for tuning sweeps. Values are read as int, then float, else kept as text."""
+    """'cacheback@ll=1@tdl=32' -> ('cacheback', {'ll': 1, 'tdl': 32}): a method with some of its config
+    fields fixed, for tuning sweeps. Values are read as int, then float, else kept as text."""
     name, *pairs = spec.split("@")
     fixed = {}
     for pair in pairs:
@@ -83,6 +88,13 @@ def parse_method(spec: str) -> tuple[str, dict]:
     return name, fixed
 
 
+def _import(module_name: str, method: str):
+    try:
+        return importlib.import_module(module_name)
+    except ModuleNotFoundError:
+        raise verify.UserError(f"--methods {method}: {module_name}.py is not in this checkout yet") from None
+
+
 def make_runner(spec: str, model, tok, args):
     """Returns run(prompt_ids, max_new_tokens, eos_ids) -> (token ids, Generation or None)."""
     name, overrides = parse_method(spec)
@@ -93,20 +105,23 @@ def make_runner(spec: str, model, tok, args):
     if name == "hf-pld":
         # transformers' prompt lookup decoding: drafts by matching the last n-gram in the prompt/output.
         return lambda ids, n, eos: (verify.hf_generate(model, ids, n, eos, prompt_lookup_num_tokens=args.pld_tokens), None)
+    if name == "hf-assisted":
+        card = _import("card", name)
+        draft = card.load_draft(model, tok, card.CardConfig.for_device(model.device), args.model)
+        return lambda ids, n, eos: (verify.hf_generate(model, ids, n, eos, assistant_model=draft), None)
     if name in PROJECT_METHODS:
         module_name, fixed = PROJECT_METHODS[name]
-        fixed = {**fixed, **overrides}
+        module = _import(module_name, name)
+        config_class = getattr(module, CONFIG_CLASSES[module_name])
         try:
-            module = importlib.import_module(module_name)
-        except ModuleNotFoundError:
-            raise verify.UserError(f"--methods {name}: {module_name}.py is not in this checkout yet") from None
-        # A method module may add defaults that need the model (a draft model, a frozen table, a measured
-        # cost): its prepare(model, tok, args), the same hook its own CLI uses, run once before timing.
-        extra = module.prepare(model, tok, args) if hasattr(module, "prepare") else {}
-        if hasattr(module, "bench_runner"):  # methods that need something other than generate(), e.g. hf-assisted
-            return module.bench_runner(model, tok, args, extra, **fixed)
-        kwargs = {**extra, **fixed}
-        return lambda ids, n, eos: _gen(module.generate(model, ids, n, eos, **kwargs))
+            cfg = dataclasses.replace(config_class.for_device(model.device), **fixed, **overrides)
+        except TypeError as e:  # a field the config does not have
+            raise verify.UserError(f"--methods {spec}: {e}") from None
+        cfg.check()
+        # What needs the model (a draft model, a frozen table, a measured cost): the method's prepare(), the
+        # same hook its own CLI uses, run once before timing.
+        cfg, extra = module.prepare(model, tok, cfg, args.model) if hasattr(module, "prepare") else (cfg, {})
+        return lambda ids, n, eos: _gen(module.generate(model, ids, n, eos, cfg, **extra))
     raise verify.UserError(f"--methods: unknown method {name!r} (known: {', '.join(HF_METHODS + list(PROJECT_METHODS))})")
 
 
@@ -255,12 +270,17 @@ def main(argv=None) -> int:
     p.add_argument("--fafo-steps", metavar="CONTEXTS",
                    help="instead of the prompt set: time one FAFO step, dense mask vs flex compacted blocks, after "
                         "each of these cached-context lengths, e.g. 1024,4096,16384 (fafo.step_times)")
+    p.add_argument("--cost-curve", metavar="SIZES",
+                   help="instead of a benchmark: time one verification forward over each of these numbers of new "
+                        "tokens after 300 cached ones (TUTORIAL.md §1.1), e.g. 1,2,4,8,16,32,64,96")
     p.add_argument("--fafo-attn", default="flex-compiled", choices=["flex", "flex-compiled"],
                    help="--fafo-steps: eager or compiled flex (default: flex-compiled)")
     args = p.parse_args(argv)
     try:
         if args.fafo_steps:
             return run_fafo_steps(args)
+        if args.cost_curve:
+            return run_cost_curve(args)
         return run(args)
     except verify.UserError as e:
         print(f"error: {e}", file=sys.stderr)
@@ -268,6 +288,23 @@ def main(argv=None) -> int:
     except KeyboardInterrupt:
         print("\ninterrupted", file=sys.stderr)
         return 130
+
+
+def run_cost_curve(args) -> int:
+    """TUTORIAL.md §1.1's table: what one verification forward over n new tokens costs on this device."""
+    try:
+        sizes = sorted({int(x) for x in args.cost_curve.split(",")})
+        assert sizes and sizes[0] >= 1
+    except (ValueError, AssertionError):
+        raise verify.UserError(f"--cost-curve: a comma list of positive integers (got {args.cost_curve!r})") from None
+    model, _ = verify.load_model(args.model, args.device, args.dtype)
+    times = verify.measure_step_times(model, [1, *sizes], context=300, repeats=5)
+    print(f"{model.device}, {model.dtype}, one forward after 300 cached tokens (fastest of 5)\n")
+    print("| new tokens in one forward | " + " | ".join(str(n) for n in sizes) + " |")
+    print("|---|" + "---|" * len(sizes))
+    print("| time (ms) | " + " | ".join(f"{1000 * times[n]:.0f}" for n in sizes) + " |")
+    print("| × one token | " + " | ".join(f"{times[n] / times[1]:.2f}" for n in sizes) + " |")
+    return 0
 
 
 def run_fafo_steps(args) -> int:

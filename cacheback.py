@@ -1,6 +1,7 @@
 """
 cacheback.py -- Cacheback decoding: speculative decoding with nothing but LRU tables of token n-grams.
-Ma, Gim & Zhong, "Cacheback: Speculative Decoding With Nothing But Cache" (../shared/papers/cacheback.md).
+Zhiyao Ma, In Gim & Lin Zhong, "Cacheback: Speculative Decoding With Nothing But Cache", EMNLP 2025,
+arXiv:2511.21699.
 
     DRAFT   query an LRU table  leader (last LL tokens) -> followers (FL-token continuations seen after it),
             recursively, breadth first, into a draft TREE of at most TDL tokens          (§3.1, §3.2)
@@ -10,20 +11,25 @@ Ma, Gim & Zhong, "Cacheback: Speculative Decoding With Nothing But Cache" (../sh
 
 File layout, in the paper's order:
 
+    0. Configuration    the paper's parameters under its names: LL, FL, LC, FC, TDL, CRT (§3, §4)
     1. CacheTable       the two-level LRU of §3.1 (Figure 1)
     2. Dual tables      sliding-window updates of the dynamic table (§3.2, §3.3)
     3. Draft tree       BFS growth under TDL and CRT, prefixes merged into a trie (§3.2, Figure 2)
-    3b. Cost pruning    our deviation for CPUs: verify only the part of the tree worth its cost
-    4. Decode loop      tree attention, acceptance, KV compaction (verify.py)
-    5. CLI
+    4. Cost pruning     our deviation for CPUs, a separate pass: verify only the part worth its cost
+    5. Decode loop      draft, verify with tree attention, accept, compact the KV, update (verify.py)
+    6. CLI
+    7. Frozen table     built offline from a corpus (§3.3, §4): the Python stdlib, or the model's own answers
 
     python cacheback.py --prompt "Summarize: ..." --compare
 
-Where this file differs from the reference code (see ../shared/notes/reference-implementations.md and
-TUTORIAL.md §3): accepted tokens keep their KV (compaction) instead of being fed again, shared prefixes are
-merged so no token is verified twice, speculative lookups inside the tree do not refresh recency, and the
-frozen table fills only the budget the dynamic tree leaves. On a CPU the defaults differ from the paper's
-(measured: LL = 2, TDL = 16, no frozen table, cost-aware pruning; see CPU_DEFAULTS).
+    from cacheback import CachebackConfig, generate          # as a library
+    gen = generate(model, prompt_ids, 128, eos_ids, CachebackConfig.cpu())
+
+Where this file differs from the published reference code (TUTORIAL.md §3): accepted tokens keep their KV
+(compaction) instead of being fed again, shared prefixes are merged so no token is verified twice,
+speculative lookups inside the tree do not refresh recency, and the frozen table fills only the budget the
+dynamic tree leaves. On a CPU the defaults differ from the paper's (CachebackConfig.cpu: LL = 2, TDL = 16,
+no frozen table, cost-aware pruning; measured in TUTORIAL.md §3.5).
 
 Greedy and float32: the output is identical to model.generate(do_sample=False), except at exact ties within
 rounding (see verify.py); measured on every prompt we run (tests/test_cacheback.py).
@@ -35,6 +41,7 @@ import os
 import sys
 import time
 from collections import OrderedDict
+from dataclasses import dataclass, field
 from typing import Iterator, Sequence
 
 import torch
@@ -42,8 +49,65 @@ import torch
 import verify
 from verify import Generation, Tree
 
-# The paper's configuration (§4), used on CUDA.
-PAPER_DEFAULTS = dict(ll=1, fl=3, lc=2**20, fc=128, tdl=96, crt=16)
+CORPUS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "corpus")  # section 7's corpora
+FROZEN_CORPORA = ("stdlib", "selfchat")
+
+
+# ----------------------------------------------------------------------------------------------------------
+# 0. Configuration (§3, §4)
+# ----------------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class CachebackConfig:
+    """The paper's parameters under its names, plus the two choices this file adds.
+
+    >>> cfg = CachebackConfig.cpu()
+    >>> (cfg.ll, cfg.tdl, cfg.crt, cfg.frozen, cfg.prune)
+    (2, 16, 4, 'none', 'cost')
+    """
+
+    ll: int = 1  # LL, leader length: the tokens a lookup is keyed by
+    fl: int = 3  # FL, follower length: the tokens of one continuation (one tree branch)
+    lc: int = 2**20  # LC, leader capacity of a table (LRU)
+    fc: int = 128  # FC, follower capacity per leader (LRU)
+    tdl: int = 96  # TDL, total draft length: tree tokens not yet in the KV cache, root included
+    crt: int = 16  # CRT, chaining-reserved tokens: TDL budget kept for tree levels 2 and deeper
+    frozen: str = "none"  # the frozen table (§3.3): 'none', 'stdlib', 'selfchat' (section 7) or a file
+    prune: str = "none"  # 'none' verifies whole trees (the paper); 'cost' = our pruning pass (section 4)
+    dynamic_table: bool = True  # False leaves the dynamic table empty: Table 1's "only frozen" row
+
+    @classmethod
+    def paper(cls) -> "CachebackConfig":
+        """§4's values, whole trees, and a frozen table. The paper's corpus (1% of OpenWebText) is not
+        available offline; 'selfchat' is our stand-in with the most accepted tokens (TUTORIAL.md §3.5)."""
+        return cls(frozen="selfchat")
+
+    @classmethod
+    def cpu(cls) -> "CachebackConfig":
+        """Measured on the tuning half of the shipped prompts (TUTORIAL.md §3.5): a verification forward is
+        far from free on a CPU, so a small tree, cost pruning, a longer leader and no frozen table."""
+        return cls(ll=2, tdl=16, crt=4, frozen="none", prune="cost")
+
+    @classmethod
+    def for_device(cls, device) -> "CachebackConfig":
+        """The paper's configuration on CUDA, the measured one elsewhere. note: 'selfchat' needs corpus/
+        beside this file; someone who copied only cacheback.py and verify.py gets 'stdlib' instead."""
+        if torch.device(device).type != "cuda":
+            return cls.cpu()
+        return cls.paper() if os.path.isdir(CORPUS_DIR) else cls(frozen="stdlib")
+
+    def check(self) -> None:
+        """Raise verify.UserError (a ValueError) for an impossible value."""
+        for name in ("ll", "fl", "lc", "fc"):
+            if getattr(self, name) < 1:
+                raise verify.UserError(f"--{name} must be at least 1 (got {getattr(self, name)})")
+        if self.tdl < 1 or not 0 <= self.crt < self.tdl:
+            raise verify.UserError(f"need TDL >= 1 and 0 <= CRT < TDL (got TDL {self.tdl}, CRT {self.crt})")
+        if self.prune not in ("cost", "none"):
+            raise verify.UserError(f"--prune must be cost or none (got {self.prune!r})")
+        if self.frozen not in ("none", *FROZEN_CORPORA) and not os.path.isfile(self.frozen):
+            raise verify.UserError(f"--frozen {self.frozen}: expected none, {', '.join(FROZEN_CORPORA)} or a table file")
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -134,9 +198,344 @@ def update_table(table: CacheTable, tokens: Sequence[int], first_new: int) -> No
         table.insert(leader, follower)
 
 
+# ----------------------------------------------------------------------------------------------------------
+# 3. The draft tree (§3.2): breadth-first growth under TDL and CRT
+# ----------------------------------------------------------------------------------------------------------
+#
+# TDL (total draft length) bounds the tree: draft tokens + tokens not yet in the KV cache <= TDL. With KV
+# compaction only the root (the last emitted token) is not cached, so the tree gets TDL - 1 draft tokens.
+# (The reference code feeds the accepted tokens again each step; they count against TDL there.)
+#
+# CRT (chaining-reserved tokens) keeps the first level from eating the whole budget: level 1 (the followers
+# of the real context) may use TDL - 1 - CRT tokens; the CRT reserved ones are for level 2 and deeper,
+# where each leaf is extended by the followers of ITS last LL tokens (the tree "chains").
+#
+# Each follower becomes a branch of FL tokens below its parent. Branches are merged into a trie (verify.Tree):
+# a follower that repeats a prefix already in the tree only costs its new tokens.
+#
+#   LL=2, FL=2, context "... the fox", TDL=8, CRT=2:
+#     level 1: query (the, fox) -> (ran, fast) (hid, deep) (sat, still)   6 tokens > 8-1-2 = 5 allowed:
+#              take (ran, fast), (hid, deep)                              4 tokens
+#     level 2: leaf "fast": query (ran, fast) -> (and, far) ...           2 more: 6 <= 7 tokens
+#     level 2: leaf "deep": query (hid, deep) -> nothing (or no budget left)
+#
+# Queries: the dynamic table first, then the frozen one "to further grow the tree if TDL still allows": the
+# whole dynamic tree is grown first, then the frozen table's followers are hung into it breadth first while
+# budget is left. A follower found in both is added once. A leaf whose leader is in neither table stays a
+# leaf (no backoff).
+#
+# Design choice (ours): only the level-1 query, made with the real, verified context, refreshes the
+# leader's recency. Deeper queries are made with *speculative* tokens that may never
+# appear in the text; letting them promote leaders would let guesses evict what the text actually
+# contained. The reference code refreshes on every lookup.
+
+
+@dataclass
+class DraftTree(Tree):
+    """A verify.Tree that also remembers where each node's token came from: origins[i] = (table, rank, pos,
+    fanout) -- the table (0 dynamic, 1 frozen), the follower's rank in that table's answer (0 = most recent;
+    3 = 4th or later), the node's position inside its follower, and how many followers its leader had (0:
+    one, 1: 2-3, 2: more). The growth below does not read them; section 4's pruning learns from them."""
+
+    origins: list = field(default_factory=list)  # None for the root
+
+    @classmethod
+    def root_only(cls, root_token: int) -> "DraftTree":
+        tree = super().root_only(root_token)
+        tree.origins.append(None)
+        return tree
+
+    def add_follower(self, parent: int, follower: Sequence[int], table: int, rank: int, fanout: int) -> list[int]:
+        """Hang a follower below `parent` (merged into the trie); returns its node indices."""
+        nodes = self.add_branch(follower, parent=parent)
+        for pos, n in enumerate(nodes):
+            if n == len(self.origins):  # a new node (a shared prefix keeps the origin it was created with)
+                self.origins.append((table, min(rank, 3), pos, fanout))
+        return nodes
+
+    def subtree(self, keep) -> "DraftTree":
+        """A copy with the nodes for which keep(i) is true (a kept node's parent must be kept too)."""
+        out = DraftTree.root_only(self.tokens[0])
+        remap = {0: 0}
+        for i in range(1, len(self)):
+            if keep(i):
+                remap[i] = out.add(remap[self.parents[i]], self.tokens[i])
+                out.origins.append(self.origins[i])
+        return out
+
+
+def grow_tree(root: int, context: Sequence[int], dynamic: CacheTable, frozen: CacheTable | None, tdl: int,
+              crt: int) -> DraftTree:
+    """Build the draft tree for one step. `context` = the text so far, ending with `root` (the pending
+    token). Returns a DraftTree whose node 0 is `root`."""
+    ll = dynamic.ll
+    tree = DraftTree.root_only(root)
+    budget = tdl - 1  # draft tokens; the root is the one token not yet in the KV cache
+    # Pass 1 grows the tree from the dynamic table alone; pass 2 walks it again, breadth first, with both
+    # tables: the dynamic followers are already there (they merge for free), the frozen ones fill what
+    # budget is left. (One pass with both tables would let frozen followers at level 1 take the budget
+    # that the dynamic table's deeper levels -- the text's own continuations -- should get.)
+    passes = [[dynamic]] + ([[dynamic, frozen]] if frozen is not None else [])
+    for n_pass, tables in enumerate(passes):
+        # Level 1 may not use the CRT reserved tokens. subtle: the check below counts the WHOLE tree, so in
+        # pass 2 the limit must not be below what pass 1 already grew (all levels): else the first existing
+        # dynamic follower (0 new tokens) would already "not fit", and the frozen table could never add
+        # anything once the dynamic tree holds more than TDL-1-CRT tokens, against §3.3's "then the frozen
+        # one to further grow the tree if TDL still allows".
+        limit = max(budget - crt, len(tree) - 1)
+        # The leaves to extend, each with the last LL tokens of its root-to-leaf text (its leader).
+        frontier = [(0, tuple(context[-ll:]))] if len(context) >= ll else []
+        level = 1
+        while frontier:
+            next_frontier: dict[int, tuple] = {}  # follower-end node -> its leader (dict: each node once)
+            for node, leader in frontier:
+                _add_followers(tree, node, leader, tables, limit, refresh=(level == 1 and n_pass == 0),
+                               out=next_frontier)
+            if level == 1:
+                limit = budget  # from level 2 on, the reserved CRT tokens are available too
+            frontier = list(next_frontier.items())
+            if len(tree) - 1 >= budget:
+                return tree
+            level += 1
+    return tree
+
+
+def _add_followers(tree: DraftTree, node: int, leader: tuple, tables: list[CacheTable], limit: int,
+                   refresh: bool, out: dict[int, tuple]) -> None:
+    """Hang the followers of `leader` below `node`: the dynamic table's first, then the frozen table's, each
+    follower once, until one does not fit in `limit` draft tokens. Records each new branch end in `out`."""
+    ll = tables[0].ll
+    seen = set()
+    for source, table in enumerate(tables):
+        fanout = len(table.leaders.get(leader, ()))  # how many continuations this leader has been seen with
+        fanout = 0 if fanout <= 1 else 1 if fanout <= 3 else 2
+        for rank, follower in enumerate(table.query(leader, refresh=refresh)):
+            if follower in seen:
+                continue  # in both tables: add once
+            seen.add(follower)
+            if len(tree) - 1 + _new_tokens(tree, node, follower) > limit:
+                return  # this follower does not fit: stop querying this leader (frozen table included)
+            nodes = tree.add_follower(node, follower, source, rank, fanout)
+            out.setdefault(nodes[-1], (leader + follower)[-ll:])  # the last LL tokens of its text
+
+
+def _new_tokens(tree: Tree, node: int, follower: Sequence[int]) -> int:
+    """How many nodes adding `follower` below `node` would create (the rest is a shared prefix)."""
+    for i, t in enumerate(follower):
+        child = tree.children[node].get(int(t))
+        if child is None:
+            return len(follower) - i
+        node = child
+    return 0
+
+
 
 # ----------------------------------------------------------------------------------------------------------
-# 2b. The frozen table: built offline from a corpus (§3.3, §4)
+# 4. Cost-aware pruning: a separate pass after the tree is built (our deviation, for CPUs)
+# ----------------------------------------------------------------------------------------------------------
+#
+# The paper verifies the whole tree every step: on a GPU a 96-token forward costs about what a 1-token one
+# does. On a 2-core CPU it does not (TUTORIAL.md §1.1): with the default model t(2) ~ 1.65 t(1), t(16) ~
+# 2.2 t(1), t(96) ~ 5.4 t(1). A tree that is mostly rejected then makes the step slower than plain decoding.
+# So before verifying we keep only the part of the tree that is worth its cost -- the per-step rule of
+# ngram_predictor.py's cost gate, applied per node:
+#
+#   q(o)    = P(node accepted | its parent accepted), learned online for each origin o = (table, rank, pos,
+#             fanout) (DraftTree.origins): a leader seen with one follower so far is a far safer bet than
+#             one with twenty
+#   P(node) = P(parent) * q(origin(node)),   P(root) = 1    (the probability that the node is on the
+#                                                            accepted path: the tree's branches are
+#                                                            mutually exclusive, so)
+#   E[tokens of the step] = 1 + sum over kept draft nodes of P(node)
+#
+# Keep the k nodes with the highest P (a subtree: a child's P never exceeds its parent's), with k chosen to
+# maximise  E[tokens] / cost(1 + k)  over k = 0 .. N-1, where cost(n) = t(n)/t(1) is measured at start-up
+# (verify.measure_cost_curve). k = 0 is a plain one-token step: 1 token for 1 unit of cost.
+#
+#   q: dynamic rank 0 pos 0 = 0.5, pos 1 = 0.8;  cost(1)=1, cost(2)=1.65, cost(3)=1.7
+#   tree  root -> a (P .5) -> b (P .4):  k=0: 1/1 = 1.00   k=1: 1.5/1.65 = 0.91   k=2: 1.9/1.7 = 1.12  -> keep both
+#
+# subtle: as in the n-gram gate the prior must be optimistic (q = 3/4 until measured): a node that is never
+# verified teaches nothing, so a pessimistic prior would prune every tree forever.
+
+
+class CostPruner:
+    def __init__(self, cost: dict[int, float], prior_hits: float = 0.75, prior_trials: float = 1.0):
+        self.sizes = sorted(cost)  # measured sizes, 1 first
+        self.cost = cost  # {n: t(n)/t(1)}
+        self.prior = (prior_hits, prior_trials)
+        self.hits: dict[tuple, float] = {}
+        self.trials: dict[tuple, float] = {}
+
+    def q(self, origin: tuple) -> float:
+        """P(node accepted | parent accepted) for nodes of this origin: hits / trials, with the prior."""
+        return (self.hits.get(origin, 0) + self.prior[0]) / (self.trials.get(origin, 0) + self.prior[1])
+
+    def cost_of(self, n: int) -> float:
+        """cost(n) = t(n)/t(1), linearly interpolated between the measured sizes (extrapolated past them)."""
+        xs = self.sizes
+        if n in self.cost:
+            return self.cost[n]
+        lo = max([x for x in xs if x < n], default=xs[0])
+        hi = min([x for x in xs if x > n], default=None)
+        if hi is None:  # past the last measured size: continue the last segment's slope
+            lo, hi = xs[-2], xs[-1]
+        return self.cost[lo] + (self.cost[hi] - self.cost[lo]) * (n - lo) / (hi - lo)
+
+    def node_probs(self, tree: DraftTree) -> list[float]:
+        """P(node) = P(parent) * q(origin(node)), P(root) = 1."""
+        p = [1.0]
+        for i in range(1, len(tree)):  # parents come before children
+            p.append(p[tree.parents[i]] * self.q(tree.origins[i]))
+        return p
+
+    def choose(self, tree: DraftTree) -> set[int]:
+        """The nodes to verify, root included: the k most probable, k maximising E[tokens] / cost(1 + k)."""
+        p = self.node_probs(tree)
+        order = sorted(range(1, len(tree)), key=lambda i: (-p[i], i))  # parent before child on ties
+        best_k, best_rate, e = 0, 1.0, 1.0  # k = 0: a plain step, 1 token for 1 unit of cost
+        for k, i in enumerate(order, start=1):
+            e += p[i]  # E[tokens] with the k most probable nodes
+            rate = e / self.cost_of(1 + k)
+            if rate > best_rate:
+                best_k, best_rate = k, rate
+        return {0, *order[:best_k]}
+
+    def update(self, tree: DraftTree, path: Sequence[int]) -> None:
+        """Every verified node whose parent was accepted is one trial of its origin; a hit if it was accepted
+        too. (Nodes below a rejected node were never really tested.)"""
+        on_path = set(path)
+        for i in range(1, len(tree)):
+            if tree.parents[i] in on_path:
+                o = tree.origins[i]
+                self.trials[o] = self.trials.get(o, 0) + 1
+                self.hits[o] = self.hits.get(o, 0) + (i in on_path)
+
+
+def prune(tree: DraftTree, pruner: CostPruner) -> DraftTree:
+    """The pruning pass: the part of the tree worth verifying on this device."""
+    if len(tree) == 1:
+        return tree
+    return tree.subtree(pruner.choose(tree).__contains__)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# 5. The decode loop
+# ----------------------------------------------------------------------------------------------------------
+
+
+@torch.no_grad()
+def generate(model, prompt_ids: Sequence[int], max_new_tokens: int, eos_ids: Sequence[int], cfg: CachebackConfig,
+             *, frozen_table: CacheTable | None = None, cost: dict[int, float] | None = None,
+             on_emit=None, on_step=None) -> Generation:
+    """Cacheback decoding. A fresh dynamic table per call (stateful methods start from scratch for every
+    prompt, as in the paper's SpecBench runs). frozen_table: the table cfg.frozen names (`frozen_table_for`
+    builds or loads it; `prepare` does both once per process); it is shared and never modified. cost: the
+    measured curve {n: t(n)/t(1)} for cfg.prune == 'cost', measured now if not given."""
+    if cfg.frozen != "none" and frozen_table is None:
+        raise verify.UserError(f"cfg.frozen = {cfg.frozen!r}: pass frozen_table=frozen_table_for(tok, cfg, model)")
+    if frozen_table is not None and (frozen_table.ll, frozen_table.fl) != (cfg.ll, cfg.fl):
+        raise verify.UserError(f"frozen table has LL={frozen_table.ll}, FL={frozen_table.fl}; "
+                               f"this run uses LL={cfg.ll}, FL={cfg.fl}")
+    pruner = None
+    if cfg.prune == "cost":
+        pruner = CostPruner(cost if cost is not None else measure_cost(model, cfg.tdl))
+    gen = Generation(max_new_tokens, eos_ids, on_emit=on_emit, on_step=on_step)
+    gen.extra.update(grown=0, pruned=0)  # draft tokens grown / removed by the pruning, over all steps
+    dynamic = CacheTable(cfg.ll, cfg.fl, cfg.lc, cfg.fc)
+    learn = update_table if cfg.dynamic_table else (lambda *a: None)
+    text = list(prompt_ids)  # prompt + emitted tokens: the context the tables are queried with
+    learn(dynamic, text, 0)  # §3.3: initialise the dynamic table with a sliding window over the prompt
+
+    cache = verify.new_cache(model)
+    pending = int(verify.prefill(model, cache, prompt_ids).argmax())
+    text.append(pending)
+    learn(dynamic, text, len(text) - 1)
+    if gen.finish_prefill(pending):
+        return gen
+
+    while True:
+        # -- DRAFT (§3.2): a tree below the pending token, at most TDL tokens including it
+        t0 = time.perf_counter()
+        tree = grow_tree(pending, text, dynamic, frozen_table, cfg.tdl, cfg.crt)
+        grown = len(tree) - 1
+        room = max_new_tokens - len(gen.tokens)  # a step emits at most depth + 1 tokens; deeper is wasted
+        if max(tree.depths) >= room:
+            depths = tree.depths
+            tree = tree.subtree(lambda i: depths[i] < room)
+        if pruner is not None:  # our deviation (section 4): keep what is worth its cost on this device
+            tree = prune(tree, pruner)
+        gen.extra["grown"] += grown
+        gen.extra["pruned"] += grown - (len(tree) - 1)
+        draft_s = time.perf_counter() - t0
+
+        # -- VERIFY with tree attention, ACCEPT the longest agreeing branch + bonus, COMPACT the KV
+        prefix_len = verify.cache_len(cache)
+        logits = verify.tree_forward(model, cache, tree)  # [N, V]
+        path, bonus = verify.accept_greedy(tree, logits)
+        verify.compact_kv(cache, prefix_len, path)
+        if pruner is not None:
+            pruner.update(tree, path)
+
+        n_before = len(gen.tokens)
+        done = gen.finish_step(tree, path, bonus, draft_s)
+        # -- UPDATE the dynamic table with the windows ending at the newly emitted tokens (§3.2)
+        first_new = len(text)
+        text += gen.tokens[n_before:]
+        learn(dynamic, text, first_new)
+        if done:
+            return gen
+        pending = bonus
+
+
+def measure_cost(model, tdl: int) -> dict[int, float]:
+    """The pruning's cost curve: t(n)/t(1) at powers of two up to TDL (a few seconds on a CPU)."""
+    sizes = sorted({min(2**i, tdl) for i in range(tdl.bit_length() + 1)} | {tdl})
+    return verify.measure_cost_curve(model, sizes, repeats=3)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# 6. CLI
+# ----------------------------------------------------------------------------------------------------------
+
+
+def prepare(model, tok, cfg: CachebackConfig, name: str = verify.DEFAULT_MODEL) -> tuple[CachebackConfig, dict]:
+    """Once per process, before timing: the frozen table cfg.frozen names and the pruning's cost curve.
+    `name` (the --model given) identifies the model's shipped or cached selfchat answers."""
+    extra = {}
+    if cfg.frozen != "none":
+        extra["frozen_table"] = frozen_table_for(tok, cfg, model, name)
+    if cfg.prune == "cost":
+        extra["cost"] = measure_cost(model, cfg.tdl)
+    return cfg, extra
+
+
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["build-frozen"]:
+        return build_frozen_main(argv[1:])
+    parser = verify.common_parser(__doc__.split("\n\n")[0].strip() + "\n\nAlso: python cacheback.py build-frozen --out FILE")
+    cpu, gpu = CachebackConfig.cpu(), CachebackConfig.paper()
+
+    def default(name):
+        g, c = getattr(gpu, name), getattr(cpu, name)
+        return f" (default: {c})" if g == c else f" (default: {g} on CUDA, {c} on CPU)"
+
+    g = parser.add_argument_group("Cacheback (the paper's names; CUDA defaults are §4's, CPU ones measured: TUTORIAL.md §3.5)")
+    g.add_argument("--ll", type=int, help="LL, leader length: tokens a lookup is keyed by" + default("ll"))
+    g.add_argument("--fl", type=int, help="FL, follower length: tokens per follower / tree branch" + default("fl"))
+    g.add_argument("--lc", type=int, help="LC, leader capacity of a table" + default("lc"))
+    g.add_argument("--fc", type=int, help="FC, follower capacity per leader" + default("fc"))
+    g.add_argument("--tdl", type=int, help="TDL, total draft length: tree tokens not in the KV cache" + default("tdl"))
+    g.add_argument("--crt", type=int, help="CRT, chaining-reserved tokens: TDL kept for tree levels 2+" + default("crt"))
+    g.add_argument("--frozen", help="frozen table (§3.3): none, stdlib, selfchat, or a build-frozen file" + default("frozen"))
+    g.add_argument("--prune", choices=["cost", "none"], help="ours: cost = verify only what is worth its measured cost" + default("prune"))
+    config = lambda args, device: verify.config_from_args(CachebackConfig.for_device(device), args)
+    return verify.run_cli(parser, "cacheback", generate, config, prepare, argv=argv)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# 7. The frozen table: built offline from a corpus (§3.3, §4)
 # ----------------------------------------------------------------------------------------------------------
 #
 # §4: "The building procedure first picks the most frequent LC n-grams of length LL as the leaders in the
@@ -230,7 +629,6 @@ def build_frozen(tok, ll: int, fl: int, lc: int, fc: int, max_tokens: int = 2_00
 # The answers of the default model are shipped (corpus/selfchat-<model>.jsonl); for another model they are
 # generated once (batched greedy, a few minutes on a CPU) and cached.
 
-CORPUS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "corpus")
 INSTRUCTIONS = os.path.join(CORPUS_DIR, "instructions.jsonl")
 SELFCHAT_TOKENS = 192  # answer length: most answers of the default model end before it
 
@@ -318,9 +716,6 @@ def load_frozen(path: str, tok, ll: int, fl: int) -> CacheTable:
     return table
 
 
-FROZEN_CORPORA = ("stdlib", "selfchat")
-
-
 def build_corpus_table(tok, corpus: str, ll: int, fl: int, lc: int, fc: int, model=None,
                        model_name: str = verify.DEFAULT_MODEL, max_tokens: int = 2_000_000, seed: int = 0):
     """build_frozen over one of FROZEN_CORPORA: (table, meta). selfchat needs the model for its answers
@@ -331,13 +726,16 @@ def build_corpus_table(tok, corpus: str, ll: int, fl: int, lc: int, fc: int, mod
     return build_frozen(tok, ll, fl, lc, fc, max_tokens=max_tokens, seed=seed)
 
 
-def default_frozen(tok, ll: int, fl: int, lc: int, fc: int, corpus: str = "stdlib", model=None,
-                   model_name: str = verify.DEFAULT_MODEL) -> CacheTable:
-    """A frozen table built once from one of the corpora and cached beside the converted model:
-    'stdlib' = the Python standard library's source (~25 s), 'selfchat' = the model's own answers to the
-    shipped instructions (needs `model`; seconds with the shipped answers, minutes to generate them)."""
+def frozen_table_for(tok, cfg: CachebackConfig, model=None, model_name: str = verify.DEFAULT_MODEL) -> CacheTable:
+    """The frozen table cfg.frozen names, for cfg.ll / cfg.fl: a file from `build-frozen`, or one of the
+    corpora, built once and cached beside the converted model: 'stdlib' = the Python standard library's
+    source (~25 s), 'selfchat' = the model's own answers to the shipped instructions (needs `model`; seconds
+    with the shipped answers, minutes to generate them)."""
+    corpus, ll, fl, lc, fc = cfg.frozen, cfg.ll, cfg.fl, cfg.lc, cfg.fc
     if corpus not in FROZEN_CORPORA:
-        raise verify.UserError(f"--frozen {corpus}: expected none, {', '.join(FROZEN_CORPORA)} or a table file")
+        if not os.path.isfile(corpus):
+            raise verify.UserError(f"--frozen {corpus}: expected none, {', '.join(FROZEN_CORPORA)} or a table file")
+        return load_frozen(corpus, tok, ll, fl)
     ident = tokenizer_identity(tok)["vocab_sha1"][:10]
     if corpus == "selfchat":  # the answers are this model's: the key names it
         ident += "-" + os.path.basename(str(model_name).rstrip("/"))
@@ -349,365 +747,6 @@ def default_frozen(tok, ll: int, fl: int, lc: int, fc: int, corpus: str = "stdli
         save_frozen(table, tmp, tok, meta)
         os.replace(tmp, path)
     return load_frozen(path, tok, ll, fl)
-
-
-# ----------------------------------------------------------------------------------------------------------
-# 3. The draft tree (§3.2): breadth-first growth under TDL and CRT
-# ----------------------------------------------------------------------------------------------------------
-#
-# TDL (total draft length) bounds the tree: draft tokens + tokens not yet in the KV cache <= TDL. With KV
-# compaction only the root (the last emitted token) is not cached, so the tree gets TDL - 1 draft tokens.
-# (The reference code feeds the accepted tokens again each step; they count against TDL there.)
-#
-# CRT (chaining-reserved tokens) keeps the first level from eating the whole budget: level 1 (the followers
-# of the real context) may use TDL - 1 - CRT tokens; the CRT reserved ones are for level 2 and deeper,
-# where each leaf is extended by the followers of ITS last LL tokens (the tree "chains").
-#
-# Each follower becomes a branch of FL tokens below its parent. Branches are merged into a trie (verify.Tree):
-# a follower that repeats a prefix already in the tree only costs its new tokens.
-#
-#   LL=2, FL=2, context "... the fox", TDL=8, CRT=2:
-#     level 1: query (the, fox) -> (ran, fast) (hid, deep) (sat, still)   6 tokens > 8-1-2 = 5 allowed:
-#              take (ran, fast), (hid, deep)                              4 tokens
-#     level 2: leaf "fast": query (ran, fast) -> (and, far) ...           2 more: 6 <= 7 tokens
-#     level 2: leaf "deep": query (hid, deep) -> nothing (or no budget left)
-#
-# Queries: the dynamic table first, then the frozen one "to further grow the tree if TDL still allows": the
-# whole dynamic tree is grown first, then the frozen table's followers are hung into it breadth first while
-# budget is left. A follower found in both is added once. A leaf whose leader is in neither table stays a
-# leaf (no backoff).
-#
-# Design choice (the issue asks us to decide): only the level-1 query, made with the real, verified
-# context, refreshes the leader's recency. Deeper queries are made with *speculative* tokens that may never
-# appear in the text; letting them promote leaders would let guesses evict what the text actually
-# contained. The reference code refreshes on every lookup.
-
-
-def grow_tree(
-    root: int,
-    context: Sequence[int],
-    dynamic: CacheTable,
-    frozen: CacheTable | None,
-    tdl: int,
-    crt: int,
-    keys: list | None = None,
-) -> Tree:
-    """Build the draft tree for one step. `context` = the text so far, ending with `root` (the pending
-    token). Returns a verify.Tree whose node 0 is `root`. If `keys` is a list, it receives one entry per
-    node: None for the root, else (table, rank, pos, fanout) -- which table the node's follower came from
-    (0 dynamic, 1 frozen), the follower's rank in that table's answer (0 = most recent; 3 = 4th or later),
-    the node's position inside its follower, and how many followers its leader has (0: one, 1: 2-3, 2: more).
-    The cost-aware pruning (§3b) learns acceptance rates per key."""
-    keys = [] if keys is None else keys
-    keys[:] = [None]
-    ll = dynamic.ll
-    tree = Tree.root_only(root)
-    budget = tdl - 1  # draft tokens; the root is the one token not yet in the KV cache
-    # Pass 1 grows the tree from the dynamic table alone; pass 2 walks it again, breadth first, with both
-    # tables: the dynamic followers are already there (they merge for free), the frozen ones fill what
-    # budget is left. (One pass with both tables would let frozen followers at level 1 take the budget
-    # that the dynamic table's deeper levels -- the text's own continuations -- should get.)
-    passes = [[dynamic]] + ([[dynamic, frozen]] if frozen is not None else [])
-    for n_pass, tables in enumerate(passes):
-        # Level 1 may not use the CRT reserved tokens. subtle: the check below counts the WHOLE tree, so in
-        # pass 2 the limit must not be below what pass 1 already grew (all levels): else the first existing
-        # dynamic follower (0 new tokens) would already "not fit", and the frozen table could never add
-        # anything once the dynamic tree holds more than TDL-1-CRT tokens, against §3.3's "then the frozen
-        # one to further grow the tree if TDL still allows".
-        limit = max(budget - crt, len(tree) - 1)
-        # The leaves to extend, each with the last LL tokens of its root-to-leaf text (its leader).
-        frontier = [(0, tuple(context[-ll:]))] if len(context) >= ll else []
-        level = 1
-        while frontier:
-            next_frontier: dict[int, tuple] = {}  # follower-end node -> its leader (dict: each node once)
-            for node, leader in frontier:
-                _add_followers(tree, node, leader, tables, limit, refresh=(level == 1 and n_pass == 0),
-                               out=next_frontier, keys=keys)
-            if level == 1:
-                limit = budget  # from level 2 on, the reserved CRT tokens are available too
-            frontier = list(next_frontier.items())
-            if len(tree) - 1 >= budget:
-                return tree
-            level += 1
-    return tree
-
-
-def _add_followers(tree: Tree, node: int, leader: tuple, tables: list[CacheTable], limit: int, refresh: bool,
-                   out: dict[int, tuple], keys: list) -> None:
-    """Hang the followers of `leader` below `node`: the dynamic table's first, then the frozen table's, each
-    follower once, until one does not fit in `limit` draft tokens. Records each new branch end in `out`,
-    and each new node's (table, rank, pos) in `keys`."""
-    ll = tables[0].ll
-    seen = set()
-    for source, table in enumerate(tables):
-        fanout = len(table.leaders.get(leader, ()))  # how many continuations this leader has been seen with
-        fanout = 0 if fanout <= 1 else 1 if fanout <= 3 else 2
-        for rank, follower in enumerate(table.query(leader, refresh=refresh)):
-            if follower in seen:
-                continue  # in both tables: add once
-            seen.add(follower)
-            if len(tree) - 1 + _new_tokens(tree, node, follower) > limit:
-                return  # this follower does not fit: stop querying this leader (frozen table included)
-            nodes = tree.add_branch(follower, parent=node)
-            for pos, n in enumerate(nodes):
-                if n == len(keys):  # a new node (a shared prefix keeps the key it was created with)
-                    keys.append((source, min(rank, 3), pos, fanout))
-            out.setdefault(nodes[-1], (leader + follower)[-ll:])  # the last LL tokens of its text
-
-
-def _new_tokens(tree: Tree, node: int, follower: Sequence[int]) -> int:
-    """How many nodes adding `follower` below `node` would create (the rest is a shared prefix)."""
-    for i, t in enumerate(follower):
-        child = tree.children[node].get(int(t))
-        if child is None:
-            return len(follower) - i
-        node = child
-    return 0
-
-
-# ----------------------------------------------------------------------------------------------------------
-# 3b. Cost-aware pruning of the tree (our deviation, for CPUs; off on CUDA by default)
-# ----------------------------------------------------------------------------------------------------------
-#
-# The paper verifies the whole tree every step: on a GPU a 96-token forward costs about what a 1-token one
-# does. On a 2-core CPU it does not (TUTORIAL.md §1.1): with the default model t(2) ~ 1.65 t(1), t(16) ~
-# 2.2 t(1), t(96) ~ 5.4 t(1). A tree that is mostly rejected then makes the step slower than plain decoding.
-# So before verifying we keep only the part of the tree that is worth its cost -- the per-step rule of
-# ngram_predictor.py's cost gate, applied per node:
-#
-#   q(key)  = P(node accepted | its parent accepted), learned online for each key = (table, rank, pos,
-#             fanout): a leader seen with a single follower so far is a far safer bet than one with twenty
-#   P(node) = P(parent) * q(key(node)),   P(root) = 1       (the probability that the node is on the
-#                                                            accepted path: the tree's branches are
-#                                                            mutually exclusive, so)
-#   E[tokens of the step] = 1 + sum over kept draft nodes of P(node)
-#
-# Keep the k nodes with the highest P (a subtree: a child's P never exceeds its parent's), with k chosen to
-# maximise  E[tokens] / cost(1 + k)  over k = 0 .. N-1, where cost(n) = t(n)/t(1) is measured at start-up
-# (verify.measure_cost_curve). k = 0 is a plain one-token step: 1 token for 1 unit of cost.
-#
-#   q: dynamic rank 0 pos 0 = 0.5, pos 1 = 0.8;  cost(1)=1, cost(2)=1.65, cost(3)=1.7
-#   tree  root -> a (P .5) -> b (P .4):  k=0: 1/1 = 1.00   k=1: 1.5/1.65 = 0.91   k=2: 1.9/1.7 = 1.12  -> keep both
-#
-# subtle: as in the n-gram gate the prior must be optimistic (q = 3/4 until measured): a node that is never
-# verified teaches nothing, so a pessimistic prior would prune every tree forever.
-
-
-class CostPruner:
-    def __init__(self, cost: dict[int, float], prior_hits: float = 0.75, prior_trials: float = 1.0):
-        self.sizes = sorted(cost)  # measured sizes, 1 first
-        self.cost = cost  # {n: t(n)/t(1)}
-        self.prior = (prior_hits, prior_trials)
-        self.hits: dict[tuple, float] = {}
-        self.trials: dict[tuple, float] = {}
-
-    def q(self, key: tuple) -> float:
-        return (self.hits.get(key, 0) + self.prior[0]) / (self.trials.get(key, 0) + self.prior[1])
-
-    def cost_of(self, n: int) -> float:
-        """cost(n) = t(n)/t(1), linearly interpolated between the measured sizes (extrapolated past them)."""
-        xs = self.sizes
-        if n in self.cost:
-            return self.cost[n]
-        lo = max([x for x in xs if x < n], default=xs[0])
-        hi = min([x for x in xs if x > n], default=None)
-        if hi is None:  # past the last measured size: continue the last segment's slope
-            lo, hi = xs[-2], xs[-1]
-        return self.cost[lo] + (self.cost[hi] - self.cost[lo]) * (n - lo) / (hi - lo)
-
-    def node_probs(self, tree: Tree, keys: list) -> list[float]:
-        p = [1.0]
-        for i in range(1, len(tree)):  # parents come before children
-            p.append(p[tree.parents[i]] * self.q(keys[i]))
-        return p
-
-    def choose(self, tree: Tree, keys: list) -> tuple[set[int], float]:
-        """The nodes to verify (root included) and the expected tokens of the step."""
-        p = self.node_probs(tree, keys)
-        order = sorted(range(1, len(tree)), key=lambda i: (-p[i], i))  # parent before child on ties
-        best_k, best_rate, e, best_e = 0, 1.0, 1.0, 1.0
-        for k, i in enumerate(order, start=1):
-            e += p[i]
-            rate = e / self.cost_of(1 + k)
-            if rate > best_rate:
-                best_k, best_rate, best_e = k, rate, e
-        return {0, *order[:best_k]}, best_e
-
-    def update(self, tree: Tree, keys: list, path: Sequence[int]) -> None:
-        """Every verified node whose parent was accepted is one trial of its key; a hit if it was accepted
-        too. (Nodes below a rejected node were never really tested.)"""
-        on_path = set(path)
-        for i in range(1, len(tree)):
-            if tree.parents[i] in on_path:
-                k = keys[i]
-                self.trials[k] = self.trials.get(k, 0) + 1
-                self.hits[k] = self.hits.get(k, 0) + (i in on_path)
-
-
-def subtree(tree: Tree, keep, keys: list | None = None) -> tuple[Tree, list | None]:
-    """A copy of the tree with the nodes for which keep(i) is true (their parents must be kept too)."""
-    out = Tree.root_only(tree.tokens[0])
-    out_keys = None if keys is None else [keys[0]]
-    remap = {0: 0}
-    for i in range(1, len(tree)):
-        if keep(i):
-            remap[i] = out.add(remap[tree.parents[i]], tree.tokens[i])
-            if out_keys is not None:
-                out_keys.append(keys[i])
-    return out, out_keys
-
-
-# ----------------------------------------------------------------------------------------------------------
-# 4. The decode loop
-# ----------------------------------------------------------------------------------------------------------
-
-
-@torch.no_grad()
-def generate(
-    model,
-    prompt_ids: Sequence[int],
-    max_new_tokens: int,
-    eos_ids: Sequence[int],
-    *,
-    ll: int = 1,
-    fl: int = 3,
-    lc: int = 2**20,
-    fc: int = 128,
-    tdl: int = 96,
-    crt: int = 16,
-    frozen: CacheTable | None = None,
-    cost: dict[int, float] | None = None,
-    dynamic_table: bool = True,
-    on_emit=None,
-    on_step=None,
-) -> Generation:
-    """Cacheback decoding. A fresh dynamic table per call (stateful methods start from scratch for every
-    prompt, as in the paper's SpecBench runs); `frozen` is shared and never modified. `cost` = the measured
-    cost curve {n: t(n)/t(1)} turns on the cost-aware pruning of §3b; None verifies whole trees (the paper).
-    dynamic_table=False leaves the dynamic table empty: the "only frozen" row of the paper's Table 1."""
-    if frozen is not None and (frozen.ll, frozen.fl) != (ll, fl):
-        raise verify.UserError(f"frozen table has LL={frozen.ll}, FL={frozen.fl}; this run uses LL={ll}, FL={fl}")
-    gen = Generation(max_new_tokens, eos_ids, on_emit=on_emit, on_step=on_step)
-    pruner = CostPruner(cost) if cost is not None else None
-    gen.extra.update(grown=0, pruned=0)  # draft tokens grown / removed by the pruning, over all steps
-    dynamic = CacheTable(ll, fl, lc, fc)
-    text = list(prompt_ids)  # prompt + emitted tokens: the context the tables are queried with
-    learn = update_table if dynamic_table else (lambda *a: None)
-    learn(dynamic, text, 0)  # §3.3: initialise the dynamic table with a sliding window over the prompt
-
-    cache = verify.new_cache(model)
-    pending = int(verify.prefill(model, cache, prompt_ids).argmax())
-    gen.target_forwards += 1
-    text.append(pending)
-    learn(dynamic, text, len(text) - 1)
-    if gen.emit([], pending):
-        return gen
-
-    while True:
-        # -- DRAFT: a tree below the pending token, at most TDL tokens including it.
-        t0 = time.perf_counter()
-        room = max_new_tokens - len(gen.tokens)  # a step emits at most depth + 1 tokens; deeper is wasted
-        keys: list = []
-        tree = grow_tree(pending, text, dynamic, frozen, tdl, crt, keys=keys)
-        grown = len(tree) - 1
-        gen.extra["grown"] += grown
-        if max(tree.depths) >= room:
-            tree, keys = subtree(tree, lambda i: tree.depths[i] < room, keys)
-        if pruner is not None and len(tree) > 1:  # §3b: keep what is worth its cost on this device
-            kept, _ = pruner.choose(tree, keys)
-            tree, keys = subtree(tree, kept.__contains__, keys)
-        gen.extra["pruned"] += grown - (len(tree) - 1)
-        draft_s = time.perf_counter() - t0
-
-        # -- VERIFY with tree attention, ACCEPT the longest agreeing branch + bonus, COMPACT the KV.
-        prefix_len = verify.cache_len(cache)
-        logits = verify.tree_forward(model, cache, tree)  # [N, V]
-        path, bonus = verify.accept_greedy(tree, logits)
-        verify.compact_kv(cache, prefix_len, path)
-        if pruner is not None:
-            pruner.update(tree, keys, path)
-
-        n_before = len(gen.tokens)
-        done = gen.finish_step(tree, path, bonus, draft_s)
-        # -- UPDATE the dynamic table with the windows ending at the newly emitted tokens (§3.2).
-        first_new = len(text)
-        text += gen.tokens[n_before:]
-        learn(dynamic, text, first_new)
-        if done:
-            return gen
-        pending = bonus
-
-
-# ----------------------------------------------------------------------------------------------------------
-# 5. CLI
-# ----------------------------------------------------------------------------------------------------------
-
-
-# The CPU defaults, chosen by measurement on the tuning half of the shipped prompts (TUTORIAL.md §3.5 has the
-# table): a verification forward is far from free on a CPU (t(16) ~ 2.2 t(1)), so a small tree (TDL = 16)
-# with the cost-aware pruning of §3b; LL = 2 (1.32x against 1.19x with LL = 1); no frozen table (either
-# corpus raises the accepted tokens but costs more than it brings here). On CUDA, where a 96-token forward
-# costs about what a 1-token one does: the paper's values, whole trees, and a frozen table.
-CPU_DEFAULTS = dict(ll=2, tdl=16, crt=4, frozen="none", prune="cost")
-# The frozen corpus on CUDA: the one with the most accepted tokens at the paper's settings (whole trees, where
-# only that matters): selfchat 1.95, stdlib 1.83, none 1.56 on the tuning half (TUTORIAL.md §3.5).
-CUDA_DEFAULTS = dict(PAPER_DEFAULTS, frozen="selfchat", prune="none")
-
-
-def method_kwargs(args) -> dict:
-    for name in ("fl", "lc", "fc"):
-        if getattr(args, name) < 1:
-            raise verify.UserError(f"--{name} must be at least 1 (got {getattr(args, name)})")
-    return dict(fl=args.fl, lc=args.lc, fc=args.fc)
-
-
-def prepare(model, tok, args) -> dict:
-    """Once per process, before timing: the device-dependent defaults (LL, TDL, CRT, frozen table, pruning),
-    the frozen table and the measured cost curve."""
-    defaults = CUDA_DEFAULTS if model.device.type == "cuda" else CPU_DEFAULTS
-
-    def pick(name):
-        value = getattr(args, name, None)
-        return defaults[name] if value is None else value
-
-    ll, tdl, crt, which, prune = pick("ll"), pick("tdl"), pick("crt"), pick("frozen"), pick("prune")
-    if which == "selfchat" and getattr(args, "frozen", None) is None and not os.path.isdir(CORPUS_DIR):
-        # note: the CUDA default needs corpus/ beside this file; someone who copied only cacheback.py and
-        # verify.py gets the corpus every Python install has instead of an error
-        print("[cacheback] corpus/ not found beside cacheback.py: frozen table from --frozen stdlib", file=sys.stderr)
-        which = "stdlib"
-    fl = getattr(args, "fl", PAPER_DEFAULTS["fl"])
-    if ll < 1:
-        raise verify.UserError(f"--ll must be at least 1 (got {ll})")
-    if tdl < 1 or not 0 <= crt < tdl:
-        raise verify.UserError(f"need TDL >= 1 and 0 <= CRT < TDL (got TDL {tdl}, CRT {crt})")
-    if which == "none":
-        frozen = None
-    elif which in FROZEN_CORPORA:
-        frozen = default_frozen(tok, ll, fl, getattr(args, "lc", PAPER_DEFAULTS["lc"]),
-                                getattr(args, "fc", PAPER_DEFAULTS["fc"]), corpus=which, model=model,
-                                model_name=getattr(args, "model", verify.DEFAULT_MODEL))
-    elif not os.path.isfile(which):
-        raise verify.UserError(f"--frozen {which}: expected none, {', '.join(FROZEN_CORPORA)} or a table file")
-    else:
-        frozen = load_frozen(which, tok, ll, fl)
-    cost = None
-    if prune == "cost":  # measure t(n)/t(1) at powers of two up to TDL (a few seconds on a CPU)
-        sizes = sorted({min(2**i, tdl) for i in range(tdl.bit_length() + 1)} | {tdl})
-        cost = verify.measure_cost_curve(model, sizes, repeats=3)
-    return dict(ll=ll, tdl=tdl, crt=crt, frozen=frozen, cost=cost)
-
-
-def bench_runner(model, tok, args, extra, **fixed):
-    """bench.py's ablations of the paper's Table 1: `fixed` may set frozen ('stdlib'/'selfchat'/'none') and
-    dynamic_table; the defaults are then resolved again with that frozen setting."""
-    import argparse
-
-    dynamic = fixed.pop("dynamic_table", True)
-    if fixed:
-        extra = prepare(model, tok, argparse.Namespace(**{**vars(args), **fixed}))
-    kwargs = dict(extra, dynamic_table=dynamic)
-    return lambda ids, n, eos: (lambda g: (g.tokens, g))(generate(model, ids, n, eos, **kwargs))
 
 
 def build_frozen_main(argv) -> int:
@@ -722,10 +761,11 @@ def build_frozen_main(argv) -> int:
                    help="stdlib = Python source; selfchat = the model's answers (shipped for the default model, "
                         "else generated: minutes on a CPU). Default: stdlib")
     p.add_argument("--model", default=verify.DEFAULT_MODEL, help="whose tokenizer (and, for selfchat, answers) to use")
-    p.add_argument("--ll", type=int, default=1, help="LL, leader length (default: 1)")
-    p.add_argument("--fl", type=int, default=3, help="FL, follower length (default: 3)")
-    p.add_argument("--lc", type=int, default=2**20, help="LC: keep the LC most frequent leaders (default: 2^20)")
-    p.add_argument("--fc", type=int, default=128, help="FC: keep each leader's FC most frequent followers (default: 128)")
+    d = CachebackConfig.paper()
+    p.add_argument("--ll", type=int, default=d.ll, help=f"LL, leader length (default: {d.ll})")
+    p.add_argument("--fl", type=int, default=d.fl, help=f"FL, follower length (default: {d.fl})")
+    p.add_argument("--lc", type=int, default=d.lc, help=f"LC: keep the LC most frequent leaders (default: {d.lc})")
+    p.add_argument("--fc", type=int, default=d.fc, help=f"FC: keep each leader's FC most frequent followers (default: {d.fc})")
     p.add_argument("--max-tokens", type=int, default=2_000_000, help="corpus size in tokens (default: 2,000,000)")
     p.add_argument("--seed", type=int, default=0, help="stdlib: order in which corpus files are sampled (default: 0)")
     args = p.parse_args(argv)
@@ -752,38 +792,6 @@ def build_frozen_main(argv) -> int:
     print(f"wrote {args.out}: {len(table)} leaders, {n} followers from {meta['tokens']} tokens ({meta['corpus']}) in "
           f"{time.perf_counter() - t0:.1f} s, {os.path.getsize(args.out) / 1e6:.2f} MB")
     return 0
-
-
-def main(argv=None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] == ["build-frozen"]:
-        return build_frozen_main(argv[1:])
-    parser = verify.common_parser(__doc__.split("\n\n")[0].strip() + "\n\nAlso: python cacheback.py build-frozen --out FILE")
-    cpu, gpu = CPU_DEFAULTS, CUDA_DEFAULTS
-    g = parser.add_argument_group("Cacheback (the paper's names; defaults: the paper's (§4) on CUDA, measured ones on "
-                                  "CPU -- see README and the CPU_DEFAULTS note in this file)")
-    g.add_argument("--ll", type=int, default=None,
-                   help=f"LL, leader length: tokens used as the lookup key (default: {gpu['ll']} on CUDA, {cpu['ll']} on CPU)")
-    g.add_argument("--fl", type=int, default=PAPER_DEFAULTS["fl"], help="FL, follower length: tokens per follower / tree branch (default: 3)")
-    g.add_argument("--lc", type=int, default=PAPER_DEFAULTS["lc"], help="LC, leader capacity of the dynamic table (default: 2^20)")
-    g.add_argument("--fc", type=int, default=PAPER_DEFAULTS["fc"], help="FC, follower capacity per leader (default: 128)")
-    g.add_argument("--tdl", type=int, default=None,
-                   help=f"TDL, total draft length: draft tokens + tokens not in the KV cache (default: {gpu['tdl']} "
-                        f"on CUDA as in the paper; {cpu['tdl']} on CPU, where big trees are not free: chosen "
-                        "from a measured cost curve)")
-    g.add_argument("--crt", type=int, default=None,
-                   help=f"CRT, chaining-reserved tokens: budget kept for tree levels 2+ (default: {gpu['crt']} "
-                        f"on CUDA, {cpu['crt']} on CPU)")
-    g.add_argument("--frozen", default=None,
-                   help="the frozen table (§3.3): 'stdlib' = built once from the Python stdlib's source and cached "
-                        "(~25 s the first time), 'selfchat' = from the model's own answers to the shipped "
-                        "instructions, 'none' = dynamic table only, or a file from `cacheback.py build-frozen` "
-                        f"(default: {gpu['frozen']} on CUDA, {cpu['frozen']} on CPU; measured: TUTORIAL.md §3.5)")
-    g.add_argument("--prune", choices=["cost", "none"], default=None,
-                   help="not in the paper (TUTORIAL.md §3.4): 'cost' verifies only the part of each tree whose expected "
-                        "accepted tokens are worth its measured forward cost; 'none' verifies whole trees as the "
-                        "paper does (default: cost on CPU, none on CUDA)")
-    return verify.run_cli(parser, "cacheback", generate, method_kwargs, argv=argv, prepare=prepare)
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """
 card.py -- CARD: cache-assisted parallel speculative decoding with the "query-and-correct" paradigm.
-Zhou, Sheng, Chen & He, "CARD: A Cache-Assisted Parallel Speculative Decoding Framework via Query-and-Correct
-Paradigm for Accelerating LLM Inference" (../shared/papers/card.txt).
+Enyu Zhou, Kai Sheng, Hao Chen & Xin He, "CARD: A Cache-Assisted Parallel Speculative Decoding Framework via
+Query-and-Correct Paradigm for Accelerating LLM Inference", 2025, arXiv:2508.04462.
 
 Classic speculative decoding is draft-THEN-verify: the target waits while the draft drafts, the draft waits
 while the target verifies. CARD lets both run at the same time:
@@ -21,12 +21,17 @@ while the target verifies once (§3.1).
 
 File layout, in the paper's order:
 
+    0. Configuration         K, k, r and the mode, under the paper's names            (§2, §3.1)
     1. The candidate cache   primary layers + secondary (token, score, parent) cache   (§2.2, Figure 3)
     2. The drafter           draft forwards over a layer with the §2.3 mask; correction (§2.3, §2.4)
+    2b. Ablation             Table 2's "cache only": query without correcting
     3. The decode loop       lockstep (r layers per target step) and parallel (a worker thread)
     4. CLI
 
     python card.py --prompt "Explain what a hash map is." --compare
+
+    from card import CardConfig, generate                    # as a library (draft: same tokenizer)
+    gen = generate(target, prompt_ids, 128, eos_ids, CardConfig.cpu(), draft=draft)
 
 The default pair is the default model in float32 (target) and THE SAME WEIGHTS in bfloat16 (draft): the
 only pair available offline. It stands in for a real small/large pair, e.g. --draft
@@ -41,6 +46,7 @@ both modes, except at exact ties within rounding (see verify.py); measured on ev
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 import sys
 import threading
@@ -54,16 +60,59 @@ import torch
 import verify
 from verify import Generation, Tree
 
-# The paper's configuration for a 1B draft (§3.1): K = 100 sequences in the primary cache, communication
-# ratio 7. note: the paper gives no value for Eq. 2's top-k; its reference code expands each node by its own
-# top-K, i.e. k = K, which is what we use (K x k = 10^4 candidates per layer, cheap on a GPU).
-PAPER_DEFAULTS = dict(k=100, topk=100, ratio=7)
-# On this CPU (2-core AMD EPYC) a bfloat16 forward is fast only for ONE token (t(8) = 3.7 t(1), against 1.8 in
-# float32), so a wide cache makes every draft layer expensive, and our stand-in draft agrees with its float32
-# original ~99% of the time anyway: the measured best is a one-node-wide cache. On the tuning half of the
-# shipped prompts (TUTORIAL.md §4.6): K = 1 0.80x of greedy against 0.61x with K = k = 2; r = 4 and lockstep
-# 0.77x, against 0.63x with r = 2 and 0.59x in parallel mode. K = 1 keeps CARD's loop (query, verify, correct) but not its width; pass --k/--topk to see the tree.
-CPU_DEFAULTS = dict(k=1, topk=1, ratio=4)
+# ----------------------------------------------------------------------------------------------------------
+# 0. Configuration (§2, §3.1)
+# ----------------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class CardConfig:
+    """CARD's parameters under the paper's names, and how this reference runs them.
+
+    >>> CardConfig.paper().k, CardConfig.cpu().k
+    (100, 1)
+    """
+
+    k: int = 100  # K, the primary cache size: candidate sequences kept per tree layer (Eq. 7)
+    topk: int = 100  # k, children proposed per node from the draft's top-k (Eq. 2)
+    ratio: int | str = 7  # r, the communication ratio ~ t(target step) / t(draft layer); "auto" = measured
+    mode: str = "parallel"  # "parallel": the draft in a worker thread; "lockstep": r layers, then one target step
+    correct: bool = True  # False = Table 2's "cache only" ablation (section 2b)
+    max_lead: int | None = None  # layers the cache may run ahead of the verified text (None: 2r, as the reference)
+    draft: str | None = None  # the draft model's name for prepare() (None: the target's own weights)
+    draft_dtype: str = "bfloat16"  # the draft's dtype
+    draft_threads: int | None = None  # CPU, parallel mode: the worker's threads (None: half the cores)
+    target_threads: int | None = None  # CPU, parallel mode: the target's threads (None: the rest)
+
+    @classmethod
+    def paper(cls) -> "CardConfig":
+        """§3.1 for a 1B draft: K = 100, r = 7, in parallel. note: the paper gives no value for Eq. 2's k;
+        its reference code expands each node by its own top-K, i.e. k = K (10^4 candidates per layer)."""
+        return cls()
+
+    @classmethod
+    def cpu(cls) -> "CardConfig":
+        """Measured on the tuning half of the shipped prompts (TUTORIAL.md §4.6): a one-node-wide cache,
+        r = 4, lockstep. K = 1 keeps CARD's loop (query, verify, correct) but not its width."""
+        return cls(k=1, topk=1, ratio=4, mode="lockstep")
+
+    @classmethod
+    def for_device(cls, device) -> "CardConfig":
+        return cls.paper() if torch.device(device).type == "cuda" else cls.cpu()
+
+    def check(self) -> None:
+        """Raise verify.UserError (a ValueError) for an impossible value; accept r as text too."""
+        if self.ratio != "auto":
+            try:
+                self.ratio = int(self.ratio)
+            except ValueError:
+                raise verify.UserError(f"--ratio must be a whole number or 'auto' (got {self.ratio!r})") from None
+        for name in ("k", "topk", "ratio"):
+            v = getattr(self, name)
+            if v != "auto" and v < 1:
+                raise verify.UserError(f"--{name} must be at least 1 (got {v})")
+        if self.mode not in ("lockstep", "parallel"):
+            raise verify.UserError(f"--mode must be lockstep or parallel (got {self.mode!r})")
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -201,10 +250,9 @@ def draft_mask(tree: CandidateCache, front: Sequence[int], dp: int, cache_len: i
 
 
 class Drafter:
-    def __init__(self, model, k: int, topk: int, correct: bool = True):
+    def __init__(self, model, k: int, topk: int):
         self.model = model
         self.tree = CandidateCache(k, topk)
-        self.correct_enabled = correct  # False = the "cache only" ablation of Table 2 (see correct())
         self.cache = None
         self.layers_fed = 0  # draft forwards done (one per layer)
         self.kv_ready = None  # CUDA: an event recorded after correct() compacted the draft KV (see step())
@@ -214,7 +262,6 @@ class Drafter:
         self.text = list(text)
         self.cache = verify.new_cache(self.model)
         self.dp = 0  # verified tokens whose KV is in the draft cache (text[:dp])
-        self.qroot = None  # "cache only" ablation: the node the verified text has reached
         self.tree.reset(self.text[-1])
         self.root_pos = len(self.text) - 1  # the text position of the tree's root
 
@@ -259,45 +306,27 @@ class Drafter:
 
     def lead(self) -> int:
         """How many layers the cache reaches below the verified text."""
-        base = 0 if self.qroot is None else self.tree.nodes[self.qroot].depth
-        return self.tree.depth - base
+        return self.tree.depth
 
     def query(self, r: int) -> list[int]:
         """The tokens of the best path of up to r tokens below the verified text (§2, Figure 2)."""
-        tree = self.tree
-        if self.qroot is None:
-            return [tree.nodes[i].token for i in tree.query(r)]
-        # cache-only ablation: the verified text ends inside the tree at qroot; search below it
-        base = tree.nodes[self.qroot].depth
-        d = min(r, tree.depth - base)
-        below = [i for i in tree.layers[base + d] if self.qroot in self._ancestors(i)] if d else []
-        if not below:
-            return []
-        best = max(below, key=lambda i: tree.nodes[i].sigma)
-        path = tree.path_to(best)[base:]
-        return [tree.nodes[i].token for i in path]
-
-    def _ancestors(self, i: int) -> set[int]:
-        out = set()
-        while i >= 0:
-            out.add(i)
-            i = self.tree.nodes[i].parent
-        return out
+        return [self.tree.nodes[i].token for i in self.tree.query(r)]
 
     def correct(self, accepted: Sequence[int], bonus: int) -> bool:
         """CORRECT (§2.4) after the target accepted `accepted` (tokens of the queried path) and emitted
         `bonus`. Returns True on a cache hit (the bonus token is in the cache below the accepted path)."""
+        self.text += list(accepted) + [int(bonus)]
+        return self._correct(self.tree.root, accepted, bonus)
+
+    def _correct(self, start: int, accepted: Sequence[int], bonus: int) -> bool:
+        """Prune the cache to the subtree below the verified text, which runs from the root through `start`
+        and then `accepted`, and compact the draft KV to match."""
         tree = self.tree
-        start = tree.root if self.qroot is None else self.qroot
         node, walked = start, []
         for t in accepted:  # the accepted tokens ARE a path of the cache (they were queried from it)
             node = tree.nodes[node].children[t]
             walked.append(node)
         x = tree.nodes[node].children.get(int(bonus))
-        self.text += list(accepted) + [int(bonus)]
-        if x is not None and not self.correct_enabled:
-            self.qroot = x  # cache-only ablation: follow the text down the tree, prune nothing
-            return True
         # Verified nodes that are fed become the new verified prefix of the draft cache.
         verified = [n for n in [tree.root] + self._path_from_root(start) + walked if tree.nodes[n].slot is not None]
         keep = [n for n in self._subtree(x) if tree.nodes[n].slot is not None] if x is not None else []
@@ -312,10 +341,8 @@ class Drafter:
         self.root_pos = len(self.text) - 1
         if x is None:  # MISS: restart the cache from the target's token
             tree.reset(bonus)
-            self.qroot = None
             return False
         self._reroot(x, {n: self.dp + k for k, n in enumerate(keep)})  # HIT: keep x's subtree
-        self.qroot = None
         return True
 
     def _path_from_root(self, node: int) -> list[int]:
@@ -356,6 +383,53 @@ class Drafter:
                     del new.nodes[p].children[new.nodes[i].token]
                     del new.nodes[i]
             new.grow()
+
+
+# ----------------------------------------------------------------------------------------------------------
+# 2b. Ablation: "cache only" (Table 2) -- query, but do not correct
+# ----------------------------------------------------------------------------------------------------------
+#
+# The only place the ablation lives. On a hit the verified text is followed down the cache (to `qroot`) and
+# nothing is pruned or compacted: the draft keeps growing every branch, including the ones the text has
+# left. Only on a miss, when the text has left the cache altogether, is the cache corrected (restarted from
+# the target's token), as the full method does.
+
+
+class CacheOnlyDrafter(Drafter):
+    def start(self, text: Sequence[int]) -> None:
+        super().start(text)
+        self.qroot = None  # the node the verified text has reached inside the tree (None: the root)
+
+    def lead(self) -> int:
+        base = 0 if self.qroot is None else self.tree.nodes[self.qroot].depth
+        return self.tree.depth - base
+
+    def query(self, r: int) -> list[int]:
+        """The best path of up to r tokens below qroot."""
+        if self.qroot is None:
+            return super().query(r)
+        tree = self.tree
+        base = tree.nodes[self.qroot].depth
+        d = min(r, tree.depth - base)
+        below = [i for i in tree.layers[base + d] if self.qroot in tree.path_to(i)] if d else []
+        if not below:
+            return []
+        best = max(below, key=lambda i: tree.nodes[i].sigma)
+        return [tree.nodes[i].token for i in tree.path_to(best)[base:]]
+
+    def correct(self, accepted: Sequence[int], bonus: int) -> bool:
+        tree = self.tree
+        start = tree.root if self.qroot is None else self.qroot
+        node = start
+        for t in accepted:
+            node = tree.nodes[node].children[t]
+        self.text += list(accepted) + [int(bonus)]
+        x = tree.nodes[node].children.get(int(bonus))
+        if x is not None:  # a hit: follow the text down the tree, prune nothing
+            self.qroot = x
+            return True
+        self.qroot = None  # a miss: correct from where the text was, i.e. restart the cache
+        return self._correct(start, accepted, bonus)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -415,55 +489,37 @@ def _targets_turn(cond: threading.Condition, turn: threading.Event, errors: list
 
 
 @torch.no_grad()
-def generate(
-    model,
-    prompt_ids: Sequence[int],
-    max_new_tokens: int,
-    eos_ids: Sequence[int],
-    *,
-    draft=None,
-    k: int = CPU_DEFAULTS["k"],
-    topk: int = CPU_DEFAULTS["topk"],
-    ratio: int = CPU_DEFAULTS["ratio"],
-    mode: str = "lockstep",
-    correct: bool = True,
-    max_lead: int | None = None,
-    draft_threads: int | None = None,
-    target_threads: int | None = None,
-    on_emit=None,
-    on_step=None,
-) -> Generation:
-    """CARD decoding. `model` is the target, `draft` the draft model (same tokenizer). mode = "lockstep" or
-    "parallel"; correct=False is the "cache only" ablation (Table 2). max_lead caps how far (in layers) the
-    cache may run ahead of the verified text (default 2r: the reference code's ring of layers).
-    draft_threads / target_threads: CPU threads of the worker and of the target in parallel mode (default:
-    half the cores each). The function defaults to lockstep (deterministic, for tests and library use); the
-    CLI defaults to parallel, as the paper."""
+def generate(model, prompt_ids: Sequence[int], max_new_tokens: int, eos_ids: Sequence[int], cfg: CardConfig,
+             *, draft, on_emit=None, on_step=None) -> Generation:
+    """CARD decoding. `model` is the target, `draft` the draft model (same tokenizer; `load_draft` loads the
+    one cfg names). cfg.mode "lockstep" is deterministic (the tests use it); "parallel" runs the draft in a
+    worker thread, as the paper."""
     if draft is None:
-        raise verify.UserError("CARD needs a draft model (--draft)")
-    if mode not in ("lockstep", "parallel"):
-        raise verify.UserError(f"--mode must be lockstep or parallel (got {mode!r})")
-    max_lead = 2 * ratio if max_lead is None else max_lead
+        raise verify.UserError("CARD needs a draft model (draft=...)")
+    if cfg.ratio == "auto":
+        raise verify.UserError("cfg.ratio = 'auto' is measured by prepare() (or set r = measure_ratio(...))")
+    ratio = cfg.ratio
+    max_lead = 2 * ratio if cfg.max_lead is None else cfg.max_lead
     gen = Generation(max_new_tokens, eos_ids, on_emit=on_emit, on_step=on_step)
     gen.extra.update(hits=0, misses=0, verified=0)
 
     cache = verify.new_cache(model)
     pending = int(verify.prefill(model, cache, prompt_ids).argmax())
-    gen.target_forwards += 1
-    if gen.emit([], pending):
+    if gen.finish_prefill(pending):
         return gen
-    drafter = Drafter(draft, k, topk, correct)
+    drafter = (Drafter if cfg.correct else CacheOnlyDrafter)(draft, cfg.k, cfg.topk)
     drafter.start(list(prompt_ids) + [pending])
 
     cond, turn, stop, errors, worker = threading.Condition(), threading.Event(), threading.Event(), [], None
     main_threads = torch.get_num_threads()
-    if mode == "parallel":
-        stream = None
+    if cfg.mode == "parallel":
+        stream, draft_threads = None, None
         if draft.device.type == "cuda":
             stream = torch.cuda.Stream(device=draft.device)
         else:
-            draft_threads = draft_threads or max(1, main_threads // 2)
-            torch.set_num_threads(max(1, main_threads - draft_threads) if target_threads is None else target_threads)
+            draft_threads = cfg.draft_threads or max(1, main_threads // 2)
+            target = cfg.target_threads or max(1, main_threads - draft_threads)
+            torch.set_num_threads(target)
         worker = threading.Thread(target=_worker, name="card-draft", daemon=True,
                                   args=(drafter, cond, turn, stop, max_lead, errors, draft_threads, stream))
         worker.start()
@@ -528,18 +584,19 @@ def same_vocabulary(tok_a, tok_b) -> bool:
 _DRAFTS: dict = {}  # (name, device, dtype) -> (model, tokenizer): bench.py's card and hf-assisted share one
 
 
-def load_draft(args, model, tok):
-    """The draft model: --draft (default: the target's own weights) in --draft-dtype (default bfloat16)."""
-    name = getattr(args, "draft", None) or getattr(args, "model", verify.DEFAULT_MODEL)
-    dtype = getattr(args, "draft_dtype", "bfloat16")
-    key = (name, str(model.device), dtype)
+def load_draft(model, tok, cfg: CardConfig, target_name: str = verify.DEFAULT_MODEL):
+    """The draft model cfg names (default: the target's own weights) in cfg.draft_dtype, on the target's
+    device and with its attention implementation."""
+    name = cfg.draft or target_name
+    key = (name, str(model.device), cfg.draft_dtype)
     if key not in _DRAFTS:
-        _DRAFTS[key] = verify.load_model(name, device=str(model.device), dtype=dtype,
-                                         attn_implementation=getattr(args, "attn_implementation", "auto"))
+        attn = getattr(model.config, "_attn_implementation", None)
+        _DRAFTS[key] = verify.load_model(name, device=str(model.device), dtype=cfg.draft_dtype,
+                                         attn_implementation=attn if attn in verify.MASK_HONOURING else "auto")
     draft, draft_tok = _DRAFTS[key]
     if not same_vocabulary(tok, draft_tok):
-        raise verify.UserError(f"--draft {name} and --target {getattr(args, 'model', '?')} do not share a "
-                               "vocabulary; CARD compares token ids, so both models need the same tokenizer")
+        raise verify.UserError(f"--draft {name} and --target {target_name} do not share a vocabulary; CARD "
+                               "compares token ids, so both models need the same tokenizer")
     return draft
 
 
@@ -555,75 +612,37 @@ def measure_ratio(model, draft, k: int) -> int:
     return max(1, math.ceil(step_time(model, 1) / step_time(draft, k)))
 
 
-def prepare(model, tok, args) -> dict:
-    """Once per process, untimed: load the draft model; device-dependent defaults for K, k and r;
-    --ratio auto measures r."""
-    defaults = PAPER_DEFAULTS if model.device.type == "cuda" else CPU_DEFAULTS
-    kw = {name: defaults[name] if getattr(args, name, None) is None else getattr(args, name) for name in ("k", "topk", "ratio")}
-    if kw["ratio"] != "auto":
-        try:
-            kw["ratio"] = int(kw["ratio"])
-        except ValueError:
-            raise verify.UserError(f"--ratio must be a whole number or 'auto' (got {kw['ratio']!r})") from None
-    for name, v in kw.items():
-        if v != "auto" and v < 1:
-            raise verify.UserError(f"--{name} must be at least 1 (got {v})")
-    draft = load_draft(args, model, tok)
-    if kw["ratio"] == "auto":
-        kw["ratio"] = measure_ratio(model, draft, kw["k"])
-        print(f"[card] --ratio auto: measured r = {kw['ratio']}", file=sys.stderr)
-    return dict(draft=draft, **kw)
-
-
-def method_kwargs(args) -> dict:
-    # --mode: parallel on CUDA (the paper's point), lockstep on a CPU, where the two models share two cores
-    # and lockstep measured faster (0.77x against 0.59x of greedy on the tuning prompts; TUTORIAL.md §4.6)
-    mode = args.mode or ("parallel" if verify.pick_device(args.device).type == "cuda" else "lockstep")
-    return dict(mode=mode, correct=not args.no_correct)
-
-
-def bench_runner(model, tok, args, extra, **fixed):
-    """bench.py: `card` (this file) and `hf-assisted` (transformers' assisted generation with the same
-    draft model: the classic draft-then-verify baseline). `extra` is what prepare() returned."""
-    if fixed.pop("hf_assisted", False):
-        draft = extra["draft"]
-        return lambda ids, n, eos: (verify.hf_generate(model, ids, n, eos, assistant_model=draft), None)
-    kwargs = {**extra, **fixed}
-    return lambda ids, n, eos: (lambda g: (g.tokens, g))(generate(model, ids, n, eos, **kwargs))
+def prepare(model, tok, cfg: CardConfig, name: str = verify.DEFAULT_MODEL) -> tuple[CardConfig, dict]:
+    """Once per process, untimed: load the draft model; r = 'auto' is measured here."""
+    draft = load_draft(model, tok, cfg, name)
+    if cfg.ratio == "auto":
+        cfg = dataclasses.replace(cfg, ratio=measure_ratio(model, draft, cfg.k))
+        print(f"[card] --ratio auto: measured r = {cfg.ratio}", file=sys.stderr)
+    return cfg, {"draft": draft}
 
 
 def main(argv=None) -> int:
     import argparse
 
     parser = verify.common_parser(__doc__.split("\n\n")[0].strip())
-    g = parser.add_argument_group(
-        "CARD (the paper's names; defaults: K=100, r=7 on CUDA as in §3.1 for a 1B draft, and k=K as in the paper's "
-        f"reference code; K={CPU_DEFAULTS['k']}, k={CPU_DEFAULTS['topk']}, r={CPU_DEFAULTS['ratio']} on CPU, measured: see README)")
-    g.add_argument("--target", dest="model", default=argparse.SUPPRESS,
-                   help="the target model (same as --model)")
-    g.add_argument("--draft", default=None,
-                   help="the draft model, same tokenizer as the target (default: the target's own weights in "
-                        "bfloat16 -- an offline STAND-IN for a real small/large pair such as --draft "
-                        "HuggingFaceTB/SmolLM2-135M-Instruct --target HuggingFaceTB/SmolLM2-1.7B-Instruct)")
-    g.add_argument("--draft-dtype", default="bfloat16", choices=["auto", "float32", "bfloat16", "float16"],
-                   help="the draft's dtype (default: bfloat16; the target follows --dtype)")
-    g.add_argument("--k", type=int, default=None,
-                   help="K, the primary cache size: candidate sequences kept per tree layer (Eq. 7)")
-    g.add_argument("--topk", type=int, default=None,
-                   help="k, the children proposed per node, from the draft's top-k (Eq. 2)")
-    g.add_argument("--ratio", default=None,
-                   help="r, the communication ratio ~ t(target step) / t(draft step): the target verifies a chain "
-                        "of up to r tokens per step; in lockstep mode the draft adds exactly r layers per step. "
-                        "'auto' measures r = ceil(t_target / t_draft) at start-up (§3.1)")
-    g.add_argument("--mode", choices=["parallel", "lockstep"], default=None,
-                   help="parallel: the draft runs in a worker thread concurrently with the target; lockstep: r "
-                        "draft layers, then one target step (deterministic). Default: parallel on CUDA, lockstep "
-                        "on CPU (measured faster on 2 cores)")
-    g.add_argument("--no-correct", action="store_true",
-                   help="Table 2's 'cache only' ablation (query but don't correct): on a hit the verified text is "
-                        "followed down the cache, nothing is pruned; only on a miss, when the text has left the "
-                        "cache, is the draft restarted from the target's token")
-    return verify.run_cli(parser, "card", generate, method_kwargs, argv=argv, prepare=prepare)
+    cpu, gpu = CardConfig.cpu(), CardConfig.paper()
+
+    def default(name):
+        g, c = getattr(gpu, name), getattr(cpu, name)
+        return f" (default: {c})" if g == c else f" (default: {g} on CUDA, {c} on CPU)"
+
+    g = parser.add_argument_group("CARD (the paper's names; CUDA defaults are §3.1's, CPU ones measured: TUTORIAL.md §4.6)")
+    g.add_argument("--target", dest="model", default=argparse.SUPPRESS, help="the target model (same as --model)")
+    g.add_argument("--draft", help="the draft model, same tokenizer (default: the target's weights in bfloat16, a stand-in)")
+    g.add_argument("--draft-dtype", choices=["auto", "float32", "bfloat16", "float16"], help="the draft's dtype (default: bfloat16)")
+    g.add_argument("--k", type=int, help="K, the primary cache size: candidates kept per tree layer (Eq. 7)" + default("k"))
+    g.add_argument("--topk", type=int, help="k, children proposed per node from the draft's top-k (Eq. 2)" + default("topk"))
+    g.add_argument("--ratio", help="r, the communication ratio: chain length per target step; auto = measured (§3.1)" + default("ratio"))
+    g.add_argument("--mode", choices=["parallel", "lockstep"], help="parallel: draft in a worker thread; lockstep: r layers, then verify" + default("mode"))
+    g.add_argument("--no-correct", dest="correct", action="store_const", const=False,
+                   help="Table 2's 'cache only' ablation: query without correcting (section 2b)")
+    config = lambda args, device: verify.config_from_args(CardConfig.for_device(device), args)
+    return verify.run_cli(parser, "card", generate, config, prepare, argv=argv)
 
 
 if __name__ == "__main__":

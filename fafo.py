@@ -1,7 +1,9 @@
 """
 fafo.py -- FAFO: "Fumble Around and Find Out", lossless n-gram decoding whose guesses come from a
 compressed KV cache. Paper: "FAFO: Lossy KV Cache Compression for Lossless Inference Acceleration via
-Draftless Fumble Decoding" (../shared/papers/fafo.md), built on Lookahead Decoding (Fu et al. 2024).
+Draftless Fumble Decoding", anonymous authors, ICLR 2026 submission, 2025,
+https://openreview.net/forum?id=oSk9tP5Mgs. Built on Lookahead Decoding: Fu, Bailis, Stoica & Zhang, "Break
+the Sequential Dependency of LLM Inference Using Lookahead Decoding", ICML 2024, arXiv:2402.02057.
 
 The idea in one paragraph. Lookahead Decoding keeps n "guess streams" running alongside normal decoding:
 each stream is a short window of k tokens that the model keeps extending by one token per step, like a
@@ -20,14 +22,18 @@ so the output stays greedy (identical in float32 except at exact ties within rou
 FlexAttention can skip every other block -- which lives in verify.py (`CompactedKVCache`) and is used here
 by `--attn flex`.
 
-Reading order: the pool (Algorithms 2 and 3) -> the guess streams (Eq. 1) -> the compression functions ->
-the step layout and its mask (Appendix E, Figure 4) -> Find Out verification (Algorithm 4) -> the two KV
-back-ends (dense mask / flex compacted blocks) -> the decode loop -> the CLI.
+Reading order: the configuration (n, k, m and C) -> the pool (Algorithms 2 and 3) -> the guess streams
+(Eq. 1) -> the compression functions -> the step layout and its mask (Appendix E, Figure 4) -> Find Out
+verification (Algorithm 4) -> the two KV back-ends (dense mask / flex compacted blocks) -> the decode loop ->
+the CLI.
 
     python fafo.py --prompt "Write a limerick about a cat." --compare
     python fafo.py --prompt "..." --compress quest --trace
     python fafo.py --prompt "..." --compress none          # the Lookahead-style baseline (full KV guesses)
     python fafo.py --prompt "..." --attn flex              # the FlexAttention compacted-block path
+
+    from fafo import FafoConfig, generate                    # as a library
+    gen = generate(model, prompt_ids, 128, eos_ids, FafoConfig.cpu())
 
 Deviations from the paper (each also in TUTORIAL.md chapter 5):
   * Positions of the guess streams: stream i's tokens sit at positions p+1+i .. p+k+i (Lookahead's column
@@ -47,7 +53,7 @@ import random
 import sys
 import time
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import cache
 from typing import Sequence
 
@@ -56,6 +62,69 @@ import torch
 
 import verify
 from verify import Generation, Tree, UserError
+
+# ----------------------------------------------------------------------------------------------------------
+# 0. Configuration (§4.2, §4.3, Appendix F)
+# ----------------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class FafoConfig:
+    """FAFO's parameters under the paper's names. The step has 1 + n*k + m*k rows.
+
+    >>> c = FafoConfig.cpu()
+    >>> 1 + c.n_guess * c.k + c.m * c.k      # rows of one CPU step
+    22
+    """
+
+    n_guess: int = 40  # n: guess streams in the fumble branch (§4.2; Tables 11, 12)
+    k: int = 6  # k: tokens per stream = length of a guessed n-gram = longest pool key (§4.2, Algorithm 2)
+    m: int = 8  # m: candidates retrieved and verified per step (Algorithm 3; not given in the paper: ours)
+    compress: str = "stream"  # C: "stream" (StreamingLLM), "quest", or "none" (full KV: Lookahead)
+    sink: int = 4  # StreamingLLM: attention-sink tokens kept from the start
+    recent: int = 252  # StreamingLLM: most recent tokens kept (sink + recent = 256: one flex block pair)
+    page_size: int = 16  # Quest: positions per page
+    top_pages: int = 16  # Quest: pages selected per step
+    attn: str = "dense"  # "dense" mask (the spec), "flex" or "flex-compiled" (verify.py's compacted blocks)
+    pool_cap: int | None = None  # k-grams kept per pool key, LRU (Appendix F; None: n)
+    prompt_pool: bool = False  # also seed the pool with the prompt's k-grams (not in the paper)
+    block_size: int = 128  # flex: KV block size, B_z in Algorithm 1
+    seed: int = 0  # the streams' random initial tokens
+
+    @classmethod
+    def paper(cls) -> "FafoConfig":
+        """n and k from the ablation (Tables 11, 12). The exact Init+Local budget for short prompts is not
+        given (Table 13's best is ~760 tokens); we keep 256, one FlexAttention block pair."""
+        return cls()
+
+    @classmethod
+    def cpu(cls) -> "FafoConfig":
+        """Every row costs time on a CPU, so a small step (22 rows); measured on the tuning half of the
+        shipped prompts (TUTORIAL.md §5.6)."""
+        return cls(n_guess=4, k=3, m=3, recent=60, top_pages=4)
+
+    @classmethod
+    def for_device(cls, device) -> "FafoConfig":
+        return cls.paper() if torch.device(device).type == "cuda" else cls.cpu()
+
+    def check(self) -> None:
+        """Raise verify.UserError (a ValueError) for an impossible value."""
+        for name in ("n_guess", "k", "m", "recent", "page_size", "top_pages"):
+            if getattr(self, name) < 1:
+                raise UserError(f"--{name.replace('_', '-')} must be at least 1 (got {getattr(self, name)})")
+        if self.sink < 0:
+            raise UserError(f"--sink must be >= 0 (got {self.sink})")
+        if self.pool_cap is not None and self.pool_cap < 1:
+            raise UserError(f"--pool-cap must be at least 1 (got {self.pool_cap})")
+        if self.compress not in ("stream", "quest", "none"):
+            raise UserError(f"--compress must be stream, quest or none (got {self.compress!r})")
+        if self.attn not in ("dense", "flex", "flex-compiled"):
+            raise UserError(f"--attn must be dense, flex or flex-compiled (got {self.attn!r})")
+        if self.attn != "dense" and self.compress == "none":
+            raise UserError("--attn flex needs a fixed compression budget (--compress stream or quest)")
+        if self.block_size < 16 or self.block_size & (self.block_size - 1):
+            raise UserError(f"--block-size must be a power of two >= 16 (got {self.block_size})")
+
 
 # ----------------------------------------------------------------------------------------------------------
 # 1. The n-gram pool (Appendix F, Algorithms 2 and 3)
@@ -527,89 +596,56 @@ class FlexKV:
 # 7. The decode loop
 # ----------------------------------------------------------------------------------------------------------
 
-PAPER_DEFAULTS = dict(n_guess=40, k=6, m=8, sink=4, recent=252, page_size=16, top_pages=16)
-# On a 2-core CPU every extra row of the forward costs time (TUTORIAL §1.1: t(16) ~ 1.8 t(1)), so the CPU
-# defaults keep the step small: 1 + 4 streams x 3 + 3 candidates x 3 = 22 rows. Chosen on the tuning half of
-# the shipped prompts (TUTORIAL §5.6): n4 k3 m3 and n2 k3 m2 both 0.75x of greedy, n8 k4 m2 0.59x.
-# PAPER_DEFAULTS' n = 40 and k = 6 are from the ablation (Tables 11, 12); m is not given in the paper (our
-# choice), nor is the exact Init+Local budget for short prompts (Table 13's best is ~760 tokens; we keep
-# 256, one FlexAttention block pair).
-CPU_DEFAULTS = dict(n_guess=4, k=3, m=3, sink=4, recent=60, page_size=16, top_pages=4)
-
-
 @torch.no_grad()
-def generate(
-    model,
-    prompt_ids: Sequence[int],
-    max_new_tokens: int,
-    eos_ids: Sequence[int],
-    *,
-    n_guess: int = 4,
-    k: int = 3,
-    m: int = 3,
-    compress: str = "stream",
-    sink: int = 4,
-    recent: int = 60,
-    page_size: int = 16,
-    top_pages: int = 4,
-    attn: str = "dense",
-    pool_cap: int | None = None,
-    prompt_pool: bool = False,
-    block_size: int = 128,
-    seed: int = 0,
-    pool: NgramPool | None = None,
-    on_emit=None,
-    on_step=None,
-) -> Generation:
+def generate(model, prompt_ids: Sequence[int], max_new_tokens: int, eos_ids: Sequence[int], cfg: FafoConfig,
+             *, pool: NgramPool | None = None, on_emit=None, on_step=None) -> Generation:
     """FAFO greedy decoding; returns a verify.Generation (tokens + counters). gen.extra gets: pool size,
     guess rows per step, candidates verified per step, slots swapped per step (flex).
     Pass your own `pool` (an NgramPool with the same k) to inspect it afterwards or to carry it over to
     the next prompt; by default every call starts from an empty pool."""
-    if attn not in ("dense", "flex", "flex-compiled"):
-        raise UserError(f"--attn must be dense or flex (got {attn!r})")
-    if attn != "dense" and compress == "none":
-        raise UserError("--attn flex needs a fixed compression budget (--compress stream or quest)")
-    if compress == "quest":
+    cfg.check()
+    n, k, m = cfg.n_guess, cfg.k, cfg.m
+    if cfg.compress == "quest":
         check_llama_layout(model)
     # subtle: guess rows run ahead of the text: stream i's level-j token sits at position p + 1 + i + j, up
     # to p + n + k - 1. A model with absolute position embeddings fails past its table, and a RoPE model is
     # untested there, so the context check must include them, not just prompt + max_new_tokens.
-    reach = len(prompt_ids) + max_new_tokens + n_guess + k
+    reach = len(prompt_ids) + max_new_tokens + n + k
     if reach > verify.context_length(model):
         raise UserError(f"prompt ({len(prompt_ids)}) + max new tokens ({max_new_tokens}) + the guess rows' lead "
-                        f"(n + k = {n_guess + k}) exceeds the model's context of {verify.context_length(model)}")
+                        f"(n + k = {n + k}) exceeds the model's context of {verify.context_length(model)}")
     gen = Generation(max_new_tokens, eos_ids, on_emit=on_emit, on_step=on_step)
-    compressor = make_compressor(compress, sink, recent, page_size, top_pages)
+    compressor = make_compressor(cfg.compress, cfg.sink, cfg.recent, cfg.page_size, cfg.top_pages)
     if pool is None:
-        pool = NgramPool(k, pool_cap or n_guess)
+        pool = NgramPool(k, cfg.pool_cap or n)
     elif pool.k != k:
         raise UserError(f"the pool given was built for k = {pool.k}, not k = {k}")
-    streams = Streams.from_prompt(prompt_ids, n_guess, k, seed)
-    if prompt_pool:
+    streams = Streams.from_prompt(prompt_ids, n, k, cfg.seed)
+    if cfg.prompt_pool:
         pool.seed(prompt_ids)
     # subtle: the dense path takes as many candidates as the pool has (its mask is rebuilt anyway); the
     # flex path pads to exactly m (static shapes) with dummy candidates that can never be accepted.
-    static = attn != "dense"
+    static = cfg.attn != "dense"
 
     # -- prefill (a plain forward) and the first token
     cache = verify.new_cache(model)
     ids = torch.tensor([list(prompt_ids)], device=model.device)
     out = model(input_ids=ids, past_key_values=cache, use_cache=True, output_hidden_states=compressor.needs_query)
     verify.check_filled(cache, len(prompt_ids))  # as verify.prefill does: a recurrent model fills no cache
-    gen.target_forwards += 1
     pending = int(out.logits[0, -1].argmax())
-    if gen.emit([], pending):
+    if gen.finish_prefill(pending):
         return gen
     context = list(prompt_ids) + [pending]  # x_1 .. x_|x|; the last one is not in the KV cache yet
-    layout = StepLayout(n_guess, k, m)
+    layout = StepLayout(n, k, m)
     if static:
         kv = FlexKV(model, cache, layout, compressor.budget, len(prompt_ids) + max_new_tokens + k + 1,
-                    block_size, compiled=attn == "flex-compiled")
+                    cfg.block_size, compiled=cfg.attn == "flex-compiled")
     else:
         kv = DenseKV(model, cache, layout)
     queries = layer_queries(model, out.hidden_states, len(prompt_ids) - 1, len(prompt_ids) - 1) if compressor.needs_query else None
     compressor.observe(kv, queries)
-    guess_rows = cand_rows = 0
+    gen.extra["compress"] = compressor.name
+    guess_rows = cand_rows = 0  # rows of the fumble branch / candidates verified, over all steps
 
     while True:
         t0 = time.perf_counter()
@@ -618,7 +654,7 @@ def generate(
         real = len(cands)
         if static:
             cands = cands + [(pending,) * k] * (m - real)
-        step = layout if static else StepLayout(n_guess, k, len(cands))
+        step = layout if static else StepLayout(n, k, len(cands))
         kv.select(compressor.select(p))  # C(kv_1..p)
         tokens, positions = step.inputs(pending, p, streams.windows, cands)
         draft_s = time.perf_counter() - t0
@@ -633,7 +669,7 @@ def generate(
         rows = [0] + [step.cand_row(best, t) for t in range(a)]
 
         # Fumble Around: every stream's newest row predicted its next token (Eq. 1) -> pool (Algorithm 2)
-        streams.advance([choice[step.fumble_row(i, k - 1)] for i in range(n_guess)], pool)
+        streams.advance([choice[step.fumble_row(i, k - 1)] for i in range(n)], pool)
 
         # keep the KV of x and the accepted tokens -- from the VERIFICATION rows, never from guess rows
         kv.keep(rows, [p + j for j in range(len(rows))])
@@ -643,31 +679,20 @@ def generate(
         else:
             compressor.observe(kv, None)
 
-        gen.target_forwards += 1
-        gen.steps += 1
-        gen.draft_s += draft_s
-        gen.accepted.append(a)
-        gen.drafted.append(real * k)
-        guess_rows += n_guess * k
+        # the verified candidates as a draft tree (shared prefixes merged), for the common book-keeping
+        tree = Tree.from_branches(pending, [list(c) for c in cands[:real]])
+        path = [0]
+        for t in accepted:
+            path.append(tree.children[path[-1]][t])
+        guess_rows += n * k
         cand_rows += real
-        if gen.on_step:
-            tree = Tree.from_branches(pending, [list(c) for c in cands[:real]])
-            path = [0]
-            for t in accepted:
-                path.append(tree.children[path[-1]][t])
-            gen.on_step(gen, tree, path, bonus)
         context += accepted + [bonus]
         pending = bonus
-        done = gen.emit(accepted, bonus)
-        gen.extra.update({
-            "compress": compressor.name,
-            "pool_ngrams": len(pool),
-            "guess_rows_per_step": guess_rows / gen.steps,
-            "candidates_per_step": cand_rows / gen.steps,
-        })
-        if static:
-            gen.extra["slots_swapped_per_step"] = kv.kv.moved / gen.steps
-        if done:
+        if gen.finish_step(tree, path, bonus, draft_s):
+            gen.extra.update(pool_ngrams=len(pool), guess_rows_per_step=guess_rows / gen.steps,
+                             candidates_per_step=cand_rows / gen.steps)
+            if static:
+                gen.extra["slots_swapped_per_step"] = kv.kv.moved / gen.steps
             return gen
 
 
@@ -677,9 +702,9 @@ def step_times(model, context: int, attn: str = "flex-compiled", repeats: int = 
     """§4.4's claim, measured: one FAFO step after `context` cached tokens, through the dense mask and through
     the flex compacted-block path (same rows, same StreamingLLM selection). Returns ms per step (median of
     `repeats`, after warm-up) and flex/dense. Used by `bench.py --fafo-steps`; a GPU is where it matters."""
-    d = {**(PAPER_DEFAULTS if model.device.type == "cuda" else CPU_DEFAULTS), **params}
-    lay = StepLayout(d["n_guess"], d["k"], d["m"])
-    comp = StreamingLLM(d["sink"], d["recent"])
+    d = replace(FafoConfig.for_device(model.device), **params)
+    lay = StepLayout(d.n_guess, d.k, d.m)
+    comp = StreamingLLM(d.sink, d.recent)
     rng = random.Random(0)
     vocab = model.config.vocab_size
     ids = [rng.randrange(vocab) for _ in range(context)]
@@ -719,65 +744,35 @@ def step_times(model, context: int, attn: str = "flex-compiled", repeats: int = 
 # ----------------------------------------------------------------------------------------------------------
 
 
-def _defaults(name: str) -> str:
-    return f" (default: {CPU_DEFAULTS[name]} on CPU, {PAPER_DEFAULTS[name]} on CUDA)"
-
-
-def add_arguments(p) -> None:
-    g = p.add_argument_group("FAFO (the paper's names; CPU defaults are small because every row costs time there)")
-    g.add_argument("--n-guess", type=int, help="n: guess streams (subsequences) in the fumble branch, §4.2" + _defaults("n_guess"))
-    g.add_argument("--k", type=int, help="k: tokens per guess stream = length of the guessed n-grams = longest "
-                                         "pool key, §4.2 and Algorithm 2" + _defaults("k"))
-    g.add_argument("--m", type=int, help="m: candidates retrieved from the pool and verified per step, Algorithm 3"
-                                         + _defaults("m"))
-    g.add_argument("--compress", default="stream", choices=["stream", "quest", "none"],
-                   help="C: what the guess rows attend to. stream = StreamingLLM (sinks + recent), quest = Quest "
-                        "(top pages by key bound), none = full KV (the Lookahead-style baseline). Default: stream")
-    g.add_argument("--sink", type=int, help="StreamingLLM: attention-sink tokens kept from the start" + _defaults("sink"))
-    g.add_argument("--recent", type=int, help="StreamingLLM: most recent tokens kept" + _defaults("recent"))
-    g.add_argument("--page-size", type=int, help="Quest: positions per page" + _defaults("page_size"))
-    g.add_argument("--top-pages", type=int, help="Quest: pages selected per step" + _defaults("top_pages"))
-    g.add_argument("--attn", default="dense", choices=["dense", "flex", "flex-compiled"],
-                   help="dense = an additive mask through the model's own attention (the readable spec); flex = "
-                        "verify.py's FlexAttention compacted-block path (eager: no speed-up, it checks the layout); "
-                        "flex-compiled = the same through torch.compile (first call compiles). Default: dense")
-    g.add_argument("--pool-cap", type=int, help="pool: k-grams kept per key, least recently used evicted first "
-                                                "(Appendix F; default: n)")
-    g.add_argument("--prompt-pool", action="store_true", help="also seed the pool with the prompt's k-grams (not in the paper)")
-    g.add_argument("--block-size", type=int, default=128, help="flex: KV block size, B_z in Algorithm 1 (default: 128)")
-
-
-def method_kwargs(args) -> dict:
-    defaults = PAPER_DEFAULTS if verify.pick_device(args.device).type == "cuda" else CPU_DEFAULTS
-    kw = {name: getattr(args, name) if getattr(args, name) is not None else defaults[name] for name in defaults}
-    for name in ("n_guess", "k", "m", "recent", "page_size", "top_pages"):
-        if kw[name] < 1:
-            raise UserError(f"--{name.replace('_', '-')} must be at least 1 (got {kw[name]})")
-    if kw["sink"] < 0:
-        raise UserError(f"--sink must be >= 0 (got {kw['sink']})")
-    if args.pool_cap is not None and args.pool_cap < 1:
-        raise UserError(f"--pool-cap must be at least 1 (got {args.pool_cap})")
-    if args.attn != "dense" and args.compress == "none":
-        raise UserError("--attn flex needs a fixed compression budget (--compress stream or quest)")
-    if args.block_size < 16 or args.block_size & (args.block_size - 1):
-        raise UserError(f"--block-size must be a power of two >= 16 (got {args.block_size})")
-    return {**kw, "compress": args.compress, "attn": args.attn, "pool_cap": args.pool_cap,
-            "prompt_pool": args.prompt_pool, "block_size": args.block_size, "seed": args.seed}
-
-
-def prepare(model, tok, args) -> dict:
-    """bench.py hook: the device's defaults (the CLI passes them through method_kwargs)."""
-    return dict(PAPER_DEFAULTS if model.device.type == "cuda" else CPU_DEFAULTS)
-
-
 def main(argv=None) -> int:
     parser = verify.common_parser(
         "FAFO: n guess streams attend to a compressed KV cache (fumble around) while the pool's candidates are\n"
         "verified against the full cache (find out), in one forward per step. Lossless: the output equals greedy\n"
         "decoding. --trace shows each step's candidates; the stats line shows the pool and the step's shape."
     )
-    add_arguments(parser)
-    return verify.run_cli(parser, "fafo", generate, method_kwargs, argv=argv)
+    cpu, gpu = FafoConfig.cpu(), FafoConfig.paper()
+
+    def default(name):
+        g, c = getattr(gpu, name), getattr(cpu, name)
+        return f" (default: {c})" if g == c else f" (default: {g} on CUDA, {c} on CPU)"
+
+    g = parser.add_argument_group("FAFO (the paper's names; CPU defaults are small because every row costs time there)")
+    g.add_argument("--n-guess", type=int, help="n: guess streams in the fumble branch (§4.2)" + default("n_guess"))
+    g.add_argument("--k", type=int, help="k: tokens per stream = guessed n-gram length = longest pool key (§4.2)" + default("k"))
+    g.add_argument("--m", type=int, help="m: pool candidates verified per step (Algorithm 3)" + default("m"))
+    g.add_argument("--compress", choices=["stream", "quest", "none"],
+                   help="C: stream = StreamingLLM, quest = Quest pages, none = full KV (Lookahead) (default: stream)")
+    g.add_argument("--sink", type=int, help="StreamingLLM: attention-sink tokens kept" + default("sink"))
+    g.add_argument("--recent", type=int, help="StreamingLLM: most recent tokens kept" + default("recent"))
+    g.add_argument("--page-size", type=int, help="Quest: positions per page" + default("page_size"))
+    g.add_argument("--top-pages", type=int, help="Quest: pages selected per step" + default("top_pages"))
+    g.add_argument("--attn", choices=["dense", "flex", "flex-compiled"],
+                   help="dense mask (the spec), flex = compacted blocks (eager: checks the layout), flex-compiled (default: dense)")
+    g.add_argument("--pool-cap", type=int, help="pool: k-grams kept per key, LRU (Appendix F; default: n)")
+    g.add_argument("--prompt-pool", action="store_const", const=True, help="also seed the pool with the prompt's k-grams (not in the paper)")
+    g.add_argument("--block-size", type=int, help="flex: KV block size, B_z in Algorithm 1 (default: 128)")
+    config = lambda args, device: verify.config_from_args(FafoConfig.for_device(device), args)
+    return verify.run_cli(parser, "fafo", generate, config, argv=argv)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
 """
-ngram_predictor.py -- speculative decoding with an n-gram frequency predictor, after akunu's chapter
-"Speculative Decoding with N-grams" (../shared/papers/akunu-ngram-speculative-decoding.txt).
+ngram_predictor.py -- speculative decoding with an n-gram frequency predictor, after the chapter "Speculative
+Decoding with N-grams" of the akunu inference-engine book (part 5, chapter 30, 2025;
+https://akunu.prabod.rathnayaka.me/part5/ch30-speculative-decoding.html).
 
 The simplest complete speculative decoder there is; read it first.
 
@@ -11,14 +12,19 @@ The simplest complete speculative decoder there is; read it first.
 
 File layout, following the chapter section by section:
 
+    0. Configuration     the chapter's four constants, plus our cost gate's
     1. Hashing           FNV-1a over token ids                        ("Hashing")
     2. The predictor     tables, update(), update_batch(), predict()  ("The N-gram Predictor")
     3. The arithmetic    E[accepted], corrected; predicted speedup    ("Speedup Analysis")
+    3b. The cost gate    our deviation: skip drafts not worth their measured cost on this device
     4. The decode loop   no-draft fallback, batched verification,     ("The Verification Loop",
                          capacity guard, rollback                      "Buffer Capacity Guard")
     5. CLI
 
     python ngram_predictor.py --prompt "Write a Python class Stack with push and pop." --compare
+
+    from ngram_predictor import NgramConfig, generate        # as a library
+    gen = generate(model, prompt_ids, 128, eos_ids, NgramConfig())
 
 Greedy and float32: the output is identical to model.generate(do_sample=False), except at exact ties within
 rounding (see verify.py); measured on every prompt we run (tests/test_ngram.py).
@@ -30,6 +36,7 @@ from __future__ import annotations
 import sys
 import time
 from collections import deque
+from dataclasses import dataclass
 from typing import Iterable, Sequence
 
 import torch
@@ -37,11 +44,62 @@ import torch
 import verify
 from verify import Generation, Tree
 
-# The chapter's configuration.
+# ----------------------------------------------------------------------------------------------------------
+# 0. Configuration
+# ----------------------------------------------------------------------------------------------------------
+
+# The chapter's constants.
 MAX_ORDER = 4  # up to 4-grams: a context of up to 3 tokens
 DRAFT_COUNT = 4  # predict up to 4 tokens per round
 MAX_HISTORY = 512  # sliding window of recent tokens used as context
 MAX_BATCH = 64  # "buffer capacity": at most this many tokens in one verification forward (known + drafts)
+
+
+@dataclass
+class NgramConfig:
+    """Everything generate() needs to know, under the chapter's names. The default is the chapter plus our
+    cost gate (section 3b), measured on the device at start-up: on a GPU the measured cost is ~1 and the gate lets
+    every draft through, on a CPU it withholds the drafts that would cost more than they bring.
+
+    >>> NgramConfig.paper().draft_cost, NgramConfig().draft_cost    # the chapter always verifies
+    (1.0, None)
+    """
+
+    max_order: int = MAX_ORDER
+    draft_count: int = DRAFT_COUNT
+    max_history: int = MAX_HISTORY
+    max_batch: int = MAX_BATCH
+    draft_cost: float | None = None  # t(1+D)/t(1) for the gate; None = measured; 1.0 = no gate (the chapter)
+
+    @classmethod
+    def paper(cls) -> "NgramConfig":
+        """The chapter exactly: verify whatever the predictor drafts."""
+        return cls(draft_cost=1.0)
+
+    @classmethod
+    def for_device(cls, device) -> "NgramConfig":
+        """The same on every device: the gate measures what a draft costs there."""
+        return cls()
+
+    def check(self) -> None:
+        """Raise verify.UserError (a ValueError) for an impossible value; accept draft_cost as text too."""
+        if self.max_order < 2:
+            raise verify.UserError(f"--max-order must be at least 2 (got {self.max_order})")
+        if self.draft_count < 0:
+            raise verify.UserError(f"--draft-count must be >= 0 (got {self.draft_count})")
+        if self.max_history < self.max_order - 1:
+            raise verify.UserError(f"--max-history must hold a full context of {self.max_order - 1} tokens")
+        if self.max_batch < 1:
+            raise verify.UserError(f"--max-batch must be at least 1 (got {self.max_batch})")
+        if self.draft_cost == "auto":
+            self.draft_cost = None
+        if self.draft_cost is not None:
+            try:
+                self.draft_cost = float(self.draft_cost)
+                if self.draft_cost < 1.0:
+                    raise ValueError
+            except ValueError:
+                raise verify.UserError(f"--draft-cost must be 'auto' or a number >= 1 (got {self.draft_cost!r})") from None
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -288,36 +346,24 @@ class CostGate:
 
 
 @torch.no_grad()
-def generate(
-    model,
-    prompt_ids: Sequence[int],
-    max_new_tokens: int,
-    eos_ids: Sequence[int],
-    *,
-    max_order: int = MAX_ORDER,
-    draft_count: int = DRAFT_COUNT,
-    max_history: int = MAX_HISTORY,
-    max_batch: int = MAX_BATCH,
-    draft_cost: dict[int, float] | float | None = None,
-    on_emit=None,
-    on_step=None,
-) -> Generation:
-    """Greedy speculative decoding with n-gram drafts. draft_cost = {n: t(1+n)/t(1)} for the cost gate
-    (§3b), or one number for a full draft (see CostGate): None measures the curve now (about a second on a
-    CPU; `prepare` does it once per process instead), 1.0 turns the gate off (the chapter's behaviour:
-    always verify whatever the predictor drafts)."""
-    if draft_cost is None:
-        draft_cost = measure_draft_costs(model, draft_count)
+def generate(model, prompt_ids: Sequence[int], max_new_tokens: int, eos_ids: Sequence[int], cfg: NgramConfig,
+             *, draft_costs: dict[int, float] | None = None, on_emit=None, on_step=None) -> Generation:
+    """Greedy speculative decoding with n-gram drafts. draft_costs = {n: t(1+n)/t(1)}, the cost gate's
+    measured curve (`measure_draft_costs`, done once per process by `prepare`); measured now if not given.
+    cfg.draft_cost, when set, replaces the measurement (1.0 = the chapter: always verify)."""
     gen = Generation(max_new_tokens, eos_ids, on_emit=on_emit, on_step=on_step)
-    predictor = NGramPredictor(max_order, draft_count, max_history)
+    predictor = NGramPredictor(cfg.max_order, cfg.draft_count, cfg.max_history)
     predictor.update_batch(prompt_ids)  # seed the tables with the prompt (chat template included)
-    gate = CostGate(draft_cost, max_order, draft_count)
+    if cfg.draft_cost is not None:
+        draft_costs = cfg.draft_cost
+    elif draft_costs is None:
+        draft_costs = measure_draft_costs(model, cfg.draft_count)
+    gate = CostGate(draft_costs, cfg.max_order, cfg.draft_count)
 
     cache = verify.new_cache(model)
     known = int(verify.prefill(model, cache, prompt_ids).argmax())  # the first new token
-    gen.target_forwards += 1
     predictor.update(known)
-    if gen.emit([], known):
+    if gen.finish_prefill(known):
         return gen
 
     while True:
@@ -326,13 +372,13 @@ def generate(
         drafted = predictor.draft()  # [(token, order), ...]
         # Buffer capacity guard (the chapter: `if (n_draft + 1 > max_batch) n_draft = max_batch - 1;`):
         # the verification batch is [known, d0 .. dn], so at most max_batch - 1 drafts fit.
-        if len(drafted) + 1 > max_batch:
-            drafted = drafted[: max_batch - 1]
+        if len(drafted) + 1 > cfg.max_batch:
+            drafted = drafted[: cfg.max_batch - 1]
         # note: a step emits at most len(drafts) + 1 tokens, so drafting past max_new_tokens is wasted work.
         drafted = drafted[: max_new_tokens - len(gen.tokens) - 1]
         orders = [order for _, order in drafted]
-        if drafted and not gate.allows(orders):
-            drafted, orders = [], []  # not worth its cost on this hardware: take the no-draft step
+        if drafted and not gate.allows(orders):  # deviation (section 3b): not worth its cost on this hardware
+            drafted, orders = [], []
         drafts = [token for token, _ in drafted]
         draft_s = time.perf_counter() - t0
 
@@ -354,7 +400,7 @@ def generate(
         done = gen.finish_step(tree, path, bonus, draft_s)
         predictor.update_batch(gen.tokens[n_before:])  # the predictor learns every emitted token
         if done:
-            gen.extra["draft_cost"] = gate.cost_of(draft_count)  # t(1+D)/t(1), the cost of a full draft
+            gen.extra["draft_cost"] = gate.cost_of(cfg.draft_count)  # t(1+D)/t(1), the cost of a full draft
             gen.extra["gated_drafts"] = gate.skipped
             return gen
         known = bonus
@@ -365,63 +411,37 @@ def generate(
 # ----------------------------------------------------------------------------------------------------------
 
 
-def prepare(model, tok, args) -> dict:
-    """Once per process, before any timing: measure t(1+D)/t(1) for the cost gate unless given."""
-    d = getattr(args, "draft_count", DRAFT_COUNT)
-    cost = getattr(args, "draft_cost", "auto")
-    return {"draft_cost": measure_draft_costs(model, d) if cost == "auto" else float(cost)}
+def prepare(model, tok, cfg: NgramConfig, name: str = verify.DEFAULT_MODEL) -> tuple[NgramConfig, dict]:
+    """Once per process, before any timing: measure the cost gate's curve unless cfg.draft_cost fixes it."""
+    if cfg.draft_cost is not None:
+        return cfg, {}
+    return cfg, {"draft_costs": measure_draft_costs(model, cfg.draft_count)}
 
 
-def report(model, prompt_ids, gen: Generation, args) -> dict:
+def report(model, prompt_ids, gen: Generation, cfg: NgramConfig, extra: dict) -> dict:
     """Stats after the timed run: the measured acceptance rate alpha, the measured cost ratio t(1+D)/t(1),
-    and the speedup the chapter's formula predicts from them. The ratio `prepare` measured for the gate is
+    and the speedup the chapter's formula predicts from them. The curve `prepare` measured for the gate is
     reused; it is measured here only when --draft-cost fixed the gate's value instead."""
     alpha = estimate_alpha(gen.accepted, gen.drafted)
-    ratio = gen.extra["draft_cost"] if args.draft_cost == "auto" else measure_cost_ratio(model, args.draft_count)
+    ratio = gen.extra["draft_cost"] if cfg.draft_cost is None else measure_cost_ratio(model, cfg.draft_count)
     out = {"alpha": alpha, "cost_ratio": ratio, "draft_steps": sum(1 for d in gen.drafted if d)}
-    out["predicted_speedup"] = predicted_speedup(alpha, args.draft_count, ratio) if alpha is not None else None
+    out["predicted_speedup"] = predicted_speedup(alpha, cfg.draft_count, ratio) if alpha is not None else None
     return out
-
-
-def method_kwargs(args) -> dict:
-    if args.max_order < 2:
-        raise verify.UserError(f"--max-order must be at least 2 (got {args.max_order})")
-    if args.draft_count < 0:
-        raise verify.UserError(f"--draft-count must be >= 0 (got {args.draft_count})")
-    if args.max_history < args.max_order - 1:
-        raise verify.UserError(f"--max-history must hold a full context of {args.max_order - 1} tokens")
-    if args.max_batch < 1:
-        raise verify.UserError(f"--max-batch must be at least 1 (got {args.max_batch})")
-    if args.draft_cost != "auto":
-        try:
-            if float(args.draft_cost) < 1.0:
-                raise ValueError
-        except ValueError:
-            raise verify.UserError(f"--draft-cost must be 'auto' or a number >= 1 (got {args.draft_cost!r})") from None
-    return dict(max_order=args.max_order, draft_count=args.draft_count, max_history=args.max_history,
-                max_batch=args.max_batch)
 
 
 def main(argv=None) -> int:
     parser = verify.common_parser(__doc__.split("\n\n")[0].strip() + "\n\nDrafts come from n-gram counts "
                                   "of the prompt and the generated text; no draft model.")
     g = parser.add_argument_group("n-gram predictor (the chapter's parameters)")
-    g.add_argument("--max-order", type=int, default=MAX_ORDER,
-                   help=f"MAX_ORDER: largest n-gram (context of n-1 tokens); backs off to bigrams (default: {MAX_ORDER})")
-    g.add_argument("--draft-count", type=int, default=DRAFT_COUNT,
-                   help=f"DRAFT_COUNT: at most this many draft tokens per step (default: {DRAFT_COUNT})")
-    g.add_argument("--max-history", type=int, default=MAX_HISTORY,
-                   help=f"MAX_HISTORY: sliding window of recent tokens used as context (default: {MAX_HISTORY}); "
-                        "the count tables themselves are never pruned")
-    g.add_argument("--max-batch", type=int, default=MAX_BATCH,
-                   help=f"buffer capacity guard: at most this many tokens per verification forward, known token "
-                        f"included (default: {MAX_BATCH})")
-    g.add_argument("--draft-cost", default="auto",
-                   help="cost gate (a deviation, see the file's section 3b): a draft of n tokens is verified only "
-                        "if 1 + E[accepted] exceeds t(1+n)/t(1). 'auto' measures t(1+n)/t(1) for n = 1..D at "
-                        "start-up (~1.8 for D = 4 on a 2-core CPU, ~1 on a GPU); a number c sets t(1+D)/t(1) = c, "
-                        "linear below; 1 = the chapter: always draft")
-    return verify.run_cli(parser, "ngram", generate, method_kwargs, argv=argv, prepare=prepare, report=report)
+    g.add_argument("--max-order", type=int, help=f"MAX_ORDER: largest n-gram; backs off to bigrams (default: {MAX_ORDER})")
+    g.add_argument("--draft-count", type=int, help=f"DRAFT_COUNT: draft tokens per step at most (default: {DRAFT_COUNT})")
+    g.add_argument("--max-history", type=int,
+                   help=f"MAX_HISTORY: window of recent tokens used as context; tables are never pruned (default: {MAX_HISTORY})")
+    g.add_argument("--max-batch", type=int, help=f"buffer capacity guard: tokens per verification forward at most (default: {MAX_BATCH})")
+    g.add_argument("--draft-cost", help="cost gate (our deviation, section 3b): auto = measure t(1+n)/t(1); a number c = t(1+D)/t(1); "
+                                        "1 = the chapter, always verify (default: auto)")
+    config = lambda args, device: verify.config_from_args(NgramConfig.for_device(device), args)
+    return verify.run_cli(parser, "ngram", generate, config, prepare, report, argv=argv)
 
 
 if __name__ == "__main__":

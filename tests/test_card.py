@@ -125,7 +125,8 @@ def test_lossless_on_a_tiny_pair_including_a_bad_draft(mode):
     want = verify.hf_generate(target, prompt, 60, [95])
     for draft in (make_tiny_llama(0).to(torch.bfloat16), make_tiny_llama(1)):
         for correct in (True, False):
-            gen = card.generate(target, prompt, 60, [95], draft=draft, k=6, topk=3, ratio=4, mode=mode, correct=correct)
+            gen = card.generate(target, prompt, 60, [95], card.CardConfig(k=6, topk=3, ratio=4, mode=mode, correct=correct),
+                                draft=draft)
             assert gen.tokens == want
 
 
@@ -136,7 +137,7 @@ def test_lossless_on_real_prompts(real, draft_bf16, prompt, mode):
     ids = verify.encode_prompt(tok, prompt)
     eos = verify.eos_ids_of(model, tok)
     want = verify.hf_generate(model, ids, 48, eos)
-    gen = card.generate(model, ids, 48, eos, draft=draft_bf16, k=4, topk=2, ratio=4, mode=mode)
+    gen = card.generate(model, ids, 48, eos, card.CardConfig(k=4, topk=2, ratio=4, mode=mode), draft=draft_bf16)
     assert gen.tokens == want
     if mode == "lockstep":  # the bf16 copy agrees with its fp32 original nearly always (a broken cache: ~1)
         assert len(gen.tokens) / gen.target_forwards > 2.0
@@ -146,11 +147,11 @@ def test_max_new_tokens_and_eos_boundaries():
     target = make_tiny_llama(0)
     prompt = [1] + [5, 6, 7, 8, 9] * 6
     for n in (1, 2, 5, 13):
-        gen = card.generate(target, prompt, n, [95], draft=target, k=4, topk=2, ratio=4, mode="lockstep")
+        gen = card.generate(target, prompt, n, [95], card.CardConfig(k=4, topk=2, ratio=4, mode="lockstep"), draft=target)
         assert gen.tokens == verify.hf_generate(target, prompt, n, [95])
     full = verify.hf_generate(target, prompt, 30, [95])
     eos = full[7]  # pretend the 8th token is EOS: generation must stop right there, inside an accepted chain
-    gen = card.generate(target, prompt, 30, [eos], draft=target, k=4, topk=2, ratio=4, mode="lockstep")
+    gen = card.generate(target, prompt, 30, [eos], card.CardConfig(k=4, topk=2, ratio=4, mode="lockstep"), draft=target)
     assert gen.tokens == verify.hf_generate(target, prompt, 30, [eos])
 
 
@@ -164,14 +165,14 @@ def workers():
 def test_worker_stops_at_the_end_on_errors_and_on_ctrl_c():
     target = make_tiny_llama(0)
     prompt = [1] + [5, 6, 7, 8, 9] * 6
-    card.generate(target, prompt, 20, [95], draft=target, k=4, topk=2, ratio=4, mode="parallel")
+    card.generate(target, prompt, 20, [95], card.CardConfig(k=4, topk=2, ratio=4, mode="parallel"), draft=target)
     assert workers() == []
 
     for exc in (RuntimeError("boom"), KeyboardInterrupt()):
         def on_emit(tokens, flags, exc=exc):
             raise exc
         with pytest.raises(type(exc)):
-            card.generate(target, prompt, 20, [95], draft=target, k=4, topk=2, ratio=4, mode="parallel", on_emit=on_emit)
+            card.generate(target, prompt, 20, [95], card.CardConfig(k=4, topk=2, ratio=4, mode="parallel"), draft=target, on_emit=on_emit)
         assert workers() == []
 
     class Broken(torch.nn.Module):  # a draft whose forward fails inside the worker thread
@@ -182,7 +183,7 @@ def test_worker_stops_at_the_end_on_errors_and_on_ctrl_c():
             raise ValueError("draft exploded")
 
     with pytest.raises(ValueError, match="draft exploded"):
-        card.generate(target, prompt, 20, [95], draft=Broken(), k=4, topk=2, ratio=4, mode="parallel")
+        card.generate(target, prompt, 20, [95], card.CardConfig(k=4, topk=2, ratio=4, mode="parallel"), draft=Broken())
     assert workers() == []
     assert torch.get_num_threads() >= 1
 
@@ -193,9 +194,9 @@ def test_refuses_a_draft_with_another_vocabulary(monkeypatch):
     other = types.SimpleNamespace(get_vocab=lambda: {"a": 0, "c": 1})
     monkeypatch.setattr(verify, "load_model", lambda *a, **k: (target, other))
     card._DRAFTS.clear()
-    args = types.SimpleNamespace(draft="other-model", model="target-model", draft_dtype="bfloat16")
+    cfg = card.CardConfig(draft="other-model")
     with pytest.raises(verify.UserError, match="do not share a vocabulary"):
-        card.load_draft(args, target, tok)
+        card.load_draft(target, tok, cfg, "target-model")
     card._DRAFTS.clear()
 
 

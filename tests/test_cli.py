@@ -144,3 +144,12 @@ def test_first_difference_reports_the_index_and_the_top2_margin(tiny):
     assert d["first_difference"] == 3 and d["hf_token"] == want[3] and d["ours_token"] == got[3]
     assert d["top2_margin"] == pytest.approx(float(top2[0] - top2[1]), abs=1e-5) and d["top2_margin"] > 0
     assert verify.first_difference(tiny, prompt, want, want[:4])["first_difference"] == 4  # a shorter output
+
+
+def test_method_json_reports_the_configuration_the_flags_filled_in():
+    """argparse only fills in the method's config: a flag given changes its field, the others keep the device
+    default (the CPU one here)."""
+    r = run("--prompt", "Name a color.", "--max-new-tokens", "4", "--json", "--tdl", "8", script="cacheback.py")
+    assert r.returncode == 0, r.stderr
+    cfg = json.loads(r.stdout.strip().splitlines()[-1])["config"]
+    assert cfg["tdl"] == 8 and (cfg["ll"], cfg["crt"], cfg["prune"], cfg["frozen"]) == (2, 4, "cost", "none")

@@ -13,6 +13,13 @@ import verify
 from conftest import REAL_PROMPTS
 
 
+def cpu(**fields) -> fafo.FafoConfig:
+    """The CPU configuration with some fields changed."""
+    import dataclasses
+
+    return dataclasses.replace(fafo.FafoConfig.cpu(), **fields)
+
+
 # -- 1. the pool (Algorithms 2 and 3) --------------------------------------------------------------------
 
 
@@ -80,8 +87,8 @@ def test_streams_shift_and_file_their_new_window_only_after_the_warm_up():
 def test_guess_rows_are_inside_the_context_check(tiny):
     # tiny's context is 512: 500 + 4 new tokens fit, but the guess rows reach 500 + 4 + n + k = 514
     with pytest.raises(verify.UserError, match="guess rows"):
-        fafo.generate(tiny, [5] * 500, 4, [], n_guess=5, k=5, m=2)
-    assert len(fafo.generate(tiny, [5] * 500, 4, [], n_guess=4, k=3, m=2).tokens) == 4
+        fafo.generate(tiny, [5] * 500, 4, [], cpu(n_guess=5, k=5, m=2))
+    assert len(fafo.generate(tiny, [5] * 500, 4, [], cpu(n_guess=4, k=3, m=2)).tokens) == 4
 
 
 # -- 3. the compression functions ------------------------------------------------------------------------
@@ -293,8 +300,8 @@ def test_lossless_on_the_tiny_model_all_paths(tiny):
     want = verify.hf_generate(tiny, ids, 40, [2])
     for compress in ("stream", "quest", "none"):
         for attn in ("dense", "flex") if compress != "none" else ("dense",):
-            gen = fafo.generate(tiny, ids, 40, [2], n_guess=3, k=3, m=2, compress=compress, sink=2, recent=6,
-                                page_size=4, top_pages=2, attn=attn, block_size=16)
+            gen = fafo.generate(tiny, ids, 40, [2], cpu(n_guess=3, k=3, m=2, compress=compress, sink=2, recent=6,
+                                                        page_size=4, top_pages=2, attn=attn, block_size=16))
             assert gen.tokens == want, (compress, attn)
 
 
@@ -307,9 +314,9 @@ def test_lossless_on_real_prompts(real, prompt):
     # small budgets, so that the compression really drops most of the cache on these short prompts
     small = dict(n_guess=4, k=4, m=3, sink=2, recent=12, page_size=8, top_pages=2)
     for compress in ("stream", "quest", "none"):
-        gen = fafo.generate(model, ids, 48, eos, compress=compress, **small)
+        gen = fafo.generate(model, ids, 48, eos, cpu(compress=compress, **small))
         assert gen.tokens == want, compress
-    gen = fafo.generate(model, ids, 48, eos, prompt_pool=True, **small)
+    gen = fafo.generate(model, ids, 48, eos, cpu(prompt_pool=True, **small))
     assert gen.tokens == want, "prompt pool"
 
 
@@ -318,31 +325,31 @@ def test_lossless_flex_on_a_real_prompt(real):
     ids = verify.encode_prompt(tok, REAL_PROMPTS[3])
     eos = verify.eos_ids_of(model, tok)
     want = verify.hf_generate(model, ids, 24, eos)
-    gen = fafo.generate(model, ids, 24, eos, n_guess=3, k=3, m=2, sink=2, recent=12, attn="flex", block_size=16)
+    gen = fafo.generate(model, ids, 24, eos, cpu(n_guess=3, k=3, m=2, sink=2, recent=12, attn="flex", block_size=16))
     assert gen.tokens == want and gen.extra["slots_swapped_per_step"] > 0
 
 
 def test_max_new_tokens_and_eos_inside_an_accepted_run(tiny):
     ids = list(range(3, 30)) * 3  # repetitive: the pool's candidates get accepted
     kw = dict(n_guess=3, k=3, m=2, sink=2, recent=8, prompt_pool=True)
-    full = fafo.generate(tiny, ids, 40, [], **kw)
+    full = fafo.generate(tiny, ids, 40, [], cpu(**kw))
     assert max(full.accepted) >= 2, "the test needs multi-token steps"
     for n in (1, 2, 7, 40):
-        assert fafo.generate(tiny, ids, n, [], **kw).tokens == full.tokens[:n]
+        assert fafo.generate(tiny, ids, n, [], cpu(**kw)).tokens == full.tokens[:n]
     # pick an EOS that the run emits in the MIDDLE of an accepted candidate
     i = next(i for i in range(1, len(full.tokens) - 1) if full.from_draft[i] and full.from_draft[i + 1])
     eos = [full.tokens[i]]
-    gen = fafo.generate(tiny, ids, 40, eos, **kw)
+    gen = fafo.generate(tiny, ids, 40, eos, cpu(**kw))
     want = verify.hf_generate(tiny, ids, 40, eos)
     assert gen.tokens == want and gen.tokens[-1] == eos[0] and len(gen.tokens) <= i + 1
 
 
 def test_warm_up_with_an_empty_pool_still_emits_one_token_per_step(tiny):
-    gen = fafo.generate(tiny, [5, 6, 7], 3, [], n_guess=2, k=4, m=2)
+    gen = fafo.generate(tiny, [5, 6, 7], 3, [], cpu(n_guess=2, k=4, m=2))
     assert gen.accepted[0] == 0 and gen.drafted[0] == 0  # nothing to verify in the first step
     assert len(gen.tokens) == 3
 
 
 def test_flex_refuses_an_unbounded_compressor(tiny):
     with pytest.raises(verify.UserError, match="fixed compression budget"):
-        fafo.generate(tiny, [5, 6, 7], 3, [], compress="none", attn="flex")
+        fafo.generate(tiny, [5, 6, 7], 3, [], cpu(compress="none", attn="flex"))

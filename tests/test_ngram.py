@@ -2,7 +2,6 @@
 capacity guard, and losslessness against HF greedy on the real default model."""
 
 import json
-import os
 import subprocess
 import sys
 
@@ -171,7 +170,7 @@ def test_cost_gate_charges_a_short_draft_its_own_cost():
 def test_capacity_guard_limits_every_verification_batch(tiny):
     prompt = [1] + [5, 6, 7, 8, 9] * 6  # repetitive: long drafts
     sizes = []
-    gen = ng.generate(tiny, prompt, 30, [95], draft_count=10, max_batch=3, draft_cost=1.0,
+    gen = ng.generate(tiny, prompt, 30, [95], ng.NgramConfig(draft_count=10, max_batch=3, draft_cost=1.0),
                       on_step=lambda g, tree, path, bonus: sizes.append(len(tree)))
     assert max(sizes) == 3  # [known, d0, d1]: the guard cut longer drafts
     assert gen.tokens == verify.hf_generate(tiny, prompt, 30, [95])
@@ -180,7 +179,7 @@ def test_capacity_guard_limits_every_verification_batch(tiny):
 def test_draft_never_runs_past_max_new_tokens(tiny):
     prompt = [1] + [5, 6, 7, 8, 9] * 6
     sizes = []
-    gen = ng.generate(tiny, prompt, 3, [95], draft_cost=1.0, on_step=lambda g, tree, path, bonus: sizes.append(len(tree)))
+    gen = ng.generate(tiny, prompt, 3, [95], ng.NgramConfig.paper(), on_step=lambda g, tree, path, bonus: sizes.append(len(tree)))
     assert len(gen.tokens) == 3 and max(sizes) <= 2
 
 
@@ -191,7 +190,7 @@ def test_lossless_on_real_prompts(real, prompt):
     ids_ = verify.encode_prompt(tok, prompt)
     eos = verify.eos_ids_of(model, tok)
     want = verify.hf_generate(model, ids_, 64, eos)
-    gen = ng.generate(model, ids_, 64, eos, draft_cost=1.0)
+    gen = ng.generate(model, ids_, 64, eos, ng.NgramConfig.paper())
     assert gen.tokens == want
     assert sum(gen.drafted) > 0  # the predictor did draft on these prompts
 
@@ -201,7 +200,7 @@ def test_lossless_with_the_cost_gate(real, prompt):
     model, tok = real
     ids_ = verify.encode_prompt(tok, prompt)
     eos = verify.eos_ids_of(model, tok)
-    gen = ng.generate(model, ids_, 64, eos, draft_cost=1.8)
+    gen = ng.generate(model, ids_, 64, eos, ng.NgramConfig(draft_cost=1.8))
     assert gen.tokens == verify.hf_generate(model, ids_, 64, eos)
 
 
@@ -212,7 +211,7 @@ def test_lossless_when_no_draft_is_ever_produced(real):
     ids_ = verify.encode_prompt(tok, "Once upon a time", chat=False)
     eos = verify.eos_ids_of(model, tok)
     want = verify.hf_generate(model, ids_, 8, eos)
-    gen = ng.generate(model, ids_, 8, eos, draft_cost=1.0)
+    gen = ng.generate(model, ids_, 8, eos, ng.NgramConfig.paper())
     assert gen.tokens == want and sum(gen.drafted) == 0 and gen.target_forwards == len(want)
 
 
@@ -223,7 +222,7 @@ def test_lossless_when_eos_falls_inside_an_accepted_draft(real):
     ids_ = verify.encode_prompt(tok, "Repeat exactly: The cat sat on the mat.")
     eos = verify.eos_ids_of(model, tok)
     want = verify.hf_generate(model, ids_, 64, eos)
-    gen = ng.generate(model, ids_, 64, eos, draft_cost=1.0)
+    gen = ng.generate(model, ids_, 64, eos, ng.NgramConfig.paper())
     assert gen.tokens == want
     assert gen.tokens[-1] in eos and gen.from_draft[-1]  # EOS came from an accepted draft
 
