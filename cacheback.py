@@ -107,7 +107,8 @@ class CachebackConfig:
         if self.prune not in ("cost", "none"):
             raise verify.UserError(f"--prune must be cost or none (got {self.prune!r})")
         if self.frozen not in ("none", *FROZEN_CORPORA) and not os.path.isfile(self.frozen):
-            raise verify.UserError(f"--frozen {self.frozen}: expected none, {', '.join(FROZEN_CORPORA)} or a table file")
+            raise verify.UserError(f"--frozen {self.frozen}: expected none, {', '.join(FROZEN_CORPORA)} "
+                                   "or a table file")
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -432,6 +433,7 @@ def generate(model, prompt_ids: Sequence[int], max_new_tokens: int, eos_ids: Seq
     prompt, as in the paper's SpecBench runs). frozen_table: the table cfg.frozen names (`frozen_table_for`
     builds or loads it; `prepare` does both once per process); it is shared and never modified. cost: the
     measured curve {n: t(n)/t(1)} for cfg.prune == 'cost', measured now if not given."""
+    cfg.check()
     if cfg.frozen != "none" and frozen_table is None:
         raise verify.UserError(f"cfg.frozen = {cfg.frozen!r}: pass frozen_table=frozen_table_for(tok, cfg, model)")
     if frozen_table is not None and (frozen_table.ll, frozen_table.fl) != (cfg.ll, cfg.fl):
@@ -514,22 +516,27 @@ def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["build-frozen"]:
         return build_frozen_main(argv[1:])
-    parser = verify.common_parser(__doc__.split("\n\n")[0].strip() + "\n\nAlso: python cacheback.py build-frozen --out FILE")
+    about = __doc__.split("\n\n")[0].strip()
+    parser = verify.common_parser(about + "\n\nAlso: python cacheback.py build-frozen --out FILE")
     cpu, gpu = CachebackConfig.cpu(), CachebackConfig.paper()
 
     def default(name):
         g, c = getattr(gpu, name), getattr(cpu, name)
         return f" (default: {c})" if g == c else f" (default: {g} on CUDA, {c} on CPU)"
 
-    g = parser.add_argument_group("Cacheback (the paper's names; CUDA defaults are §4's, CPU ones measured: TUTORIAL.md §3.5)")
+    g = parser.add_argument_group("Cacheback (the paper's names; CUDA defaults: §4's; CPU: TUTORIAL.md §3.5)")
     g.add_argument("--ll", type=int, help="LL, leader length: tokens a lookup is keyed by" + default("ll"))
     g.add_argument("--fl", type=int, help="FL, follower length: tokens per follower / tree branch" + default("fl"))
     g.add_argument("--lc", type=int, help="LC, leader capacity of a table" + default("lc"))
     g.add_argument("--fc", type=int, help="FC, follower capacity per leader" + default("fc"))
-    g.add_argument("--tdl", type=int, help="TDL, total draft length: tree tokens not in the KV cache" + default("tdl"))
-    g.add_argument("--crt", type=int, help="CRT, chaining-reserved tokens: TDL kept for tree levels 2+" + default("crt"))
-    g.add_argument("--frozen", help="frozen table (§3.3): none, stdlib, selfchat, or a build-frozen file" + default("frozen"))
-    g.add_argument("--prune", choices=["cost", "none"], help="ours: cost = verify only what is worth its measured cost" + default("prune"))
+    g.add_argument("--tdl", type=int,
+                   help="TDL, total draft length: tree tokens not in the KV cache" + default("tdl"))
+    g.add_argument("--crt", type=int,
+                   help="CRT, chaining-reserved tokens: TDL kept for tree levels 2+" + default("crt"))
+    g.add_argument("--frozen",
+                   help="frozen table (§3.3): none, stdlib, selfchat, or a build-frozen file" + default("frozen"))
+    g.add_argument("--prune", choices=["cost", "none"],
+                   help="ours: cost = verify only what is worth its measured cost" + default("prune"))
     config = lambda args, device: verify.config_from_args(CachebackConfig.for_device(device), args)
     return verify.run_cli(parser, "cacheback", generate, config, prepare, argv=argv)
 
@@ -642,7 +649,7 @@ def selfchat_answers(model, tok, model_name: str, progress: bool = True, batch: 
 
     safe = os.path.basename(str(model_name).rstrip("/")).replace(os.sep, "_")
     shipped = os.path.join(CORPUS_DIR, f"selfchat-{safe}.jsonl")
-    cached = os.path.join(verify._cache_root(), f"selfchat-{safe}.jsonl")
+    cached = os.path.join(verify.cache_root(), f"selfchat-{safe}.jsonl")
     for path in (shipped, cached):
         if os.path.exists(path):
             with open(path, encoding="utf-8") as f:
@@ -739,7 +746,7 @@ def frozen_table_for(tok, cfg: CachebackConfig, model=None, model_name: str = ve
     ident = tokenizer_identity(tok)["vocab_sha1"][:10]
     if corpus == "selfchat":  # the answers are this model's: the key names it
         ident += "-" + os.path.basename(str(model_name).rstrip("/"))
-    path = os.path.join(verify._cache_root(), f"cacheback-frozen-{corpus}-{ident}-ll{ll}-fl{fl}-lc{lc}-fc{fc}.json.gz")
+    path = os.path.join(verify.cache_root(), f"cacheback-frozen-{corpus}-{ident}-ll{ll}-fl{fl}-lc{lc}-fc{fc}.json.gz")
     if not os.path.exists(path):
         table, meta = build_corpus_table(tok, corpus, ll, fl, lc, fc, model=model, model_name=model_name)
         os.makedirs(os.path.dirname(path), exist_ok=True)

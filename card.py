@@ -494,6 +494,7 @@ def generate(model, prompt_ids: Sequence[int], max_new_tokens: int, eos_ids: Seq
     """CARD decoding. `model` is the target, `draft` the draft model (same tokenizer; `load_draft` loads the
     one cfg names). cfg.mode "lockstep" is deterministic (the tests use it); "parallel" runs the draft in a
     worker thread, as the paper."""
+    cfg.check()
     if draft is None:
         raise verify.UserError("CARD needs a draft model (draft=...)")
     if cfg.ratio == "auto":
@@ -631,14 +632,21 @@ def main(argv=None) -> int:
         g, c = getattr(gpu, name), getattr(cpu, name)
         return f" (default: {c})" if g == c else f" (default: {g} on CUDA, {c} on CPU)"
 
-    g = parser.add_argument_group("CARD (the paper's names; CUDA defaults are §3.1's, CPU ones measured: TUTORIAL.md §4.6)")
+    g = parser.add_argument_group("CARD (the paper's names; CUDA defaults: §3.1's; CPU: TUTORIAL.md §4.6)")
     g.add_argument("--target", dest="model", default=argparse.SUPPRESS, help="the target model (same as --model)")
-    g.add_argument("--draft", help="the draft model, same tokenizer (default: the target's weights in bfloat16, a stand-in)")
-    g.add_argument("--draft-dtype", choices=["auto", "float32", "bfloat16", "float16"], help="the draft's dtype (default: bfloat16)")
-    g.add_argument("--k", type=int, help="K, the primary cache size: candidates kept per tree layer (Eq. 7)" + default("k"))
-    g.add_argument("--topk", type=int, help="k, children proposed per node from the draft's top-k (Eq. 2)" + default("topk"))
-    g.add_argument("--ratio", help="r, the communication ratio: chain length per target step; auto = measured (§3.1)" + default("ratio"))
-    g.add_argument("--mode", choices=["parallel", "lockstep"], help="parallel: draft in a worker thread; lockstep: r layers, then verify" + default("mode"))
+    g.add_argument("--draft",
+                   help="the draft model, same tokenizer (default: the target's weights in bfloat16, a stand-in)")
+    g.add_argument("--draft-dtype", choices=["auto", "float32", "bfloat16", "float16"],
+                   help="the draft's dtype (default: bfloat16)")
+    g.add_argument("--k", type=int,
+                   help="K, the primary cache size: candidates kept per tree layer (Eq. 7)" + default("k"))
+    g.add_argument("--topk", type=int,
+                   help="k, children proposed per node from the draft's top-k (Eq. 2)" + default("topk"))
+    g.add_argument("--ratio",
+                   help="r, the communication ratio: chain length per target step; auto = measured (§3.1)"
+                        + default("ratio"))
+    g.add_argument("--mode", choices=["parallel", "lockstep"],
+                   help="parallel: draft in a worker thread; lockstep: r layers, then verify" + default("mode"))
     g.add_argument("--no-correct", dest="correct", action="store_const", const=False,
                    help="Table 2's 'cache only' ablation: query without correcting (section 2b)")
     config = lambda args, device: verify.config_from_args(CardConfig.for_device(device), args)

@@ -642,7 +642,8 @@ def generate(model, prompt_ids: Sequence[int], max_new_tokens: int, eos_ids: Seq
                     cfg.block_size, compiled=cfg.attn == "flex-compiled")
     else:
         kv = DenseKV(model, cache, layout)
-    queries = layer_queries(model, out.hidden_states, len(prompt_ids) - 1, len(prompt_ids) - 1) if compressor.needs_query else None
+    final = len(prompt_ids) - 1  # the prompt's last row, at position `final`
+    queries = layer_queries(model, out.hidden_states, final, final) if compressor.needs_query else None
     compressor.observe(kv, queries)
     gen.extra["compress"] = compressor.name
     guess_rows = cand_rows = 0  # rows of the fumble branch / candidates verified, over all steps
@@ -758,7 +759,8 @@ def main(argv=None) -> int:
 
     g = parser.add_argument_group("FAFO (the paper's names; CPU defaults are small because every row costs time there)")
     g.add_argument("--n-guess", type=int, help="n: guess streams in the fumble branch (§4.2)" + default("n_guess"))
-    g.add_argument("--k", type=int, help="k: tokens per stream = guessed n-gram length = longest pool key (§4.2)" + default("k"))
+    g.add_argument("--k", type=int,
+                   help="k: tokens per stream = guessed n-gram length = longest pool key (§4.2)" + default("k"))
     g.add_argument("--m", type=int, help="m: pool candidates verified per step (Algorithm 3)" + default("m"))
     g.add_argument("--compress", choices=["stream", "quest", "none"],
                    help="C: stream = StreamingLLM, quest = Quest pages, none = full KV (Lookahead) (default: stream)")
@@ -767,9 +769,11 @@ def main(argv=None) -> int:
     g.add_argument("--page-size", type=int, help="Quest: positions per page" + default("page_size"))
     g.add_argument("--top-pages", type=int, help="Quest: pages selected per step" + default("top_pages"))
     g.add_argument("--attn", choices=["dense", "flex", "flex-compiled"],
-                   help="dense mask (the spec), flex = compacted blocks (eager: checks the layout), flex-compiled (default: dense)")
+                   help="dense mask (the spec), flex = compacted blocks (eager: checks the layout), "
+                        "flex-compiled (default: dense)")
     g.add_argument("--pool-cap", type=int, help="pool: k-grams kept per key, LRU (Appendix F; default: n)")
-    g.add_argument("--prompt-pool", action="store_const", const=True, help="also seed the pool with the prompt's k-grams (not in the paper)")
+    g.add_argument("--prompt-pool", action="store_const", const=True,
+                   help="also seed the pool with the prompt's k-grams (not in the paper)")
     g.add_argument("--block-size", type=int, help="flex: KV block size, B_z in Algorithm 1 (default: 128)")
     config = lambda args, device: verify.config_from_args(FafoConfig.for_device(device), args)
     return verify.run_cli(parser, "fafo", generate, config, argv=argv)

@@ -99,7 +99,8 @@ class NgramConfig:
                 if self.draft_cost < 1.0:
                     raise ValueError
             except ValueError:
-                raise verify.UserError(f"--draft-cost must be 'auto' or a number >= 1 (got {self.draft_cost!r})") from None
+                raise verify.UserError(
+                    f"--draft-cost must be 'auto' or a number >= 1 (got {self.draft_cost!r})") from None
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -351,6 +352,7 @@ def generate(model, prompt_ids: Sequence[int], max_new_tokens: int, eos_ids: Seq
     """Greedy speculative decoding with n-gram drafts. draft_costs = {n: t(1+n)/t(1)}, the cost gate's
     measured curve (`measure_draft_costs`, done once per process by `prepare`); measured now if not given.
     cfg.draft_cost, when set, replaces the measurement (1.0 = the chapter: always verify)."""
+    cfg.check()
     gen = Generation(max_new_tokens, eos_ids, on_emit=on_emit, on_step=on_step)
     predictor = NGramPredictor(cfg.max_order, cfg.draft_count, cfg.max_history)
     predictor.update_batch(prompt_ids)  # seed the tables with the prompt (chat template included)
@@ -433,12 +435,16 @@ def main(argv=None) -> int:
     parser = verify.common_parser(__doc__.split("\n\n")[0].strip() + "\n\nDrafts come from n-gram counts "
                                   "of the prompt and the generated text; no draft model.")
     g = parser.add_argument_group("n-gram predictor (the chapter's parameters)")
-    g.add_argument("--max-order", type=int, help=f"MAX_ORDER: largest n-gram; backs off to bigrams (default: {MAX_ORDER})")
-    g.add_argument("--draft-count", type=int, help=f"DRAFT_COUNT: draft tokens per step at most (default: {DRAFT_COUNT})")
+    g.add_argument("--max-order", type=int,
+                   help=f"MAX_ORDER: largest n-gram; backs off to bigrams (default: {MAX_ORDER})")
+    g.add_argument("--draft-count", type=int,
+                   help=f"DRAFT_COUNT: draft tokens per step at most (default: {DRAFT_COUNT})")
     g.add_argument("--max-history", type=int,
-                   help=f"MAX_HISTORY: window of recent tokens used as context; tables are never pruned (default: {MAX_HISTORY})")
-    g.add_argument("--max-batch", type=int, help=f"buffer capacity guard: tokens per verification forward at most (default: {MAX_BATCH})")
-    g.add_argument("--draft-cost", help="cost gate (our deviation, section 3b): auto = measure t(1+n)/t(1); a number c = t(1+D)/t(1); "
+                   help=f"MAX_HISTORY: recent tokens used as context; tables are never pruned (default: {MAX_HISTORY})")
+    g.add_argument("--max-batch", type=int,
+                   help=f"buffer capacity guard: tokens per verification forward at most (default: {MAX_BATCH})")
+    g.add_argument("--draft-cost",
+                   help="cost gate (our deviation, section 3b): auto = measure t(1+n)/t(1); a number c = t(1+D)/t(1); "
                                         "1 = the chapter, always verify (default: auto)")
     config = lambda args, device: verify.config_from_args(NgramConfig.for_device(device), args)
     return verify.run_cli(parser, "ngram", generate, config, prepare, report, argv=argv)

@@ -30,8 +30,8 @@ The public names, in the order this file defines them:
   FAFO's fast path
     9  flex_mode, CompactedLayer, CompactedKVCache      FlexAttention over a compacted KV buffer (FAFO §4.4)
   plumbing (loading models and the command line; not needed to call a method's generate())
-    10 default_gguf_path, gguf_to_hf_dir, resolve_model, pick_device, pick_dtype, attn_implementations,
-       with_attention, load_model, eos_ids_of, encode_prompt, context_length
+    10 default_gguf_path, cache_root, gguf_to_hf_dir, resolve_model, pick_device, pick_dtype,
+       attn_implementations, with_attention, load_model, eos_ids_of, encode_prompt, context_length
     11 config_from_args, common_parser, Printer, token_str, make_tracer, set_seed, run_cli,
        first_difference
 
@@ -922,7 +922,8 @@ def default_gguf_path() -> str | None:
     return None
 
 
-def _cache_root() -> str:
+def cache_root() -> str:
+    """Where converted models and built tables are cached: $SPECDEC_CACHE, else ~/.cache/specdec-reference."""
     return os.environ.get("SPECDEC_CACHE") or os.path.join(
         os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "specdec-reference"
     )
@@ -944,7 +945,7 @@ def gguf_to_hf_dir(gguf_path: str) -> str:
     key = hashlib.sha1(f"{os.path.abspath(gguf_path)}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()[:10]
     key = f"{key}-tf{major}"
     name = os.path.basename(gguf_path).removesuffix(".gguf")
-    out = os.path.join(_cache_root(), f"{name}-{key}")
+    out = os.path.join(cache_root(), f"{name}-{key}")
     if os.path.exists(os.path.join(out, "config.json")):
         return out
     print(f"[verify] first use of {os.path.basename(gguf_path)}: dequantizing to {out} (once, ~40 s)", file=sys.stderr)
