@@ -14,7 +14,8 @@ How the measurement is made fair (the same rules as SpecBench, Xia et al. 2024):
   * the prompt set is split in two fixed halves (`split_of`): defaults are tuned on one, reported on the other;
   * mean accepted tokens = new tokens / target forwards, bonus token included; target forwards are counted
     by a forward hook on the target model, so HF's own methods are counted the same way as ours;
-  * "identical" = the token ids equal hf-greedy's on that prompt (the lossless check).
+  * "identical" = the token ids equal hf-greedy's on that prompt (the lossless check); with --temperature > 0,
+    those of the plain sampler (vanilla) with the same seed, and hf-sample is the speed baseline;
 
 The prompt file uses SpecBench's question.jsonl format: {"question_id", "category", "turns"}; the first turn
 is the prompt. bench/prompts.jsonl is the project's own set (see bench/make_prompts.py).
@@ -67,7 +68,7 @@ PROJECT_METHODS = {
 CONFIG_CLASSES = {"ngram_predictor": "NgramConfig", "cacheback": "CachebackConfig", "card": "CardConfig",
                   "fafo": "FafoConfig"}
 # transformers' assisted generation with CARD's draft model: the classic draft-then-verify baseline
-HF_METHODS = ["vanilla", "hf-greedy", "hf-pld", "hf-assisted"]
+HF_METHODS = ["vanilla", "hf-greedy", "hf-sample", "hf-pld", "hf-assisted"]
 
 
 def parse_method(spec: str) -> tuple[str, dict]:
@@ -95,20 +96,24 @@ def _import(module_name: str, method: str):
         raise verify.UserError(f"--methods {method}: {module_name}.py is not in this checkout yet") from None
 
 
-def make_runner(spec: str, model, tok, args):
-    """Returns run(prompt_ids, max_new_tokens, eos_ids) -> (token ids, Generation or None)."""
+def make_runner(spec: str, model, tok, args, sampled: bool = False):
+    """Returns run(prompt_ids, max_new_tokens, eos_ids, sampling) -> (token ids, Generation or None)."""
     name, overrides = parse_method(spec)
-    if name == "vanilla":
-        return lambda ids, n, eos: _gen(verify.vanilla_generate(model, ids, n, eos))
+    if name == "vanilla":  # greedy, or the plain sampler: the tokens every sampled method must match
+        return lambda ids, n, eos, s: _gen(verify.vanilla_generate(model, ids, n, eos, s))
     if name == "hf-greedy":
-        return lambda ids, n, eos: (verify.hf_generate(model, ids, n, eos), None)
+        return lambda ids, n, eos, s: (verify.hf_generate(model, ids, n, eos), None)
+    if name == "hf-sample":  # transformers' own sampler: the speed baseline of sampled runs
+        return lambda ids, n, eos, s: (verify.hf_sample(model, ids, n, eos, s), None)
+    if sampled and name in ("hf-pld", "hf-assisted"):
+        raise verify.UserError(f"--methods {name}: compared greedy only here (drop it, or use --temperature 0)")
     if name == "hf-pld":
         # transformers' prompt lookup decoding: drafts by matching the last n-gram in the prompt/output.
-        return lambda ids, n, eos: (verify.hf_generate(model, ids, n, eos, prompt_lookup_num_tokens=args.pld_tokens), None)
+        return lambda ids, n, eos, s: (verify.hf_generate(model, ids, n, eos, prompt_lookup_num_tokens=args.pld_tokens), None)
     if name == "hf-assisted":
         card = _import("card", name)
         draft = card.load_draft(model, tok, card.CardConfig.for_device(model.device), args.model)
-        return lambda ids, n, eos: (verify.hf_generate(model, ids, n, eos, assistant_model=draft), None)
+        return lambda ids, n, eos, s: (verify.hf_generate(model, ids, n, eos, assistant_model=draft), None)
     if name in PROJECT_METHODS:
         module_name, fixed = PROJECT_METHODS[name]
         module = _import(module_name, name)
@@ -121,7 +126,7 @@ def make_runner(spec: str, model, tok, args):
         # What needs the model (a draft model, a frozen table, a measured cost): the method's prepare(), the
         # same hook its own CLI uses, run once before timing.
         cfg, extra = module.prepare(model, tok, cfg, args.model) if hasattr(module, "prepare") else (cfg, {})
-        return lambda ids, n, eos: _gen(module.generate(model, ids, n, eos, cfg, **extra))
+        return lambda ids, n, eos, s: _gen(module.generate(model, ids, n, eos, cfg, sampling=s, **extra))
     raise verify.UserError(f"--methods: unknown method {name!r} (known: {', '.join(HF_METHODS + list(PROJECT_METHODS))})")
 
 
@@ -167,7 +172,7 @@ def load_prompts(path: str, limit: int | None, split: str = "all"):
 # ----------------------------------------------------------------------------------------------------------
 
 
-def summarize(rows, methods):
+def summarize(rows, methods, baseline: str = "hf-greedy"):
     """{category or 'overall': {method: {tokens_per_s, speedup, mean_accepted, identical}}}"""
     groups = defaultdict(lambda: defaultdict(list))
     for r in rows:
@@ -175,7 +180,7 @@ def summarize(rows, methods):
             groups[g][r["method"]].append(r)
     out = {}
     for g, by_method in groups.items():
-        base = by_method.get("hf-greedy", [])
+        base = by_method.get(baseline, [])
         base_tps = sum(r["tokens_per_s"] for r in base) / len(base) if base else float("nan")
         out[g] = {}
         for m in methods:
@@ -196,10 +201,10 @@ def summarize(rows, methods):
     return out
 
 
-def markdown(summary, methods) -> str:
+def markdown(summary, methods, baseline: str = "hf-greedy") -> str:
     """A compact speedup table (methods x categories), then one detailed table per category."""
     cats = [c for c in summary if c != "overall"] + ["overall"]
-    lines = ["Speedup vs hf-greedy, SpecBench's definition (mean of per-prompt tokens/s, over hf-greedy's), "
+    lines = [f"Speedup vs {baseline}, SpecBench's definition (mean of per-prompt tokens/s, over {baseline}'s), "
              "per category:", ""]
     lines.append("| method | " + " | ".join(cats) + " |")
     lines.append("|---" * (len(cats) + 1) + "|")
@@ -219,9 +224,9 @@ def markdown(summary, methods) -> str:
     return "\n".join(lines)
 
 
-def bar_chart(summary, methods, path: str, title: str) -> None:
-    """Grouped bars: speedup over hf-greedy per category (and overall), one bar per method; the dashed
-    line at 1.0 is hf-greedy itself. Agg backend: no display needed."""
+def bar_chart(summary, methods, path: str, title: str, baseline: str = "hf-greedy") -> None:
+    """Grouped bars: speedup over the baseline per category (and overall), one bar per method; the dashed
+    line at 1.0 is the baseline itself. Agg backend: no display needed."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -229,7 +234,7 @@ def bar_chart(summary, methods, path: str, title: str) -> None:
     import numpy as np
 
     cats = [c for c in summary if c != "overall"] + ["overall"]
-    shown = [m for m in methods if m != "hf-greedy"]
+    shown = [m for m in methods if m != baseline]
     x = np.arange(len(cats))
     width = 0.8 / max(1, len(shown))
     fig, ax = plt.subplots(figsize=(max(6, 1.3 * len(cats)), 4))
@@ -238,7 +243,7 @@ def bar_chart(summary, methods, path: str, title: str) -> None:
         ax.bar(x + (i - (len(shown) - 1) / 2) * width, vals, width, label=m)
     ax.axhline(1.0, color="black", lw=0.8, ls="--")
     ax.set_xticks(x, cats, rotation=20)
-    ax.set_ylabel("speedup vs hf-greedy")
+    ax.set_ylabel(f"speedup vs {baseline}")
     ax.set_title(title)
     ax.legend(fontsize=8)
     fig.tight_layout()
@@ -266,6 +271,11 @@ def main(argv=None) -> int:
                    help="which half of the prompt set: report (even question ids: what README and TUTORIAL report), "
                         "tune (odd ids: what the defaults were chosen on) or all (default: report)")
     p.add_argument("--out", default="bench/results/latest.jsonl", help="one JSON row per (method, prompt); a .png chart and .md table go beside it")
+    p.add_argument("--temperature", type=float, default=0.0,
+                   help="T > 0: every method samples (seed = the question id), the speed baseline is hf-sample and "
+                        "'identical' means equal to the plain sampler (vanilla) with the same seed (default: 0)")
+    p.add_argument("--top-k", type=int, default=0, help="sampling: top-k (default: 0 = off)")
+    p.add_argument("--top-p", type=float, default=1.0, help="sampling: top-p (default: 1 = off)")
     p.add_argument("--pld-tokens", type=int, default=10, help="hf-pld: prompt_lookup_num_tokens (default: 10)")
     p.add_argument("--fafo-steps", metavar="CONTEXTS",
                    help="instead of the prompt set: time one FAFO step, dense mask vs flex compacted blocks, after "
@@ -331,8 +341,14 @@ def run(args) -> int:
     from tqdm import tqdm
 
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
-    if "hf-greedy" not in methods:
-        methods.insert(0, "hf-greedy")
+    sampling = verify.Sampling(args.temperature, args.top_k, args.top_p)
+    sampling.check()
+    # greedy: hf-greedy is the speed baseline and the tokens to match; sampled: hf-sample is the speed
+    # baseline and the plain sampler (vanilla, same seed) gives the tokens to match
+    baseline, reference_method = ("hf-greedy", "hf-greedy") if sampling.greedy else ("hf-sample", "vanilla")
+    for m in (reference_method, baseline):
+        if m not in methods:
+            methods.insert(0, m)
     if args.max_new_tokens <= 0:
         raise verify.UserError("--max-new-tokens must be positive")
     if args.limit is not None and args.limit <= 0:
@@ -341,7 +357,7 @@ def run(args) -> int:
     verify.set_seed(0)
     model, tok = verify.load_model(args.model, args.device, args.dtype)
     eos = verify.eos_ids_of(model, tok)
-    runners = {m: make_runner(m, model, tok, args) for m in methods}
+    runners = {m: make_runner(m, model, tok, args, sampled=not sampling.greedy) for m in methods}
 
     # Count target forwards with a hook rather than trusting each method's own counter: HF's methods
     # (hf-greedy, hf-pld) have none, and a hook counts every method the same way. It is on the TARGET model
@@ -353,22 +369,23 @@ def run(args) -> int:
     # One untimed warm-up per method: the first call of anything pays for allocations, lazy imports and
     # kernel selection, which must not be charged to whichever method happens to run first.
     for m in methods:
-        runners[m](encoded[0], min(16, args.max_new_tokens), eos)
+        runners[m](encoded[0], min(16, args.max_new_tokens), eos, sampling)
 
     rows = []
     bar = tqdm(total=len(prompts) * len(methods), desc="bench", unit="run", file=sys.stderr)
     for q, ids in zip(prompts, encoded):
         reference = None
-        # hf-greedy runs first on every prompt: it is the reference for "identical"
-        for m in ["hf-greedy"] + [x for x in methods if x != "hf-greedy"]:
+        s = dataclasses.replace(sampling, seed=int(q["question_id"]))  # one seed per prompt
+        # the reference runs first on every prompt: the tokens "identical" compares with
+        for m in [reference_method] + [x for x in methods if x != reference_method]:
             bar.set_postfix_str(f"{q['category']}#{q['question_id']} {m}")
             forwards[0] = 0
             verify.sync(model)
             t0 = time.perf_counter()
-            tokens, gen = runners[m](ids, args.max_new_tokens, eos)
+            tokens, gen = runners[m](ids, args.max_new_tokens, eos, s)
             verify.sync(model)
             wall = time.perf_counter() - t0
-            if m == "hf-greedy":
+            if m == reference_method:
                 reference = tokens
             row = {
                 "method": m, "question_id": q["question_id"], "category": q["category"],
@@ -383,16 +400,17 @@ def run(args) -> int:
             bar.update(1)
     bar.close()
 
-    # speedup per row: tokens/s over hf-greedy's on the same prompt
-    base = {r["question_id"]: r["tokens_per_s"] for r in rows if r["method"] == "hf-greedy"}
+    # speedup per row: tokens/s over the baseline's on the same prompt
+    base = {r["question_id"]: r["tokens_per_s"] for r in rows if r["method"] == baseline}
     for r in rows:
         r["speedup"] = r["tokens_per_s"] / base[r["question_id"]]
 
-    summary = summarize(rows, methods)
-    table = markdown(summary, methods)
+    summary = summarize(rows, methods, baseline)
+    table = markdown(summary, methods, baseline)
     header = (f"model {args.model} | device {model.device} | dtype {str(model.dtype).removeprefix('torch.')} | "
               f"max new tokens {args.max_new_tokens} | {len(prompts)} prompts ({args.split} split) | torch threads "
-              f"{__import__('torch').get_num_threads()}")
+              f"{__import__('torch').get_num_threads()}" + ("" if sampling.greedy else
+              f" | sampled: T {sampling.temperature}, top-k {sampling.top_k}, top-p {sampling.top_p}, seed = question id"))
     print(header + "\n\n" + table)
 
     if args.out:
@@ -403,7 +421,7 @@ def run(args) -> int:
         stem = os.path.splitext(args.out)[0]
         with open(stem + ".md", "w", encoding="utf-8") as f:
             f.write(f"`python bench.py {' '.join(sys.argv[1:])}`\n\n{header}\n\n{table}\n")
-        bar_chart(summary, methods, stem + ".png", f"{args.model} on {model.device}")
+        bar_chart(summary, methods, stem + ".png", f"{args.model} on {model.device}", baseline)
         print(f"\nrows: {args.out}  table: {stem}.md  chart: {stem}.png", file=sys.stderr)
     return 0
 

@@ -428,11 +428,12 @@ def prune(tree: DraftTree, pruner: CostPruner) -> DraftTree:
 @torch.no_grad()
 def generate(model, prompt_ids: Sequence[int], max_new_tokens: int, eos_ids: Sequence[int], cfg: CachebackConfig,
              *, frozen_table: CacheTable | None = None, cost: dict[int, float] | None = None,
-             on_emit=None, on_step=None) -> Generation:
+             sampling: verify.Sampling = verify.GREEDY, on_emit=None, on_step=None) -> Generation:
     """Cacheback decoding. A fresh dynamic table per call (stateful methods start from scratch for every
     prompt, as in the paper's SpecBench runs). frozen_table: the table cfg.frozen names (`frozen_table_for`
     builds or loads it; `prepare` does both once per process); it is shared and never modified. cost: the
-    measured curve {n: t(n)/t(1)} for cfg.prune == 'cost', measured now if not given."""
+    measured curve {n: t(n)/t(1)} for cfg.prune == 'cost', measured now if not given. `sampling`: greedy by
+    default; sampled, the output is exactly the plain sampler's for the same seed (verify.py section 4b)."""
     cfg.check()
     if cfg.frozen != "none" and frozen_table is None:
         raise verify.UserError(f"cfg.frozen = {cfg.frozen!r}: pass frozen_table=frozen_table_for(tok, cfg, model)")
@@ -450,7 +451,7 @@ def generate(model, prompt_ids: Sequence[int], max_new_tokens: int, eos_ids: Seq
     learn(dynamic, text, 0)  # §3.3: initialise the dynamic table with a sliding window over the prompt
 
     cache = verify.new_cache(model)
-    pending = int(verify.prefill(model, cache, prompt_ids).argmax())
+    pending = verify.first_token(verify.prefill(model, cache, prompt_ids), len(prompt_ids), sampling)
     text.append(pending)
     learn(dynamic, text, len(text) - 1)
     if gen.finish_prefill(pending):
@@ -474,7 +475,7 @@ def generate(model, prompt_ids: Sequence[int], max_new_tokens: int, eos_ids: Seq
         # -- VERIFY with tree attention, ACCEPT the longest agreeing branch + bonus, COMPACT the KV
         prefix_len = verify.cache_len(cache)
         logits = verify.tree_forward(model, cache, tree)  # [N, V]
-        path, bonus = verify.accept_greedy(tree, logits)
+        path, bonus = verify.accept(tree, logits, prefix_len, sampling)
         verify.compact_kv(cache, prefix_len, path)
         if pruner is not None:
             pruner.update(tree, path)

@@ -490,10 +490,11 @@ def _targets_turn(cond: threading.Condition, turn: threading.Event, errors: list
 
 @torch.no_grad()
 def generate(model, prompt_ids: Sequence[int], max_new_tokens: int, eos_ids: Sequence[int], cfg: CardConfig,
-             *, draft, on_emit=None, on_step=None) -> Generation:
+             *, draft, sampling: verify.Sampling = verify.GREEDY, on_emit=None, on_step=None) -> Generation:
     """CARD decoding. `model` is the target, `draft` the draft model (same tokenizer; `load_draft` loads the
     one cfg names). cfg.mode "lockstep" is deterministic (the tests use it); "parallel" runs the draft in a
-    worker thread, as the paper."""
+    worker thread, as the paper. `sampling`: the target samples with keyed noise (verify.py section 4b) and
+    accepts the queried chain where it equals those samples; the draft still proposes its top-k tokens."""
     cfg.check()
     if draft is None:
         raise verify.UserError("CARD needs a draft model (draft=...)")
@@ -505,7 +506,7 @@ def generate(model, prompt_ids: Sequence[int], max_new_tokens: int, eos_ids: Seq
     gen.extra.update(hits=0, misses=0, verified=0)
 
     cache = verify.new_cache(model)
-    pending = int(verify.prefill(model, cache, prompt_ids).argmax())
+    pending = verify.first_token(verify.prefill(model, cache, prompt_ids), len(prompt_ids), sampling)
     if gen.finish_prefill(pending):
         return gen
     drafter = (Drafter if cfg.correct else CacheOnlyDrafter)(draft, cfg.k, cfg.topk)
@@ -544,7 +545,7 @@ def generate(model, prompt_ids: Sequence[int], max_new_tokens: int, eos_ids: Seq
             tree = Tree.chain(pending, chain)
             prefix_len = verify.cache_len(cache)
             logits = verify.tree_forward(model, cache, tree)
-            path, bonus = verify.accept_greedy(tree, logits)
+            path, bonus = verify.accept(tree, logits, prefix_len, sampling)
             verify.rollback(cache, prefix_len + len(path))
             gen.extra["verified"] += len(tree)
             if gen.finish_step(tree, path, bonus, draft_s if worker is None else 0.0):

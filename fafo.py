@@ -598,8 +598,11 @@ class FlexKV:
 
 @torch.no_grad()
 def generate(model, prompt_ids: Sequence[int], max_new_tokens: int, eos_ids: Sequence[int], cfg: FafoConfig,
-             *, pool: NgramPool | None = None, on_emit=None, on_step=None) -> Generation:
-    """FAFO greedy decoding; returns a verify.Generation (tokens + counters). gen.extra gets: pool size,
+             *, pool: NgramPool | None = None, sampling: verify.Sampling = verify.GREEDY, on_emit=None,
+             on_step=None) -> Generation:
+    """FAFO decoding, greedy or sampled (the verification rows take the keyed sample of verify.py section
+    4b; the guess rows stay greedy, they only need to be plausible). Returns a verify.Generation (tokens +
+    counters). gen.extra gets: pool size,
     guess rows per step, candidates verified per step, slots swapped per step (flex).
     Pass your own `pool` (an NgramPool with the same k) to inspect it afterwards or to carry it over to
     the next prompt; by default every call starts from an empty pool."""
@@ -632,7 +635,7 @@ def generate(model, prompt_ids: Sequence[int], max_new_tokens: int, eos_ids: Seq
     ids = torch.tensor([list(prompt_ids)], device=model.device)
     out = model(input_ids=ids, past_key_values=cache, use_cache=True, output_hidden_states=compressor.needs_query)
     verify.check_filled(cache, len(prompt_ids))  # as verify.prefill does: a recurrent model fills no cache
-    pending = int(out.logits[0, -1].argmax())
+    pending = verify.first_token(out.logits[0, -1], len(prompt_ids), sampling)
     if gen.finish_prefill(pending):
         return gen
     context = list(prompt_ids) + [pending]  # x_1 .. x_|x|; the last one is not in the KV cache yet
@@ -662,6 +665,10 @@ def generate(model, prompt_ids: Sequence[int], max_new_tokens: int, eos_ids: Seq
 
         logits, hidden = kv.forward(tokens, positions, hidden=compressor.needs_query, layout=step)  # [q, V]
         choice = logits.argmax(dim=-1).tolist()  # the model's greedy token after every row
+        if not sampling.greedy:  # verification rows: the keyed sample at the position each row predicts
+            check = [0] + [step.cand_row(c, t) for c in range(real) for t in range(k)]
+            for r, tok in zip(check, sampling.choose(logits[check], [positions[r] + 1 for r in check])):
+                choice[r] = tok
 
         # Find Out (Algorithm 4) on the real candidates only
         cand_choices = [[choice[step.cand_row(c, t)] for t in range(k)] for c in range(real)]

@@ -348,10 +348,12 @@ class CostGate:
 
 @torch.no_grad()
 def generate(model, prompt_ids: Sequence[int], max_new_tokens: int, eos_ids: Sequence[int], cfg: NgramConfig,
-             *, draft_costs: dict[int, float] | None = None, on_emit=None, on_step=None) -> Generation:
+             *, draft_costs: dict[int, float] | None = None, sampling: verify.Sampling = verify.GREEDY,
+             on_emit=None, on_step=None) -> Generation:
     """Greedy speculative decoding with n-gram drafts. draft_costs = {n: t(1+n)/t(1)}, the cost gate's
     measured curve (`measure_draft_costs`, done once per process by `prepare`); measured now if not given.
-    cfg.draft_cost, when set, replaces the measurement (1.0 = the chapter: always verify)."""
+    cfg.draft_cost, when set, replaces the measurement (1.0 = the chapter: always verify). `sampling`: greedy
+    by default; sampled, the output is exactly the plain sampler's for the same seed (verify.py section 4b)."""
     cfg.check()
     gen = Generation(max_new_tokens, eos_ids, on_emit=on_emit, on_step=on_step)
     predictor = NGramPredictor(cfg.max_order, cfg.draft_count, cfg.max_history)
@@ -363,7 +365,7 @@ def generate(model, prompt_ids: Sequence[int], max_new_tokens: int, eos_ids: Seq
     gate = CostGate(draft_costs, cfg.max_order, cfg.draft_count)
 
     cache = verify.new_cache(model)
-    known = int(verify.prefill(model, cache, prompt_ids).argmax())  # the first new token
+    known = verify.first_token(verify.prefill(model, cache, prompt_ids), len(prompt_ids), sampling)
     predictor.update(known)
     if gen.finish_prefill(known):
         return gen
@@ -390,8 +392,9 @@ def generate(model, prompt_ids: Sequence[int], max_new_tokens: int, eos_ids: Seq
         pos = verify.cache_len(cache)
         logits = verify.tree_forward(model, cache, tree)  # [1 + n_draft, V]
 
-        # -- ACCEPT: longest prefix where draft == argmax, plus the bonus token at the first mismatch.
-        path, bonus = verify.accept_greedy(tree, logits)
+        # -- ACCEPT: longest prefix where draft == the model's token (argmax, or the keyed sample), plus the
+        # bonus token at the first mismatch.
+        path, bonus = verify.accept(tree, logits, pos, sampling)
         keep = len(path)  # the known token + accepted drafts (= accepted + 1 in the chapter's words)
         gate.update(orders, keep - 1)
 

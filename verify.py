@@ -23,9 +23,10 @@ The public names, in the order this file defines them:
     3  check_supported, new_cache, cache_len, prefill,  the one verification forward, on a cache we know how
        check_filled, tree_forward                       to roll back (and a one-line refusal where we cannot)
     4  accept_greedy                                    longest accepted path + bonus token
+    4b Sampling, accept, first_token                    the same walk for sampled decoding, still exact
     5  rollback, compact_kv                             KV-cache surgery after acceptance
     6  Generation                                       stopping rule (EOS, max tokens) and counters
-    7  vanilla_generate, hf_generate                    the baselines (hf_generate is the correctness oracle)
+    7  vanilla_generate, hf_sample, hf_generate         the baselines (hf_generate is the greedy oracle)
     8  sync, measure_step_times, measure_cost_curve     what a forward over n tokens costs on this device
   FAFO's fast path
     9  flex_mode, CompactedLayer, CompactedKVCache      FlexAttention over a compacted KV buffer (FAFO §4.4)
@@ -373,10 +374,12 @@ def tree_forward(model, cache, tree: Tree) -> torch.Tensor:
 #   -> path = [0, 1, 2, 3] (root + 3 accepted drafts), bonus = " jumped"  => 4 tokens from one forward
 
 
-def accept_greedy(tree: Tree, logits: torch.Tensor) -> tuple[list[int], int]:
+def accept_greedy(tree: Tree, logits: torch.Tensor, choice: Sequence[int] | None = None) -> tuple[list[int], int]:
     """Returns (path, bonus): path = node indices from the root (included) down the longest accepted
-    branch; bonus = the model's argmax after the last node of the path."""
-    choice = logits.argmax(dim=-1).tolist()  # [N] the model's greedy token after each node
+    branch; bonus = the model's argmax after the last node of the path. `choice` replaces the argmax by
+    the model's token after each node chosen some other way (sampled: see `accept` below)."""
+    if choice is None:
+        choice = logits.argmax(dim=-1).tolist()  # [N] the model's greedy token after each node
     node, path = 0, [0]
     while True:
         child = tree.children[node].get(choice[node])
@@ -384,6 +387,106 @@ def accept_greedy(tree: Tree, logits: torch.Tensor) -> tuple[list[int], int]:
             return path, choice[node]
         path.append(child)
         node = child
+
+
+# ----------------------------------------------------------------------------------------------------------
+# 4b. Sampling without losing losslessness: Gumbel-max noise keyed by (seed, position)
+# ----------------------------------------------------------------------------------------------------------
+#
+# Sampling from softmax(l / T) is the same as taking   argmax_v  l_v / T + G_v   with G_v i.i.d. standard
+# Gumbel noise (the Gumbel-max trick). We draw G from a generator keyed by (seed, absolute position) ALONE.
+# Then the token at position p is a deterministic function of (context, p, seed): whoever computes it --
+# the plain sampler one token per forward, or any node of a draft tree whose path is the true context --
+# gets the same token. So a speculative method that accepts a draft token exactly when it EQUALS the token
+# sampled at that node (the tree walk of accept_greedy, with the sampled choice in place of the argmax)
+# emits exactly the plain sampler's tokens for that seed, and each of them is an exact sample of the
+# filtered softmax. Top-k, then top-p, remove tokens (-inf) before the noise is added.
+#
+#   logits (2.0, 1.0, 0.0), T = 1, noise for this (seed, p) = (-0.3, 1.6, 0.4)
+#   sums (1.7, 2.6, 0.4) -> token 1, although token 0 has the largest logit: a sample, not the argmax.
+#   A draft that guessed token 1 here is accepted; one that guessed token 0 is not, and the bonus is 1.
+#
+# How this relates to rejection sampling (Leviathan et al. 2023; SpecInfer): that rule accepts a STOCHASTIC
+# draft token x ~ q with probability min(1, p(x)/q(x)) and resamples from the residual on a rejection; it is
+# lossless in distribution and accepts more often when q is close to p. Our drafts are deterministic (table
+# lookups, cached tokens), i.e. q puts all its mass on one token, for which rejection sampling accepts with
+# probability p(x) -- exactly the chance that the keyed sample equals x. So for these drafts the two rules
+# accept equally often, and ours is also reproducible token for token. CARD's draft, a model, could offer a
+# distribution q instead; using its tokens deterministically gives up the extra acceptance that q ~ p buys
+# (measured in TUTORIAL.md §1.8).
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """How the target's token is chosen. temperature 0 = greedy (the default).
+
+    >>> s = Sampling(temperature=1.0, seed=7)
+    >>> s.choose(torch.tensor([[2.0, 1.0, 0.0]]), [5]) == s.choose(torch.tensor([[2.0, 1.0, 0.0]]), [5])
+    True
+    >>> Sampling(temperature=1.0, top_k=1).choose(torch.tensor([[0.0, 3.0, 1.0]]), [0])   # top-k 1 is greedy
+    [1]
+    """
+
+    temperature: float = 0.0
+    top_k: int = 0  # keep the k most likely tokens (0: all)
+    top_p: float = 1.0  # then the smallest set whose probability reaches top_p
+    seed: int = 0
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    def check(self) -> None:
+        if not self.temperature >= 0.0:
+            raise UserError(f"--temperature must be >= 0 (got {self.temperature})")
+        if self.top_k < 0:
+            raise UserError(f"--top-k must be >= 0 (got {self.top_k})")
+        if not 0.0 < self.top_p <= 1.0:
+            raise UserError(f"--top-p must be in (0, 1] (got {self.top_p})")
+
+    def noise(self, position: int, vocab: int) -> torch.Tensor:
+        """G[p]: vocab i.i.d. standard Gumbel values from a generator keyed by (seed, position) alone."""
+        g = torch.Generator().manual_seed((self.seed * 1_000_003 + position) % (2**63))
+        u = torch.rand(vocab, generator=g, dtype=torch.float64).clamp_(1e-300, 1.0 - 1e-16)
+        return -torch.log(-torch.log(u))  # [V], float64 on the CPU: the same numbers on every device
+
+    def filtered(self, logits: torch.Tensor) -> torch.Tensor:
+        """[N, V] logits / T with the tokens outside top-k, then top-p, set to -inf (float64)."""
+        z = logits.double() / self.temperature
+        if self.top_k:
+            kth = z.topk(min(self.top_k, z.shape[-1]), dim=-1).values[:, -1:]  # [N, 1]
+            z = z.masked_fill(z < kth, float("-inf"))
+        if self.top_p < 1.0:
+            probs, order = torch.softmax(z, dim=-1).sort(dim=-1, descending=True)
+            before = probs.cumsum(dim=-1) - probs  # the probability of the tokens ranked above each one
+            drop = torch.zeros_like(z, dtype=torch.bool).scatter_(-1, order, before >= self.top_p)
+            z = z.masked_fill(drop, float("-inf"))  # the top token is always kept (before = 0)
+        return z
+
+    def choose(self, logits: torch.Tensor, positions: Sequence[int]) -> list[int]:
+        """The token at each absolute position: logits [N, V] (row i predicts position positions[i])."""
+        if self.greedy:
+            return logits.argmax(dim=-1).tolist()
+        z = self.filtered(logits).cpu()
+        g = torch.stack([self.noise(int(p), z.shape[-1]) for p in positions])  # [N, V]
+        return (z + g).argmax(dim=-1).tolist()
+
+
+GREEDY = Sampling()
+
+
+def accept(tree: Tree, logits: torch.Tensor, prefix_len: int, sampling: Sampling = GREEDY) -> tuple[list[int], int]:
+    """accept_greedy with the token after node i chosen by `sampling` at its absolute position, prefix_len +
+    depth(i) + 1 (the root, at position prefix_len, is the last emitted token)."""
+    if sampling.greedy:
+        return accept_greedy(tree, logits)
+    choice = sampling.choose(logits, [prefix_len + d + 1 for d in tree.depths])
+    return accept_greedy(tree, logits, choice)
+
+
+def first_token(logits: torch.Tensor, prompt_len: int, sampling: Sampling = GREEDY) -> int:
+    """The token after the prompt (prefill's last row [V]), at position prompt_len."""
+    return sampling.choose(logits[None], [prompt_len])[0]
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -501,19 +604,38 @@ class Generation:
 
 
 @torch.no_grad()
-def vanilla_generate(model, prompt_ids: Sequence[int], max_new_tokens: int, eos_ids: Sequence[int], **hooks) -> Generation:
-    """Plain greedy decoding with a KV cache: one forward per token. Each step is a root-only tree, so it
-    goes through exactly the same machinery as the speculative methods with an empty draft."""
+def vanilla_generate(model, prompt_ids: Sequence[int], max_new_tokens: int, eos_ids: Sequence[int],
+                     sampling: Sampling = GREEDY, **hooks) -> Generation:
+    """Plain decoding with a KV cache: one forward per token, greedy or sampled (the plain sampler every
+    method must match). Each step is a root-only tree, so it goes through exactly the same machinery as the
+    speculative methods with an empty draft."""
     gen = Generation(max_new_tokens, eos_ids, **hooks)
     cache = new_cache(model)
-    pending = int(prefill(model, cache, prompt_ids).argmax())
+    pending = first_token(prefill(model, cache, prompt_ids), len(prompt_ids), sampling)
     if gen.finish_prefill(pending):
         return gen
     while True:
         tree = Tree.root_only(pending)
-        path, pending = accept_greedy(tree, tree_forward(model, cache, tree))
+        prefix_len = cache_len(cache)
+        path, pending = accept(tree, tree_forward(model, cache, tree), prefix_len, sampling)
         if gen.finish_step(tree, path, pending):
             return gen
+
+
+@torch.no_grad()
+def hf_sample(model, prompt_ids: Sequence[int], max_new_tokens: int, eos_ids: Sequence[int], sampling: Sampling) -> list[int]:
+    """transformers' own sampler with the same temperature / top-k / top-p: the SPEED baseline for sampled
+    runs (its random stream differs from our keyed noise, so its tokens differ; identity is checked against
+    vanilla_generate with the same Sampling)."""
+    from transformers import GenerationConfig
+
+    config = GenerationConfig(do_sample=True, temperature=sampling.temperature, top_k=sampling.top_k,
+                              top_p=sampling.top_p, max_new_tokens=max_new_tokens, eos_token_id=list(eos_ids),
+                              pad_token_id=list(eos_ids)[0])
+    torch.manual_seed(sampling.seed)
+    ids = torch.tensor([list(prompt_ids)], device=model.device)
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=config)
+    return out[0, ids.shape[1] :].tolist()
 
 
 @torch.no_grad()
@@ -1105,7 +1227,10 @@ def common_parser(description: str) -> argparse.ArgumentParser:
     p.add_argument("--compare", action="store_true", help="also run HF greedy here: speedup, token-identical?")
     p.add_argument("--json", action="store_true", help="print exactly one JSON object on stdout, nothing else")
     p.add_argument("--trace", action="store_true", help="print each step: draft, accepted path, bonus token")
-    p.add_argument("--seed", type=int, default=0, help="seed for torch/numpy/random (default: 0)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the sampling noise and of torch/numpy/random (default: 0)")
+    p.add_argument("--temperature", type=float, default=0.0, help="T: 0 = greedy (default); > 0 samples, still lossless")
+    p.add_argument("--top-k", type=int, default=0, help="sample from the k most likely tokens only (default: 0 = all)")
+    p.add_argument("--top-p", type=float, default=1.0, help="then from the smallest set of probability >= top-p (default: 1)")
     return p
 
 
@@ -1201,6 +1326,8 @@ def _run(args, method, generate, config, prepare, report) -> int:
         raise UserError(f"--max-new-tokens must be positive (got {args.max_new_tokens})")
     device = pick_device(args.device)
     cfg = config(args, device) if config is not None else None  # may raise UserError for a bad parameter
+    sampling = Sampling(args.temperature, args.top_k, args.top_p, args.seed)
+    sampling.check()
     set_seed(args.seed)
 
     model, tok = load_model(args.model, args.device, args.dtype, args.attn_implementation)
@@ -1217,11 +1344,17 @@ def _run(args, method, generate, config, prepare, report) -> int:
         cfg, extra = prepare(model, tok, cfg, args.model)
     args_cfg = () if cfg is None else (cfg,)
     stream = sys.stderr if args.json else sys.stdout
-    run = lambda n, **hooks: generate(model, prompt_ids, n, eos, *args_cfg, **hooks, **extra)
+    run = lambda n, **hooks: generate(model, prompt_ids, n, eos, *args_cfg, sampling=sampling, **hooks, **extra)
+    # the baseline: HF's greedy generate, or HF's sampler (speed) and our plain sampler (the tokens to match)
+    if sampling.greedy:
+        baseline, reference, base_name = (lambda n: hf_generate(model, prompt_ids, n, eos)), None, "hf-greedy"
+    else:
+        baseline, base_name = (lambda n: hf_sample(model, prompt_ids, n, eos, sampling)), "hf-sample"
+        reference = lambda n: vanilla_generate(model, prompt_ids, n, eos, sampling).tokens
 
     if args.compare:  # warm up both sides so neither pays for first-call allocations
         run(min(8, args.max_new_tokens))
-        hf_generate(model, prompt_ids, min(8, args.max_new_tokens), eos)
+        baseline(min(8, args.max_new_tokens))
 
     hooks = {}
     if args.trace:
@@ -1256,16 +1389,19 @@ def _run(args, method, generate, config, prepare, report) -> int:
     }
     if cfg is not None:
         result["config"] = dataclasses.asdict(cfg)
+    result["sampling"] = dataclasses.asdict(sampling)
     if args.compare:
         sync(model)
         t0 = time.perf_counter()
-        base = hf_generate(model, prompt_ids, args.max_new_tokens, eos)
+        base = baseline(args.max_new_tokens)
         sync(model)
         base_wall = time.perf_counter() - t0
         result["baseline_tokens_per_s"] = len(base) / base_wall
         result["speedup"] = result["tokens_per_s"] / result["baseline_tokens_per_s"]
+        if reference is not None:  # sampled: the plain sampler with the same seed gives the tokens to match
+            base = reference(args.max_new_tokens)
         result["identical"] = base == gen.tokens
-        if not result["identical"]:
+        if not result["identical"] and sampling.greedy:
             result.update(first_difference(model, prompt_ids, base, gen.tokens))
 
     if args.json:
@@ -1286,10 +1422,13 @@ def _run(args, method, generate, config, prepare, report) -> int:
         print(f"[{method}] config: " + " ".join(f"{k}={v}" for k, v in dataclasses.asdict(cfg).items()))
     if args.compare:
         print(
-            f"[hf-greedy] {result['baseline_tokens_per_s']:.1f} tokens/s | speedup {result['speedup']:.2f}x | "
-            f"token-identical: {'yes' if result['identical'] else 'NO'}"
+            f"[{base_name}] {result['baseline_tokens_per_s']:.1f} tokens/s | speedup {result['speedup']:.2f}x | "
+            f"token-identical{' to the plain sampler (same seed)' if reference else ''}: "
+            f"{'yes' if result['identical'] else 'NO'}"
         )
-        if not result["identical"]:
+        if not sampling.greedy:
+            print(f"[sampling] T={sampling.temperature} top-k={sampling.top_k} top-p={sampling.top_p} seed={sampling.seed}")
+        elif not result["identical"]:
             i, margin = result["first_difference"], result["top2_margin"]
             print(f"  first difference at new token {i}: ours {token_str(tok, result['ours_token'])}, HF's "
                   f"{token_str(tok, result['hf_token'])}; the target's top-2 logit margin there is {margin:.3g} "
