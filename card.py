@@ -40,7 +40,8 @@ access or a local copy).
 
 Greedy decoding, float32 target: the output is identical to the target's model.generate(do_sample=False) in
 both modes, except at exact ties within rounding (see verify.py); measured on every prompt we run
-(tests/test_card.py). Temperature > 0 is not offered (see TUTORIAL.md §4).
+(tests/test_card.py). Sampled (--temperature), the output is exactly the plain sampler's for the same seed
+(verify.py section 4b; TUTORIAL.md §1.8 measures what drafting deterministically gives up).
 """
 
 from __future__ import annotations

@@ -43,6 +43,8 @@ rows rounds differently from a one-token forward (we measured up to 6.6e-5 in th
 more in bfloat16), so two logits that tie within that much can swap their order. That is measured, not
 assumed: the tests compare every method with HF generate on the real default model, on every prompt we run
 it on, and `--compare` reports the first differing token and the target's top-2 logit margin there.
+Sampled decoding (`Sampling`, section 4b) keeps this property token for token: with the noise keyed by (seed,
+position), every method emits exactly the plain sampler's tokens for the same seed.
 
 Run it directly for the plain greedy baseline through the shared CLI:
 
