@@ -519,11 +519,8 @@ def main(argv=None) -> int:
         return build_frozen_main(argv[1:])
     about = __doc__.split("\n\n")[0].strip()
     parser = verify.common_parser(about + "\n\nAlso: python cacheback.py build-frozen --out FILE")
-    cpu, gpu = CachebackConfig.cpu(), CachebackConfig.paper()
-
     def default(name):
-        g, c = getattr(gpu, name), getattr(cpu, name)
-        return f" (default: {c})" if g == c else f" (default: {g} on CUDA, {c} on CPU)"
+        return verify.defaults_help(CachebackConfig, name)
 
     g = parser.add_argument_group("Cacheback (the paper's names; CUDA defaults: §4's; CPU: TUTORIAL.md §3.5)")
     g.add_argument("--ll", type=int, help="LL, leader length: tokens a lookup is keyed by" + default("ll"))

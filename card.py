@@ -628,11 +628,8 @@ def main(argv=None) -> int:
     import argparse
 
     parser = verify.common_parser(__doc__.split("\n\n")[0].strip())
-    cpu, gpu = CardConfig.cpu(), CardConfig.paper()
-
     def default(name):
-        g, c = getattr(gpu, name), getattr(cpu, name)
-        return f" (default: {c})" if g == c else f" (default: {g} on CUDA, {c} on CPU)"
+        return verify.defaults_help(CardConfig, name)
 
     g = parser.add_argument_group("CARD (the paper's names; CUDA defaults: §3.1's; CPU: TUTORIAL.md §4.6)")
     g.add_argument("--target", dest="model", default=argparse.SUPPRESS, help="the target model (same as --model)")

@@ -756,13 +756,10 @@ def main(argv=None) -> int:
     parser = verify.common_parser(
         "FAFO: n guess streams attend to a compressed KV cache (fumble around) while the pool's candidates are\n"
         "verified against the full cache (find out), in one forward per step. Lossless: the output equals greedy\n"
-        "decoding. --trace shows each step's candidates; the stats line shows the pool and the step's shape."
+        "decoding (or, with --temperature, the plain sampler's). --trace shows each step's candidates; the stats line shows the pool and the step's shape."
     )
-    cpu, gpu = FafoConfig.cpu(), FafoConfig.paper()
-
     def default(name):
-        g, c = getattr(gpu, name), getattr(cpu, name)
-        return f" (default: {c})" if g == c else f" (default: {g} on CUDA, {c} on CPU)"
+        return verify.defaults_help(FafoConfig, name)
 
     g = parser.add_argument_group("FAFO (the paper's names; CPU defaults are small because every row costs time there)")
     g.add_argument("--n-guess", type=int, help="n: guess streams in the fumble branch (§4.2)" + default("n_guess"))

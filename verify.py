@@ -33,7 +33,7 @@ The public names, in the order this file defines them:
   plumbing (loading models and the command line; not needed to call a method's generate())
     10 default_gguf_path, cache_root, gguf_to_hf_dir, resolve_model, pick_device, pick_dtype,
        attn_implementations, with_attention, load_model, eos_ids_of, encode_prompt, context_length
-    11 config_from_args, common_parser, Printer, token_str, make_tracer, set_seed, run_cli,
+    11 config_from_args, defaults_help, common_parser, Printer, token_str, make_tracer, set_seed, run_cli,
        first_difference
 
 Greedy speculative decoding is *lossless*: a token is only ever emitted if it is the argmax of the target
@@ -1296,6 +1296,12 @@ def config_from_args(defaults, args):
     if hasattr(cfg, "check"):
         cfg.check()
     return cfg
+
+
+def defaults_help(config_class, name: str) -> str:
+    """' (default: X)' for a --help line, or ' (default: X on CUDA, Y on CPU)' when the device changes it."""
+    g, c = getattr(config_class.paper(), name), getattr(config_class.cpu(), name)
+    return f" (default: {c})" if g == c else f" (default: {g} on CUDA, {c} on CPU)"
 
 
 def run_cli(parser: argparse.ArgumentParser, method: str, generate: Callable, config: Callable | None = None,
