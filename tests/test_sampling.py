@@ -159,6 +159,7 @@ def test_every_method_sampled_is_the_plain_sampler(real, draft_bf16, prompt, tem
     assert accepted > 0  # drafts were accepted, so the sampled acceptance rule was exercised
 
 
+@pytest.mark.compat
 def test_tiny_model_every_method_and_mode_sampled(tiny):
     prompt = [1] + [5, 6, 7, 8, 9] * 6
     for seed in range(4):
