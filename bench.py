@@ -14,6 +14,8 @@ How the measurement is made fair (the same rules as SpecBench, Xia et al. 2024):
   * the prompt set is split in two fixed halves (`split_of`): defaults are tuned on one, reported on the other;
   * mean accepted tokens = new tokens / target forwards, bonus token included; target forwards are counted
     by a forward hook on the target model, so HF's own methods are counted the same way as ours;
+  * our methods also report their acceptance rate (accepted / drafted tokens) and the share of the time spent
+    drafting; the header names the device, the torch and transformers versions, the dtype and the decoding mode;
   * "identical" = the token ids equal hf-greedy's on that prompt (the lossless check); with --temperature > 0,
     those of the plain sampler (vanilla) with the same seed, and hf-sample is the speed baseline;
 
@@ -195,6 +197,11 @@ def summarize(rows, methods, baseline: str = "hf-greedy"):
                 "speedup": tps / base_tps,  # SpecBench's: mean of per-prompt tokens/s, over the baseline's
                 "speedup_total": total_tps / base_total,  # total tokens over total time, over the baseline's
                 "mean_accepted": sum(r["new_tokens"] for r in rs) / max(1, sum(r["target_forwards"] for r in rs)),
+                # our methods only: accepted / drafted tokens, and the share of the wall time spent drafting
+                "acceptance": (sum(r["accepted"] for r in rs) / max(1, sum(r["drafted"] for r in rs))
+                               if all("drafted" in r for r in rs) else None),
+                "draft_share": (sum(r["draft_s"] for r in rs) / sum(r["wall_s"] for r in rs)
+                                if all("draft_s" in r for r in rs) else None),
                 "identical": sum(bool(r["identical"]) for r in rs) / len(rs),
                 "n": len(rs),
             }
@@ -215,12 +222,17 @@ def markdown(summary, methods, baseline: str = "hf-greedy") -> str:
         n = next(iter(summary[c].values()))["n"]
         lines += ["", f"**{c}** ({n} prompts)", "",
                   "| method | tokens/s | speedup (SpecBench) | speedup (total tokens / total time) | mean accepted "
-                  "| identical |", "|---|---|---|---|---|---|"]
+                  "| acceptance rate | drafting time | identical |", "|---|---|---|---|---|---|---|---|"]
+
+        def pct(x):
+            return "-" if x is None else f"{100 * x:.1f}%"
+
         for m in methods:
             if m in summary[c]:
                 s = summary[c][m]
                 lines.append(f"| {m} | {s['tokens_per_s']:.1f} | {s['speedup']:.2f}x | {s['speedup_total']:.2f}x | "
-                             f"{s['mean_accepted']:.2f} | {100 * s['identical']:.0f}% |")
+                             f"{s['mean_accepted']:.2f} | {pct(s['acceptance'])} | {pct(s['draft_share'])} | "
+                             f"{100 * s['identical']:.0f}% |")
     return "\n".join(lines)
 
 
@@ -337,6 +349,33 @@ def run_fafo_steps(args) -> int:
     return 0
 
 
+def device_name(model) -> str:
+    """'cuda: NVIDIA H100 ...' or 'cpu: AMD EPYC ... (2 threads)': what the numbers were measured on."""
+    import torch
+
+    if model.device.type == "cuda":
+        return f"cuda: {torch.cuda.get_device_name(model.device)}"
+    name = "cpu"
+    try:
+        with open("/proc/cpuinfo") as f:
+            name = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    return f"cpu: {name} ({torch.get_num_threads()} threads)"
+
+
+def run_header(args, model, n_prompts: int, sampling) -> str:
+    """One line naming everything a reader needs to compare two runs."""
+    import torch
+    import transformers
+
+    mode = ("greedy" if sampling.greedy else
+            f"sampled (T {sampling.temperature}, top-k {sampling.top_k}, top-p {sampling.top_p}, seed = question id)")
+    return (f"model {args.model} | {device_name(model)} | dtype {str(model.dtype).removeprefix('torch.')} | "
+            f"torch {torch.__version__} | transformers {transformers.__version__} | {mode}, batch 1 | "
+            f"max new tokens {args.max_new_tokens} | {n_prompts} prompts ({args.split} split)")
+
+
 def run(args) -> int:
     from tqdm import tqdm
 
@@ -395,6 +434,7 @@ def run(args) -> int:
             }
             if gen is not None:  # our own methods also report their drafting time and their own stats
                 row["draft_ms_per_step"] = 1000 * gen.draft_s / max(gen.steps, 1)
+                row.update(accepted=sum(gen.accepted), drafted=sum(gen.drafted), draft_s=gen.draft_s)
                 row.update({k: v for k, v in gen.extra.items() if isinstance(v, (int, float, str, list))})
             rows.append(row)
             bar.update(1)
@@ -407,10 +447,7 @@ def run(args) -> int:
 
     summary = summarize(rows, methods, baseline)
     table = markdown(summary, methods, baseline)
-    header = (f"model {args.model} | device {model.device} | dtype {str(model.dtype).removeprefix('torch.')} | "
-              f"max new tokens {args.max_new_tokens} | {len(prompts)} prompts ({args.split} split) | torch threads "
-              f"{__import__('torch').get_num_threads()}" + ("" if sampling.greedy else
-              f" | sampled: T {sampling.temperature}, top-k {sampling.top_k}, top-p {sampling.top_p}, seed = question id"))
+    header = run_header(args, model, len(prompts), sampling)
     print(header + "\n\n" + table)
 
     if args.out:
