@@ -174,6 +174,28 @@ def load_prompts(path: str, limit: int | None, split: str = "all"):
 # ----------------------------------------------------------------------------------------------------------
 
 
+POSITIONS = 8  # per-position acceptance is reported for draft positions 1..8
+
+
+def per_position(accepted, depths) -> list[list[int]]:
+    """[[steps whose draft reached position j, steps that accepted position j] for j = 1..POSITIONS]: a step
+    accepts position j when at least j of its draft tokens were accepted (vLLM's per-position acceptance).
+
+    >>> per_position([2, 0, 1], [3, 1, 1])[:3]
+    [[3, 2], [1, 1], [1, 0]]
+    """
+    return [[sum(d >= j for d in depths), sum(a >= j for a in accepted)] for j in range(1, POSITIONS + 1)]
+
+
+def position_rates(rows) -> list[float | None]:
+    """Per-position acceptance over rows: accepted / reached at positions 1..POSITIONS (None: never reached)."""
+    out = []
+    for j in range(POSITIONS):
+        reached = sum(r["per_position"][j][0] for r in rows)
+        out.append(sum(r["per_position"][j][1] for r in rows) / reached if reached else None)
+    return out
+
+
 def summarize(rows, methods, baseline: str = "hf-greedy"):
     """{category or 'overall': {method: {tokens_per_s, speedup, mean_accepted, identical}}}"""
     groups = defaultdict(lambda: defaultdict(list))
@@ -202,6 +224,7 @@ def summarize(rows, methods, baseline: str = "hf-greedy"):
                                if all("drafted" in r for r in rs) else None),
                 "draft_share": (sum(r["draft_s"] for r in rs) / sum(r["wall_s"] for r in rs)
                                 if all("draft_s" in r for r in rs) else None),
+                "per_position": position_rates(rs) if all("per_position" in r for r in rs) else None,
                 "identical": sum(bool(r["identical"]) for r in rs) / len(rs),
                 "n": len(rs),
             }
@@ -218,6 +241,14 @@ def markdown(summary, methods, baseline: str = "hf-greedy") -> str:
     for m in methods:
         cells = [f"{summary[c][m]['speedup']:.2f}x" if m in summary[c] else "-" for c in cats]
         lines.append(f"| {m} | " + " | ".join(cells) + " |")
+    shown = [m for m in methods if summary["overall"].get(m, {}).get("per_position")]
+    if shown:
+        lines += ["", "Per-position acceptance, all prompts: of the steps whose draft reached position j, the share "
+                  "that accepted it:", "", "| method | " + " | ".join(f"j = {j}" for j in range(1, POSITIONS + 1)) + " |",
+                  "|---" * (POSITIONS + 1) + "|"]
+        for m in shown:
+            rates = summary["overall"][m]["per_position"]
+            lines.append(f"| {m} | " + " | ".join("-" if x is None else f"{100 * x:.0f}%" for x in rates) + " |")
     for c in cats:
         n = next(iter(summary[c].values()))["n"]
         lines += ["", f"**{c}** ({n} prompts)", "",
@@ -434,7 +465,8 @@ def run(args) -> int:
             }
             if gen is not None:  # our own methods also report their drafting time and their own stats
                 row["draft_ms_per_step"] = 1000 * gen.draft_s / max(gen.steps, 1)
-                row.update(accepted=sum(gen.accepted), drafted=sum(gen.drafted), draft_s=gen.draft_s)
+                row.update(accepted=sum(gen.accepted), drafted=sum(gen.drafted), draft_s=gen.draft_s,
+                           per_position=per_position(gen.accepted, gen.depths))
                 row.update({k: v for k, v in gen.extra.items() if isinstance(v, (int, float, str, list))})
             rows.append(row)
             bar.update(1)

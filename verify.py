@@ -560,6 +560,7 @@ class Generation:
         self.draft_s = 0.0
         self.accepted: list[int] = []  # accepted draft tokens per verification step
         self.drafted: list[int] = []  # draft tokens offered (tree size - 1) per verification step
+        self.depths: list[int] = []  # the draft's depth (longest branch) per verification step
         self.done = False
         self.extra: dict = {}  # method-specific stats (shown in --json)
         self.on_emit = on_emit  # callback(tokens, from_draft_flags) for streaming
@@ -595,6 +596,7 @@ class Generation:
         accepted = [tree.tokens[i] for i in path[1:]]
         self.accepted.append(len(accepted))
         self.drafted.append(len(tree) - 1)
+        self.depths.append(max(tree.depths))
         if self.on_step:
             self.on_step(self, tree, path, bonus)
         return self.emit(accepted, bonus)

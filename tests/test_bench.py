@@ -22,3 +22,15 @@ def test_summary_gives_both_speedups_acceptance_and_drafting_share():
     assert bench.summarize(rows, ["hf-greedy"])["overall"]["hf-greedy"]["acceptance"] is None
     table = bench.markdown(bench.summarize(rows, ["hf-greedy", "ngram"]), ["hf-greedy", "ngram"])
     assert "| ngram | 35.0 | 1.17x | 1.71x | 1.33 | 41.7% | 10.0% | 100% |" in table
+
+
+def test_per_position_acceptance_counts_steps_that_reached_and_accepted_each_position():
+    # three steps: drafts of depth 3, 1 and 2; accepted 2, 0 and 2 tokens
+    counts = bench.per_position([2, 0, 2], [3, 1, 2])
+    assert counts[:4] == [[3, 2], [2, 2], [1, 0], [0, 0]]
+    rates = bench.position_rates([{"per_position": counts}, {"per_position": bench.per_position([1], [1])}])
+    assert rates[:4] == [3 / 4, 1.0, 0.0, None]
+    rows = [row("hf-greedy", 1, 10, 1.0, 10),
+            row("ngram", 1, 10, 1.0, 5, accepted=4, drafted=6, draft_s=0.0, per_position=counts)]
+    table = bench.markdown(bench.summarize(rows, ["hf-greedy", "ngram"]), ["hf-greedy", "ngram"])
+    assert "| ngram | 67% | 100% | 0% | - |" in table

@@ -7,13 +7,14 @@ import re
 
 import pytest
 
+import bench
 import cacheback
 import card
 import fafo
 import ngram_predictor
 import verify
 
-MODULES = [verify, ngram_predictor, cacheback, card, fafo]
+MODULES = [verify, ngram_predictor, cacheback, card, fafo, bench]
 
 
 @pytest.mark.parametrize("module", MODULES, ids=lambda m: m.__name__)
