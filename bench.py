@@ -106,6 +106,8 @@ def make_runner(spec: str, model, tok, args, sampled: bool = False):
     if name == "hf-greedy":
         return lambda ids, n, eos, s: (verify.hf_generate(model, ids, n, eos), None)
     if name == "hf-sample":  # transformers' own sampler: the speed baseline of sampled runs
+        if not sampled:
+            raise verify.UserError("--methods hf-sample: needs --temperature > 0")
         return lambda ids, n, eos, s: (verify.hf_sample(model, ids, n, eos, s), None)
     if sampled and name in ("hf-pld", "hf-assisted"):
         raise verify.UserError(f"--methods {name}: compared greedy only here (drop it, or use --temperature 0)")
@@ -198,6 +200,7 @@ def position_rates(rows) -> list[float | None]:
 
 def summarize(rows, methods, baseline: str = "hf-greedy"):
     """{category or 'overall': {method: {tokens_per_s, speedup, mean_accepted, identical}}}"""
+    # every row counts twice: in its category and in "overall"
     groups = defaultdict(lambda: defaultdict(list))
     for r in rows:
         for g in (r["category"], "overall"):
@@ -241,6 +244,7 @@ def markdown(summary, methods, baseline: str = "hf-greedy") -> str:
     for m in methods:
         cells = [f"{summary[c][m]['speedup']:.2f}x" if m in summary[c] else "-" for c in cats]
         lines.append(f"| {m} | " + " | ".join(cells) + " |")
+    # per-position acceptance exists only for our own methods (HF's report no drafts)
     shown = [m for m in methods if summary["overall"].get(m, {}).get("per_position")]
     if shown:
         lines += ["", "Per-position acceptance, all prompts: of the steps whose draft reached position j, the share "
@@ -277,7 +281,7 @@ def bar_chart(summary, methods, path: str, title: str, baseline: str = "hf-greed
     import numpy as np
 
     cats = [c for c in summary if c != "overall"] + ["overall"]
-    shown = [m for m in methods if m != baseline]
+    shown = [m for m in methods if m != baseline]  # the baseline is the dashed line at 1.0, not a bar
     x = np.arange(len(cats))
     width = 0.8 / max(1, len(shown))
     fig, ax = plt.subplots(figsize=(max(6, 1.3 * len(cats)), 4))
@@ -416,7 +420,7 @@ def run(args) -> int:
     # greedy: hf-greedy is the speed baseline and the tokens to match; sampled: hf-sample is the speed
     # baseline and the plain sampler (vanilla, same seed) gives the tokens to match
     baseline, reference_method = ("hf-greedy", "hf-greedy") if sampling.greedy else ("hf-sample", "vanilla")
-    for m in (reference_method, baseline):
+    for m in (reference_method, baseline):  # always run, whatever --methods says
         if m not in methods:
             methods.insert(0, m)
     if args.max_new_tokens <= 0:
@@ -474,7 +478,7 @@ def run(args) -> int:
 
     # speedup per row: tokens/s over the baseline's on the same prompt
     base = {r["question_id"]: r["tokens_per_s"] for r in rows if r["method"] == baseline}
-    for r in rows:
+    for r in rows:  # per prompt; the tables average tokens/s first (SpecBench), see summarize
         r["speedup"] = r["tokens_per_s"] / base[r["question_id"]]
 
     summary = summarize(rows, methods, baseline)

@@ -376,17 +376,20 @@ def tree_forward(model, cache, tree: Tree) -> torch.Tensor:
 #   -> path = [0, 1, 2, 3] (root + 3 accepted drafts), bonus = " jumped"  => 4 tokens from one forward
 
 
-def accept_greedy(tree: Tree, logits: torch.Tensor, choice: Sequence[int] | None = None) -> tuple[list[int], int]:
+def accept_greedy(tree: Tree, logits: torch.Tensor, choose: Callable[[int], int] | None = None) -> tuple[list[int], int]:
     """Returns (path, bonus): path = node indices from the root (included) down the longest accepted
-    branch; bonus = the model's argmax after the last node of the path. `choice` replaces the argmax by
-    the model's token after each node chosen some other way (sampled: see `accept` below)."""
-    if choice is None:
+    branch; bonus = the model's argmax after the last node of the path. `choose(i)` replaces the argmax by
+    the model's token after node i chosen some other way (sampled: see `accept` below); it is called only
+    for the nodes the walk reaches."""
+    if choose is None:
         choice = logits.argmax(dim=-1).tolist()  # [N] the model's greedy token after each node
+        choose = choice.__getitem__
     node, path = 0, [0]
     while True:
-        child = tree.children[node].get(choice[node])
+        token = choose(node)
+        child = tree.children[node].get(token)
         if child is None:
-            return path, choice[node]
+            return path, token
         path.append(child)
         node = child
 
@@ -447,7 +450,9 @@ class Sampling:
             raise UserError(f"--top-p must be in (0, 1] (got {self.top_p})")
 
     def noise(self, position: int, vocab: int) -> torch.Tensor:
-        """G[p]: vocab i.i.d. standard Gumbel values from a generator keyed by (seed, position) alone."""
+        """G[p]: vocab i.i.d. standard Gumbel values from a generator keyed by (seed, position) alone.
+        note: the key seed * 1_000_003 + position is distinct for every (seed, position) with positions below
+        1,000,003, i.e. for any context a model here can hold."""
         g = torch.Generator().manual_seed((self.seed * 1_000_003 + position) % (2**63))
         u = torch.rand(vocab, generator=g, dtype=torch.float64).clamp_(1e-300, 1.0 - 1e-16)
         return -torch.log(-torch.log(u))  # [V], float64 on the CPU: the same numbers on every device
@@ -482,8 +487,12 @@ def accept(tree: Tree, logits: torch.Tensor, prefix_len: int, sampling: Sampling
     depth(i) + 1 (the root, at position prefix_len, is the last emitted token)."""
     if sampling.greedy:
         return accept_greedy(tree, logits)
-    choice = sampling.choose(logits, [prefix_len + d + 1 for d in tree.depths])
-    return accept_greedy(tree, logits, choice)
+    # note: sampled lazily, node by node along the walk: a rejected branch's rows never pay for the filtering
+    # and the noise (a [V] draw per row), which matters for big trees
+    def sampled(i: int) -> int:  # the token at node i's next position: row i predicts P + depth(i) + 1
+        return sampling.choose(logits[i : i + 1], [prefix_len + tree.depths[i] + 1])[0]
+
+    return accept_greedy(tree, logits, sampled)
 
 
 def first_token(logits: torch.Tensor, prompt_len: int, sampling: Sampling = GREEDY) -> int:
@@ -1228,13 +1237,15 @@ def common_parser(description: str) -> argparse.ArgumentParser:
     p.add_argument("--attn-implementation", default="auto", choices=["auto", "sdpa", "eager"],
                    help="auto = sdpa where the model has it, else eager (both honour tree masks)")
     p.add_argument("--no-chat", action="store_true", help="feed the raw prompt text, no chat template")
-    p.add_argument("--compare", action="store_true", help="also run HF greedy here: speedup, token-identical?")
+    p.add_argument("--compare", action="store_true",
+                   help="also run the HF baseline here (greedy or sampled): speedup, identical?")
     p.add_argument("--json", action="store_true", help="print exactly one JSON object on stdout, nothing else")
     p.add_argument("--trace", action="store_true", help="print each step: draft, accepted path, bonus token")
     p.add_argument("--seed", type=int, default=0, help="seed of the sampling noise and of torch/numpy/random (default: 0)")
     p.add_argument("--temperature", type=float, default=0.0, help="T: 0 = greedy (default); > 0 samples, still lossless")
     p.add_argument("--top-k", type=int, default=0, help="sample from the k most likely tokens only (default: 0 = all)")
-    p.add_argument("--top-p", type=float, default=1.0, help="then from the smallest set of probability >= top-p (default: 1)")
+    p.add_argument("--top-p", type=float, default=1.0,
+                   help="then from the smallest set of probability >= top-p (default: 1)")
     return p
 
 
@@ -1437,7 +1448,8 @@ def _run(args, method, generate, config, prepare, report) -> int:
             f"{'yes' if result['identical'] else 'NO'}"
         )
         if not sampling.greedy:
-            print(f"[sampling] T={sampling.temperature} top-k={sampling.top_k} top-p={sampling.top_p} seed={sampling.seed}")
+            s = sampling
+            print(f"[sampling] T={s.temperature} top-k={s.top_k} top-p={s.top_p} seed={s.seed}")
         elif not result["identical"]:
             i, margin = result["first_difference"], result["top2_margin"]
             print(f"  first difference at new token {i}: ours {token_str(tok, result['ours_token'])}, HF's "

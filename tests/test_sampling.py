@@ -99,7 +99,7 @@ class NoTopP(verify.Sampling):
     """Broken on purpose: top-p is ignored (the tail is sampled too)."""
 
     def filtered(self, logits):
-        return dataclasses.replace(verify.Sampling(self.temperature, self.top_k, 1.0, self.seed)).filtered(logits)
+        return verify.Sampling(self.temperature, self.top_k, 1.0, self.seed).filtered(logits)
 
 
 def test_plain_sampler_matches_the_exact_distribution_and_the_test_catches_broken_ones():
