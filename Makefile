@@ -11,7 +11,7 @@ COMPAT_VENV ?= .venv-compat
 COMPAT_TRANSFORMERS ?= transformers==4.57.6
 COMPAT_STAMP := $(COMPAT_VENV)/.installed
 
-.PHONY: install demo test compat bench clean
+.PHONY: install demo test compat bench figures clean
 
 $(STAMP): requirements.txt
 	$(PYTHON) -m venv $(VENV)
@@ -41,6 +41,11 @@ compat: $(COMPAT_STAMP)
 
 bench: $(STAMP)
 	$(BIN)/python bench.py --methods vanilla,hf-greedy,hf-pld,ngram
+
+# Every figure of TUTORIAL.md, redrawn from the code into docs/figures/ (about a minute: one model load and
+# one cost-curve measurement; the benchmark figures read committed rows in bench/results/).
+figures: $(STAMP)
+	$(BIN)/python docs/make_figures.py
 
 clean:
 	rm -rf $(VENV) $(COMPAT_VENV) .pytest_cache

@@ -26,9 +26,13 @@ Methods: vanilla, hf-greedy, hf-pld (transformers' prompt lookup decoding), and 
 (each method file's variants, plus hf-assisted). A method may fix fields of its config for a tuning sweep:
 `--methods cacheback@ll=1@tdl=32,ngram@draft_count=6 --split tune`.
 
-    python bench.py --fafo-steps 1024,4096,16384 --out bench/results/fafo-steps.jsonl
+    python bench.py --fafo-steps 1024,2048,4096,7168 --out bench/results/fafo-steps.jsonl
 
-times one FAFO step instead (dense mask vs the FlexAttention compacted-block path, FAFO §4.4): a GPU question.
+times one FAFO step and one Lookahead step instead, on each attention back-end (dense mask, split SDPA,
+FlexAttention compacted blocks; FAFO §4.4), after each context length. The long-context prompt set
+(`--prompts bench/long_prompts.jsonl`, categories 1k/2k/4k/7k) measures the same at the level of tokens/s.
+
+`--repeats N` runs the whole interleaved pass N times and reports mean ± std between passes.
 """
 
 from __future__ import annotations
@@ -199,7 +203,40 @@ def position_rates(rows) -> list[float | None]:
 
 
 def summarize(rows, methods, baseline: str = "hf-greedy"):
-    """{category or 'overall': {method: {tokens_per_s, speedup, mean_accepted, identical}}}"""
+    """{category or 'overall': {method: {tokens_per_s, speedup, speedup_total, ..., identical}}}.
+
+    Rows from several passes (--repeats; each row's "repeat") are summarized pass by pass; the three timed
+    figures are then the mean over the passes, with their standard deviation between passes in
+    tokens_per_s_std, speedup_std and speedup_total_std (0 for a single pass). The counted figures (mean
+    accepted, acceptance, identical) are over all rows.
+
+    >>> rows = [dict(method=m, category="c", question_id=1, repeat=r, tokens_per_s=t, new_tokens=10,
+    ...              wall_s=10 / t, target_forwards=5, identical=True)
+    ...         for r, (b, t) in enumerate([(10, 12), (10, 14)]) for m, t in (("hf-greedy", b), ("x", t))]
+    >>> s = summarize(rows, ["hf-greedy", "x"])["overall"]["x"]
+    >>> round(s["speedup"], 2), round(s["speedup_std"], 2), s["mean_accepted"]
+    (1.3, 0.14, 2.0)
+    """
+    passes = sorted({r.get("repeat", 0) for r in rows})
+    if len(passes) > 1:
+        per = [_summarize_pass([r for r in rows if r.get("repeat", 0) == p], methods, baseline) for p in passes]
+        out = _summarize_pass(rows, methods, baseline)  # the counted figures, over all rows
+        for g, by_method in out.items():
+            for m, s in by_method.items():
+                for key in ("tokens_per_s", "speedup", "speedup_total"):
+                    vals = [x[g][m][key] for x in per if m in x.get(g, {})]
+                    s[key] = sum(vals) / len(vals)
+                    s[key + "_std"] = (sum((v - s[key]) ** 2 for v in vals) / max(1, len(vals) - 1)) ** 0.5
+                s["passes"] = len(per)
+        return out
+    out = _summarize_pass(rows, methods, baseline)
+    for by_method in out.values():
+        for s in by_method.values():
+            s.update(tokens_per_s_std=0.0, speedup_std=0.0, speedup_total_std=0.0, passes=1)
+    return out
+
+
+def _summarize_pass(rows, methods, baseline: str):
     # every row counts twice: in its category and in "overall"
     groups = defaultdict(lambda: defaultdict(list))
     for r in rows:
@@ -234,15 +271,22 @@ def summarize(rows, methods, baseline: str = "hf-greedy"):
     return out
 
 
+def _pm(s: dict, key: str, unit: str, digits: int = 2) -> str:
+    """'1.23x' for one pass, '1.23x ± 0.04' (std between passes) for several."""
+    text = f"{s[key]:.{digits}f}{unit}"
+    return text + f" ± {s[key + '_std']:.{digits}f}" if s.get("passes", 1) > 1 else text
+
+
 def markdown(summary, methods, baseline: str = "hf-greedy") -> str:
     """A compact speedup table (methods x categories), then one detailed table per category."""
     cats = [c for c in summary if c != "overall"] + ["overall"]
+    passes = next(iter(summary["overall"].values())).get("passes", 1)
     lines = [f"Speedup vs {baseline}, SpecBench's definition (mean of per-prompt tokens/s, over {baseline}'s), "
-             "per category:", ""]
+             "per category" + (f"; mean ± std over {passes} passes:" if passes > 1 else ":"), ""]
     lines.append("| method | " + " | ".join(cats) + " |")
     lines.append("|---" * (len(cats) + 1) + "|")
     for m in methods:
-        cells = [f"{summary[c][m]['speedup']:.2f}x" if m in summary[c] else "-" for c in cats]
+        cells = [_pm(summary[c][m], "speedup", "x") if m in summary[c] else "-" for c in cats]
         lines.append(f"| {m} | " + " | ".join(cells) + " |")
     # per-position acceptance exists only for our own methods (HF's report no drafts)
     shown = [m for m in methods if summary["overall"].get(m, {}).get("per_position")]
@@ -265,7 +309,7 @@ def markdown(summary, methods, baseline: str = "hf-greedy") -> str:
         for m in methods:
             if m in summary[c]:
                 s = summary[c][m]
-                lines.append(f"| {m} | {s['tokens_per_s']:.1f} | {s['speedup']:.2f}x | {s['speedup_total']:.2f}x | "
+                lines.append(f"| {m} | {_pm(s, 'tokens_per_s', '', 1)} | {_pm(s, 'speedup', 'x')} | {_pm(s, 'speedup_total', 'x')} | "
                              f"{s['mean_accepted']:.2f} | {pct(s['acceptance'])} | {pct(s['draft_share'])} | "
                              f"{100 * s['identical']:.0f}% |")
     return "\n".join(lines)
@@ -323,15 +367,18 @@ def main(argv=None) -> int:
                         "'identical' means equal to the plain sampler (vanilla) with the same seed (default: 0)")
     p.add_argument("--top-k", type=int, default=0, help="sampling: top-k (default: 0 = off)")
     p.add_argument("--top-p", type=float, default=1.0, help="sampling: top-p (default: 1 = off)")
+    p.add_argument("--repeats", type=int, default=1,
+                   help="run the whole interleaved pass N times; tables give mean ± std over the passes (default: 1)")
     p.add_argument("--pld-tokens", type=int, default=10, help="hf-pld: prompt_lookup_num_tokens (default: 10)")
     p.add_argument("--fafo-steps", metavar="CONTEXTS",
-                   help="instead of the prompt set: time one FAFO step, dense mask vs flex compacted blocks, after "
-                        "each of these cached-context lengths, e.g. 1024,4096,16384 (fafo.step_times)")
+                   help="instead of the prompt set: time one FAFO step and one Lookahead step on each attention "
+                        "back-end after each of these cached-context lengths, e.g. 1024,4096,7168 (fafo.step_times)")
     p.add_argument("--cost-curve", metavar="SIZES",
                    help="instead of a benchmark: time one verification forward over each of these numbers of new "
                         "tokens after 300 cached ones (TUTORIAL.md §1.1), e.g. 1,2,4,8,16,32,64,96")
-    p.add_argument("--fafo-attn", default="flex-compiled", choices=["flex", "flex-compiled"],
-                   help="--fafo-steps: eager or compiled flex (default: flex-compiled)")
+    p.add_argument("--fafo-backends", default="dense,split,flex-compiled",
+                   help="--fafo-steps: the attention back-ends to time, a comma list of dense, split, flex, "
+                        "flex-compiled (default: dense,split,flex-compiled)")
     args = p.parse_args(argv)
     try:
         if args.fafo_steps:
@@ -365,22 +412,43 @@ def run_cost_curve(args) -> int:
 
 
 def run_fafo_steps(args) -> int:
-    """FAFO §4.4: the step-time ratio of the flex compacted-block path to the dense-mask path."""
+    """FAFO §4.4 and TUTORIAL §5.7: one step's time on each attention back-end, FAFO (StreamingLLM guesses)
+    against Lookahead (full-KV guesses), after each context length."""
     try:
         contexts = [int(x) for x in args.fafo_steps.split(",")]
-    except ValueError:
-        raise verify.UserError(f"--fafo-steps: a comma list of integers (got {args.fafo_steps!r})") from None
+        assert contexts and min(contexts) >= 16
+    except (ValueError, AssertionError):
+        raise verify.UserError(f"--fafo-steps: a comma list of context lengths >= 16 (got {args.fafo_steps!r})") from None
+    backends = [b for b in args.fafo_backends.split(",") if b]
+    if not backends or any(b not in ("dense", "split", "flex", "flex-compiled") for b in backends):
+        raise verify.UserError(f"--fafo-backends: a comma list of dense, split, flex, flex-compiled (got {args.fafo_backends!r})")
     import fafo
+    from tqdm import tqdm
 
     model, _ = verify.load_model(args.model, args.device, args.dtype)
-    lines = ["| context | rows | dense ms/step | flex ms/step | flex / dense |", "|---|---|---|---|---|"]
+    if max(contexts) + 64 > verify.context_length(model):
+        raise verify.UserError(f"--fafo-steps: {max(contexts)} exceeds the model's context of {verify.context_length(model)}")
+    cols = [b for b in ("dense", "split", "flex") if any(x.startswith(b) for x in backends)]
+    head = "| context | rows | " + " | ".join(f"FAFO {b} ms" for b in cols) + " | " + " | ".join(
+        f"Lookahead {b} ms" for b in cols if b != "flex") + " | Lookahead / FAFO (best of each) |"
+    lines = [head, "|---" * (head.count("|") - 1) + "|"]
+    rows = []
+    for c in tqdm(contexts, desc="fafo steps", unit="context", file=sys.stderr):
+        r = fafo.step_times(model, c, backends=backends)
+        r.update(device=device_name(model), dtype=str(model.dtype))
+        rows.append(r)
+        fafo_best = min(r[f"{b}_ms"] for b in cols)
+        look_best = min(r[f"lookahead_{b}_ms"] for b in cols if b != "flex")
+        lines.append(f"| {c} | {r['rows']} | " + " | ".join(f"{r[b + '_ms']:.1f}" for b in cols) + " | "
+                     + " | ".join(f"{r['lookahead_' + b + '_ms']:.1f}" for b in cols if b != "flex")
+                     + f" | {look_best / fafo_best:.2f} |")
     with open(args.out, "w") as f:
-        for c in contexts:
-            r = fafo.step_times(model, c, attn=args.fafo_attn)
-            f.write(json.dumps({**r, "device": str(model.device), "dtype": str(model.dtype)}) + "\n")
-            lines.append(f"| {c} | {r['rows']} | {r['dense_ms']:.1f} | {r['flex_ms']:.1f} | {r['flex_over_dense']:.2f} |")
-            print(lines[-1], flush=True)
-    print(f"\n{model.device}, {model.dtype}, {args.fafo_attn}\n" + "\n".join(lines))
+        for r in rows:
+            f.write(json.dumps(r) + "\n")
+    text = f"{device_name(model)}, {model.dtype}, median of 10 steps\n\n" + "\n".join(lines)
+    print(text)
+    with open(os.path.splitext(args.out)[0] + ".md", "w", encoding="utf-8") as f:
+        f.write(f"`python bench.py {' '.join(sys.argv[1:])}`\n\n{text}\n")
     return 0
 
 
@@ -408,7 +476,8 @@ def run_header(args, model, n_prompts: int, sampling) -> str:
             f"sampled (T {sampling.temperature}, top-k {sampling.top_k}, top-p {sampling.top_p}, seed = question id)")
     return (f"model {args.model} | {device_name(model)} | dtype {str(model.dtype).removeprefix('torch.')} | "
             f"torch {torch.__version__} | transformers {transformers.__version__} | {mode}, batch 1 | "
-            f"max new tokens {args.max_new_tokens} | {n_prompts} prompts ({args.split} split)")
+            f"max new tokens {args.max_new_tokens} | {n_prompts} prompts ({args.split} split)"
+            + (f" | {args.repeats} passes" if getattr(args, "repeats", 1) > 1 else ""))
 
 
 def run(args) -> int:
@@ -425,6 +494,8 @@ def run(args) -> int:
             methods.insert(0, m)
     if args.max_new_tokens <= 0:
         raise verify.UserError("--max-new-tokens must be positive")
+    if args.repeats < 1:
+        raise verify.UserError("--repeats must be at least 1")
     if args.limit is not None and args.limit <= 0:
         raise verify.UserError("--limit must be positive")
     prompts = load_prompts(args.prompts, args.limit, args.split)
@@ -446,13 +517,17 @@ def run(args) -> int:
         runners[m](encoded[0], min(16, args.max_new_tokens), eos, sampling)
 
     rows = []
-    bar = tqdm(total=len(prompts) * len(methods), desc="bench", unit="run", file=sys.stderr)
-    for q, ids in zip(prompts, encoded):
+    # one bar for the whole run, redrawn in place (at most a few times a second): never a line per prompt
+    bar = tqdm(total=args.repeats * len(prompts) * len(methods), desc="bench", unit="run", file=sys.stderr,
+               mininterval=0.5, dynamic_ncols=True)
+    # --repeats N: the whole interleaved pass N times (SpecBench's leaderboard averages 3 runs); the tables
+    # give the mean over passes and the standard deviation between them
+    for rep, (q, ids) in ((r, x) for r in range(args.repeats) for x in zip(prompts, encoded)):
         reference = None
         s = dataclasses.replace(sampling, seed=int(q["question_id"]))  # one seed per prompt
         # the reference runs first on every prompt: the tokens "identical" compares with
         for m in [reference_method] + [x for x in methods if x != reference_method]:
-            bar.set_postfix_str(f"{q['category']}#{q['question_id']} {m}")
+            bar.set_postfix_str(f"{q['category']}#{q['question_id']} {m}" + (f" pass {rep + 1}" if args.repeats > 1 else ""))
             forwards[0] = 0
             verify.sync(model)
             t0 = time.perf_counter()
@@ -462,7 +537,7 @@ def run(args) -> int:
             if m == reference_method:
                 reference = tokens
             row = {
-                "method": m, "question_id": q["question_id"], "category": q["category"],
+                "method": m, "question_id": q["question_id"], "category": q["category"], "repeat": rep,
                 "prompt_tokens": len(ids), "new_tokens": len(tokens), "target_forwards": forwards[0],
                 "mean_accepted": len(tokens) / max(1, forwards[0]), "tokens_per_s": len(tokens) / wall,
                 "wall_s": wall, "identical": tokens == reference,
@@ -477,9 +552,9 @@ def run(args) -> int:
     bar.close()
 
     # speedup per row: tokens/s over the baseline's on the same prompt
-    base = {r["question_id"]: r["tokens_per_s"] for r in rows if r["method"] == baseline}
-    for r in rows:  # per prompt; the tables average tokens/s first (SpecBench), see summarize
-        r["speedup"] = r["tokens_per_s"] / base[r["question_id"]]
+    base = {(r["repeat"], r["question_id"]): r["tokens_per_s"] for r in rows if r["method"] == baseline}
+    for r in rows:  # per prompt and pass; the tables average tokens/s first (SpecBench), see summarize
+        r["speedup"] = r["tokens_per_s"] / base[r["repeat"], r["question_id"]]
 
     summary = summarize(rows, methods, baseline)
     table = markdown(summary, methods, baseline)

@@ -85,7 +85,7 @@ class FafoConfig:
     recent: int = 252  # StreamingLLM: most recent tokens kept (sink + recent = 256: one flex block pair)
     page_size: int = 16  # Quest: positions per page
     top_pages: int = 16  # Quest: pages selected per step
-    attn: str = "dense"  # "dense" mask (the spec), "flex" or "flex-compiled" (verify.py's compacted blocks)
+    attn: str = "dense"  # "dense" mask (the spec), "split" (two SDPA calls), "flex"/"flex-compiled" (compacted blocks)
     pool_cap: int | None = None  # k-grams kept per pool key, LRU (Appendix F; None: n)
     prompt_pool: bool = False  # also seed the pool with the prompt's k-grams (not in the paper)
     block_size: int = 128  # flex: KV block size, B_z in Algorithm 1
@@ -100,8 +100,9 @@ class FafoConfig:
     @classmethod
     def cpu(cls) -> "FafoConfig":
         """Every row costs time on a CPU, so a small step (22 rows); measured on the tuning half of the
-        shipped prompts (TUTORIAL.md §5.6)."""
-        return cls(n_guess=4, k=3, m=3, recent=60, top_pages=4)
+        shipped prompts (TUTORIAL.md §5.6). The split back-end: as fast as dense on short prompts, faster
+        from a 4k context on (the tuning half of bench/long_prompts.jsonl, TUTORIAL.md §5.7)."""
+        return cls(n_guess=4, k=3, m=3, recent=60, top_pages=4, attn="split")
 
     @classmethod
     def for_device(cls, device) -> "FafoConfig":
@@ -118,9 +119,9 @@ class FafoConfig:
             raise UserError(f"--pool-cap must be at least 1 (got {self.pool_cap})")
         if self.compress not in ("stream", "quest", "none"):
             raise UserError(f"--compress must be stream, quest or none (got {self.compress!r})")
-        if self.attn not in ("dense", "flex", "flex-compiled"):
-            raise UserError(f"--attn must be dense, flex or flex-compiled (got {self.attn!r})")
-        if self.attn != "dense" and self.compress == "none":
+        if self.attn not in ("dense", "split", "flex", "flex-compiled"):
+            raise UserError(f"--attn must be dense, split, flex or flex-compiled (got {self.attn!r})")
+        if self.attn.startswith("flex") and self.compress == "none":
             raise UserError("--attn flex needs a fixed compression budget (--compress stream or quest)")
         if self.block_size < 16 or self.block_size & (self.block_size - 1):
             raise UserError(f"--block-size must be a power of two >= 16 (got {self.block_size})")
@@ -556,6 +557,29 @@ class DenseKV:
         return torch.stack([layer.keys[0, :, start:end] for layer in self.cache.layers])  # [L, H_kv, n, D]
 
 
+class SplitKV(DenseKV):
+    """The dense back-end's cache and mask, but attention runs as two SDPA calls per layer (verify.py section
+    9b): the verification rows over the whole cache, the guess rows over C(kv) gathered plus their step
+    columns. Same result as DenseKV; the guess rows' attention costs O(|C(kv)|) instead of O(p)."""
+
+    @torch.no_grad()
+    def forward(self, tokens, positions, hidden: bool = False, layout: StepLayout | None = None):
+        layout = layout or self.layout
+        p = self.length
+        dev = self.model.device
+        allowed = combined_mask(layout, p, self.selected)  # [q, p + q]: the spec, as DenseKV builds it
+        guess = layout.guess_rows()
+        plan = verify.SplitPlan.from_mask(allowed, [np.nonzero(~guess)[0], np.nonzero(guess)[0]], self.model.dtype, dev)
+        # note: the model still gets the dense mask, so every model family prepares its inputs exactly as on
+        # the dense path; only the attention function (which reads `plan` instead) differs.
+        mask = verify.additive_mask(allowed, self.model.dtype, dev)  # [1, 1, q, p + q]
+        with verify.split_mode(self.model, plan):
+            out = self.model(input_ids=torch.tensor([tokens], device=dev), attention_mask=mask,
+                             position_ids=torch.tensor([positions], device=dev), past_key_values=self.cache,
+                             use_cache=True, output_hidden_states=hidden)
+        return out.logits[0], (out.hidden_states if hidden else None)
+
+
 class FlexKV:
     """verify.CompactedKVCache + FlexAttention: C(kv) is kept at the head of a fixed buffer and one static
     BlockMask lets the guess rows skip every other block."""
@@ -628,7 +652,7 @@ def generate(model, prompt_ids: Sequence[int], max_new_tokens: int, eos_ids: Seq
         pool.seed(prompt_ids)
     # subtle: the dense path takes as many candidates as the pool has (its mask is rebuilt anyway); the
     # flex path pads to exactly m (static shapes) with dummy candidates that can never be accepted.
-    static = cfg.attn != "dense"
+    static = cfg.attn.startswith("flex")
 
     # -- prefill (a plain forward) and the first token
     cache = verify.new_cache(model)
@@ -643,6 +667,8 @@ def generate(model, prompt_ids: Sequence[int], max_new_tokens: int, eos_ids: Seq
     if static:
         kv = FlexKV(model, cache, layout, compressor.budget, len(prompt_ids) + max_new_tokens + k + 1,
                     cfg.block_size, compiled=cfg.attn == "flex-compiled")
+    elif cfg.attn == "split":
+        kv = SplitKV(model, cache, layout)
     else:
         kv = DenseKV(model, cache, layout)
     final = len(prompt_ids) - 1  # the prompt's last row, at position `final`
@@ -705,11 +731,12 @@ def generate(model, prompt_ids: Sequence[int], max_new_tokens: int, eos_ids: Seq
 
 
 @torch.no_grad()
-def step_times(model, context: int, attn: str = "flex-compiled", repeats: int = 10, block_size: int = 128,
-               **params) -> dict:
-    """§4.4's claim, measured: one FAFO step after `context` cached tokens, through the dense mask and through
-    the flex compacted-block path (same rows, same StreamingLLM selection). Returns ms per step (median of
-    `repeats`, after warm-up) and flex/dense. Used by `bench.py --fafo-steps`; a GPU is where it matters."""
+def step_times(model, context: int, backends: Sequence[str] = ("dense", "split", "flex-compiled"), repeats: int = 10,
+               block_size: int = 128, **params) -> dict:
+    """§4.4's claim, measured: one FAFO step after `context` cached tokens on each back-end (same rows, same
+    StreamingLLM selection), and Lookahead's step (C = none: the guess rows see the whole cache) on the dense
+    and split back-ends. Returns ms per step (median of `repeats`, after two warm-up calls) as
+    `<backend>_ms` and `lookahead_<backend>_ms`. Used by `bench.py --fafo-steps` (TUTORIAL.md §5.7)."""
     d = replace(FafoConfig.for_device(model.device), **params)
     lay = StepLayout(d.n_guess, d.k, d.m)
     comp = StreamingLLM(d.sink, d.recent)
@@ -721,11 +748,6 @@ def step_times(model, context: int, attn: str = "flex-compiled", repeats: int = 
     windows = [[rng.randrange(vocab) for _ in range(lay.k)] for _ in range(lay.n)]
     cands = [tuple(rng.randrange(vocab) for _ in range(lay.k)) for _ in range(lay.m)]
     tokens, positions = lay.inputs(ids[-1], context, windows, cands)
-    sel = comp.select(context)
-    flex = FlexKV(model, cache, lay, comp.budget, context + 1, block_size, compiled=attn == "flex-compiled")
-    flex.select(sel)
-    dense = DenseKV(model, cache, lay)
-    dense.select(sel)
 
     def timed(step) -> float:
         ts = []
@@ -737,13 +759,24 @@ def step_times(model, context: int, attn: str = "flex-compiled", repeats: int = 
             ts.append(time.perf_counter() - t0)
         return 1000 * float(np.median(ts[2:]))  # the first two calls are warm-up (and compilation)
 
-    def dense_step():
-        dense.forward(tokens, positions)
-        verify.rollback(cache, context)
+    def on_dynamic_cache(kv):  # dense and split append to the DynamicCache: roll it back after each step
+        def step():
+            kv.forward(tokens, positions)
+            verify.rollback(cache, context)
+        return step
 
-    out = {"context": context, "rows": lay.rows, "head_slots": flex.kv.H, "block": block_size, "attn": attn,
-           "dense_ms": timed(dense_step), "flex_ms": timed(lambda: flex.forward(tokens, positions))}
-    out["flex_over_dense"] = out["flex_ms"] / out["dense_ms"]
+    out = {"context": context, "rows": lay.rows, "guess_rows": lay.n * lay.k, "selected": len(comp.select(context))}
+    for backend in backends:
+        if backend.startswith("flex"):
+            flex = FlexKV(model, cache, lay, comp.budget, context + 1, block_size, compiled=backend == "flex-compiled")
+            flex.select(comp.select(context))
+            out.update(flex_backend=backend, block=block_size, flex_ms=timed(lambda: flex.forward(tokens, positions)))
+            continue
+        kv = {"dense": DenseKV, "split": SplitKV}[backend](model, cache, lay)
+        kv.select(comp.select(context))
+        out[f"{backend}_ms"] = timed(on_dynamic_cache(kv))
+        kv.select(range(context))  # Lookahead: the guess rows see every cached position
+        out[f"lookahead_{backend}_ms"] = timed(on_dynamic_cache(kv))
     return out
 
 
@@ -772,9 +805,9 @@ def main(argv=None) -> int:
     g.add_argument("--recent", type=int, help="StreamingLLM: most recent tokens kept" + default("recent"))
     g.add_argument("--page-size", type=int, help="Quest: positions per page" + default("page_size"))
     g.add_argument("--top-pages", type=int, help="Quest: pages selected per step" + default("top_pages"))
-    g.add_argument("--attn", choices=["dense", "flex", "flex-compiled"],
-                   help="dense mask (the spec), flex = compacted blocks (eager: checks the layout), "
-                        "flex-compiled (default: dense)")
+    g.add_argument("--attn", choices=["dense", "split", "flex", "flex-compiled"],
+                   help="dense mask (the spec); split = two SDPA calls per layer, guess rows over C(kv) only; "
+                        "flex = compacted blocks (eager: checks the layout), flex-compiled" + default("attn"))
     g.add_argument("--pool-cap", type=int, help="pool: k-grams kept per key, LRU (Appendix F; default: n)")
     g.add_argument("--prompt-pool", action="store_const", const=True,
                    help="also seed the pool with the prompt's k-grams (not in the paper)")

@@ -30,6 +30,7 @@ The public names, in the order this file defines them:
     8  sync, measure_step_times, measure_cost_curve     what a forward over n tokens costs on this device
   FAFO's fast path
     9  flex_mode, CompactedLayer, CompactedKVCache      FlexAttention over a compacted KV buffer (FAFO §4.4)
+    9b SplitGroup, SplitPlan, split_mode                the same saving with two plain SDPA calls per layer
   plumbing (loading models and the command line; not needed to call a method's generate())
     10 default_gguf_path, cache_root, gguf_to_hf_dir, resolve_model, pick_device, pick_dtype,
        attn_implementations, with_attention, load_model, eos_ids_of, encode_prompt, context_length
@@ -1037,6 +1038,121 @@ class CompactedKVCache(Cache):
         # note: no full_kv_* arguments -> every visited block is "partial" -> mask_mod runs on every element.
         return _BlockMask4D.from_kv_blocks(counts, indices, BLOCK_SIZE=B, mask_mod=mask_mod,
                                            seq_lengths=(Q, self.slots))
+
+# ----------------------------------------------------------------------------------------------------------
+# 9b. The row-split path: the same mask, cut into dense blocks (FAFO's saving with plain SDPA)
+# ----------------------------------------------------------------------------------------------------------
+#
+# The flex path needs a compiler to be fast and a GPU to pay off. The saving it is after can also be had
+# with two ordinary scaled-dot-product-attention calls per layer. Group the step's rows by what they see,
+# and give each group only the key columns that some row of the group may see:
+#
+#     allowed [q rows, p cached + q step columns]        group           keys it reads
+#     row 0 and the candidates: the whole cache     ->   verification    all p + q  (no gather)
+#     the n*k guess rows: C(kv) + a few step columns ->  guess           |C(kv)| + 1 + n*k, gathered
+#
+# Every allowed (row, column) pair lies inside its group's block, so the two calls compute exactly the
+# masked attention of the dense spec (up to float rounding: a softmax over fewer, all-masked-out-anyway
+# columns). The guess rows' work drops from O(p) to O(|C(kv)|) per layer, on any device, with no compile.
+#
+# note: grouped-query attention. transformers' own SDPA function copies each KV head G times (repeat_kv)
+# whenever a mask is given; SDPA's `enable_gqa=True` (torch >= 2.5) reads the shared heads in place. At a
+# long context that copy is a large part of a masked step's cost on a CPU, so this path is faster than the
+# dense one even where it skips nothing (--compress none). Compare the methods on the same back-end.
+
+
+@dataclass
+class SplitGroup:
+    rows: torch.Tensor  # [r] query rows of the step in this group
+    cols: torch.Tensor | None  # [c] key columns they may see (None: all of them, no gather)
+    mask: torch.Tensor  # [1, 1, r, c] additive float: 0 where allowed, finfo.min elsewhere
+
+
+@dataclass
+class SplitPlan:
+    groups: list[SplitGroup]
+    n_keys: int  # cached + step columns the forward's attention sees: checks that the plan fits the call
+
+    @classmethod
+    def from_mask(cls, allowed: np.ndarray, row_groups: Sequence[Sequence[int]], dtype: torch.dtype,
+                  device: torch.device | str = "cpu") -> "SplitPlan":
+        """allowed: bool [q, n_keys], the dense spec mask; row_groups: a partition of its rows. Each group
+        reads the union of its rows' visible columns, gathered, or all columns if that union is more than
+        half of them (a gather that skips little costs more than it saves). Groups that read all columns
+        are merged into one call.
+
+        >>> allowed = np.array([[1, 1, 1, 1, 1, 1, 1, 0],   # row 0: verification, sees all 6 cached columns
+        ...                     [1, 0, 0, 0, 0, 1, 1, 1]],  # row 1: guess, sees cached 0 and 5, and the step
+        ...                    dtype=bool)
+        >>> plan = SplitPlan.from_mask(allowed, [[0], [1]], torch.float32)
+        >>> [(g.rows.tolist(), None if g.cols is None else g.cols.tolist()) for g in plan.groups]
+        [([0], None), ([1], [0, 5, 6, 7])]
+        >>> len(SplitPlan.from_mask(np.ones((2, 8), bool), [[0], [1]], torch.float32).groups)  # nothing to skip
+        1
+        """
+        q, n_keys = allowed.shape
+        assert sorted(r for g in row_groups for r in g) == list(range(q)), "row_groups must partition the rows"
+        groups, full = [], []  # full: rows of the groups that read every column
+        for rows in row_groups:
+            rows = np.asarray(rows, dtype=np.int64)
+            if len(rows) == 0:
+                continue
+            vis = allowed[rows]  # [r, n_keys]
+            cols = np.nonzero(vis.any(axis=0))[0]
+            if len(cols) > n_keys // 2:  # not worth a gather: read every column, mask as the spec does
+                full.extend(rows.tolist())
+            else:
+                groups.append(SplitGroup(torch.as_tensor(rows, device=device), torch.as_tensor(cols, device=device),
+                                         additive_mask(vis[:, cols], dtype, device)))
+        if full:
+            full.sort()
+            groups.insert(0, SplitGroup(torch.as_tensor(full, device=device), None,
+                                        additive_mask(allowed[full], dtype, device)))
+        return cls(groups, n_keys)
+
+
+def _split_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0, plan: SplitPlan = None,
+                   **kwargs):
+    """A transformers attention function: query [B, H, q, D], key/value [B, H_kv, n_keys, D] (the cache
+    after this step's update). `attention_mask` (the dense spec, as the model passed it on) is not read:
+    `plan` holds the same mask cut into row groups."""
+    import torch.nn.functional as F
+
+    assert key.shape[-2] == plan.n_keys, f"split path: the plan was made for {plan.n_keys} keys, not {key.shape[-2]}"
+    gqa = query.shape[1] != key.shape[1]
+    out = torch.empty_like(query)  # [B, H, q, D]
+    for g in plan.groups:
+        k = key if g.cols is None else key.index_select(2, g.cols)  # [B, H_kv, c, D]
+        v = value if g.cols is None else value.index_select(2, g.cols)
+        out[:, :, g.rows] = F.scaled_dot_product_attention(query.index_select(2, g.rows), k, v,
+                                                           attn_mask=g.mask.to(query.dtype), scale=scaling,
+                                                           enable_gqa=gqa)
+    return out.transpose(1, 2).contiguous(), None  # [B, q, H, D], as every transformers attention returns
+
+
+SPLIT = "specdec_split"
+
+
+class split_mode:
+    """`with split_mode(model, plan):` -- the model's attention goes through `_split_forward` with `plan`
+    inside the block (registered under one name, like flex_mode; one plan per forward)."""
+
+    def __init__(self, model, plan: SplitPlan):
+        from transformers import AttentionInterface
+
+        if not hasattr(model, "set_attn_implementation"):
+            raise UserError("the split path needs transformers >= 4.57 (model.set_attn_implementation)")
+        AttentionInterface.register(SPLIT, functools.partial(_split_forward, plan=plan))
+        self.model = model
+
+    def __enter__(self):
+        self.before = self.model.config._attn_implementation
+        self.model.set_attn_implementation(SPLIT)
+        return self
+
+    def __exit__(self, *exc):
+        self.model.set_attn_implementation(self.before)
+
 
 # ----------------------------------------------------------------------------------------------------------
 # 10. Plumbing: model loading

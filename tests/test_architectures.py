@@ -111,6 +111,7 @@ def _cases():
         "fafo-dense": lambda m, d: fafo.generate(m, PROMPT, NEW, [EOS], fafo.FafoConfig(attn="dense", **ff)),
         "fafo-quest": lambda m, d: fafo.generate(m, PROMPT, NEW, [EOS], fafo.FafoConfig(compress="quest", **ff)),
         "fafo-flex": lambda m, d: fafo.generate(m, PROMPT, NEW, [EOS], fafo.FafoConfig(attn="flex", block_size=16, **ff)),
+        "fafo-split": lambda m, d: fafo.generate(m, PROMPT, NEW, [EOS], fafo.FafoConfig(attn="split", **ff)),
     }
 
 
@@ -161,6 +162,7 @@ def test_every_method_on_the_real_default_model(real, draft_bf16, prompt):
                                                draft=draft_bf16),
         "fafo-dense": lambda: fafo.generate(model, ids, 32, eos, fafo.FafoConfig(attn="dense", **small)),
         "fafo-flex": lambda: fafo.generate(model, ids, 32, eos, fafo.FafoConfig(attn="flex", block_size=16, **small)),
+        "fafo-split": lambda: fafo.generate(model, ids, 32, eos, fafo.FafoConfig(attn="split", **small)),
     }
     for name, run in runs.items():
         gen = run()

@@ -34,3 +34,22 @@ def test_per_position_acceptance_counts_steps_that_reached_and_accepted_each_pos
             row("ngram", 1, 10, 1.0, 5, accepted=4, drafted=6, draft_s=0.0, per_position=counts)]
     table = bench.markdown(bench.summarize(rows, ["hf-greedy", "ngram"]), ["hf-greedy", "ngram"])
     assert "| ngram | 67% | 100% | 0% | - |" in table
+
+
+def test_repeats_give_the_mean_and_std_over_passes():
+    # two passes over two prompts; hf-greedy runs at 10 tokens/s throughout, ngram at 12 then 16 on prompt 1,
+    # 20 both times on prompt 2 -> SpecBench speedups per pass: (12+20)/2/10 = 1.6 and (16+20)/2/10 = 1.8
+    rows = []
+    for rep, fast in ((0, 12.0), (1, 16.0)):
+        for qid, t in ((1, fast), (2, 20.0)):
+            rows.append({**row("hf-greedy", qid, 100, 10.0, 100), "repeat": rep})
+            rows.append({**row("ngram", qid, 100, 100 / t, 50), "repeat": rep})
+    s = bench.summarize(rows, ["hf-greedy", "ngram"])["overall"]["ngram"]
+    assert abs(s["speedup"] - 1.7) < 1e-9
+    assert abs(s["speedup_std"] - 0.2 / 2 ** 0.5) < 1e-9  # sample std of (1.6, 1.8)
+    assert s["passes"] == 2 and abs(s["mean_accepted"] - 2.0) < 1e-9  # counted over all four runs
+    table = bench.markdown(bench.summarize(rows, ["hf-greedy", "ngram"]), ["hf-greedy", "ngram"])
+    assert "mean ± std over 2 passes" in table and "| ngram | 1.70x ± 0.14 |" in table
+    # a single pass prints no ± at all
+    one = [r for r in rows if r["repeat"] == 0]
+    assert "±" not in bench.markdown(bench.summarize(one, ["hf-greedy", "ngram"]), ["hf-greedy", "ngram"])

@@ -265,6 +265,55 @@ def _one_step_both_ways(model, compress, attn, p=37, n=3, k=3, m=2):
     return want, got
 
 
+def test_split_plan_covers_exactly_the_allowed_entries():
+    """Oracle: rebuild the dense mask from the plan's groups (rows x gathered columns, where the group's mask
+    allows) and compare with the mask it was cut from, for every compressor's selection."""
+    lay = fafo.StepLayout(3, 3, 2)
+    for selected in ([0, 1, 30, 31, 32, 33, 34, 35], list(range(8, 16)) + [40], list(range(41))):
+        allowed = fafo.combined_mask(lay, 41, selected)  # [q, 41 + q]
+        plan = verify.SplitPlan.from_mask(allowed, [np.nonzero(~lay.guess_rows())[0], np.nonzero(lay.guess_rows())[0]],
+                                          torch.float32)
+        rebuilt = np.zeros_like(allowed)
+        for g in plan.groups:
+            cols = np.arange(allowed.shape[1]) if g.cols is None else g.cols.numpy()
+            rebuilt[np.ix_(g.rows.numpy(), cols)] = (g.mask[0, 0] == 0).numpy()
+        assert (rebuilt == allowed).all()
+        assert sorted(r for g in plan.groups for r in g.rows.tolist()) == list(range(lay.rows))
+    # StreamingLLM's 8 of 41: the guess rows read 8 cached + 1 + n*k step columns, not 41 + q
+    plan = verify.SplitPlan.from_mask(fafo.combined_mask(lay, 41, [0, 1, 35, 36, 37, 38, 39, 40]),
+                                      [np.nonzero(~lay.guess_rows())[0], np.nonzero(lay.guess_rows())[0]], torch.float32)
+    assert [None if g.cols is None else len(g.cols) for g in plan.groups] == [None, 8 + 1 + 9]
+
+
+@pytest.mark.parametrize("compress", ["stream", "quest", "none"])
+def test_split_matches_dense(tiny, compress):
+    ids, cache = _prefilled(tiny, 37, seed=1)
+    lay = fafo.StepLayout(3, 3, 2)
+    comp = fafo.make_compressor(compress, 2, 6, 4, 2)
+    dense = fafo.DenseKV(tiny, cache, lay)
+    if comp.needs_query:
+        comp.observe(dense, torch.randn(tiny.config.num_hidden_layers, tiny.config.num_attention_heads, 16))
+    sel = comp.select(37)
+    g = torch.Generator().manual_seed(2)
+    windows = torch.randint(3, 90, (3, 3), generator=g).tolist()
+    cands = [tuple(torch.randint(3, 90, (3,), generator=g).tolist()) for _ in range(2)]
+    tokens, positions = lay.inputs(ids[-1], 37, windows, cands)
+    # hostile: the entries the guess rows must NOT see get huge values. The dense mask hides them from the
+    # guess rows, so if the plan leaked one, the guess rows' logits would move far beyond the tolerance.
+    hidden = [x for x in range(37) if x not in set(sel)]
+    for layer in cache.layers:
+        layer.values[:, :, hidden] = 50.0
+    dense.select(sel)
+    want, _ = dense.forward(tokens, positions)
+    verify.rollback(cache, 37)
+    split = fafo.SplitKV(tiny, cache, lay)
+    split.select(sel)
+    got, _ = split.forward(tokens, positions)
+    assert torch.allclose(want, got, atol=1e-4, rtol=1e-4)
+    assert torch.equal(want.argmax(-1), got.argmax(-1))
+    assert tiny.config._attn_implementation != verify.SPLIT  # the context manager put the model back
+
+
 @pytest.mark.parametrize("compress", ["stream", "quest"])
 def test_flex_eager_matches_dense(tiny, compress):
     want, got = _one_step_both_ways(tiny, compress, "flex")
@@ -299,7 +348,7 @@ def test_lossless_on_the_tiny_model_all_paths(tiny):
     ids = list(range(3, 40)) * 2
     want = verify.hf_generate(tiny, ids, 40, [2])
     for compress in ("stream", "quest", "none"):
-        for attn in ("dense", "flex") if compress != "none" else ("dense",):
+        for attn in ("dense", "split", "flex") if compress != "none" else ("dense", "split"):
             gen = fafo.generate(tiny, ids, 40, [2], cpu(n_guess=3, k=3, m=2, compress=compress, sink=2, recent=6,
                                                         page_size=4, top_pages=2, attn=attn, block_size=16))
             assert gen.tokens == want, (compress, attn)
@@ -318,6 +367,17 @@ def test_lossless_on_real_prompts(real, prompt):
         assert gen.tokens == want, compress
     gen = fafo.generate(model, ids, 48, eos, cpu(prompt_pool=True, **small))
     assert gen.tokens == want, "prompt pool"
+
+
+def test_lossless_split_on_a_real_prompt(real):
+    model, tok = real
+    ids = verify.encode_prompt(tok, REAL_PROMPTS[2])
+    eos = verify.eos_ids_of(model, tok)
+    want = verify.hf_generate(model, ids, 32, eos)
+    for compress in ("stream", "quest", "none"):
+        gen = fafo.generate(model, ids, 32, eos, cpu(n_guess=4, k=3, m=3, sink=2, recent=12, page_size=8, top_pages=2,
+                                                    compress=compress, attn="split"))
+        assert gen.tokens == want, compress
 
 
 def test_lossless_flex_on_a_real_prompt(real):
