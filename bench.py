@@ -102,26 +102,52 @@ def _import(module_name: str, method: str):
         raise verify.UserError(f"--methods {method}: {module_name}.py is not in this checkout yet") from None
 
 
+class FirstToken:
+    """Notes when the first new token appears (time to first token: the prefill, mostly). Our methods call it
+    as their on_emit hook; HF's generate calls it as a streamer, whose first put() is the prompt and whose
+    second is the first new token. Long prompts need it: there the prefill can be most of the wall time, and
+    the decoding rate after it is what a speculative method changes."""
+
+    def __init__(self):
+        self.t: float | None = None
+        self.puts = 0
+
+    def __call__(self, *args) -> None:
+        if self.t is None:
+            self.t = time.perf_counter()
+
+    def put(self, value) -> None:  # the transformers streamer protocol
+        self.puts += 1
+        if self.puts == 2:
+            self()
+
+    def end(self) -> None:
+        pass
+
+
 def make_runner(spec: str, model, tok, args, sampled: bool = False):
-    """Returns run(prompt_ids, max_new_tokens, eos_ids, sampling) -> (token ids, Generation or None)."""
+    """Returns run(prompt_ids, max_new_tokens, eos_ids, sampling, first) -> (token ids, Generation or None);
+    `first` is a FirstToken."""
     name, overrides = parse_method(spec)
     if name == "vanilla":  # greedy, or the plain sampler: the tokens every sampled method must match
-        return lambda ids, n, eos, s: _gen(verify.vanilla_generate(model, ids, n, eos, s))
+        return lambda ids, n, eos, s, first: _gen(verify.vanilla_generate(model, ids, n, eos, s, on_emit=first))
     if name == "hf-greedy":
-        return lambda ids, n, eos, s: (verify.hf_generate(model, ids, n, eos), None)
+        return lambda ids, n, eos, s, first: (verify.hf_generate(model, ids, n, eos, streamer=first), None)
     if name == "hf-sample":  # transformers' own sampler: the speed baseline of sampled runs
         if not sampled:
             raise verify.UserError("--methods hf-sample: needs --temperature > 0")
-        return lambda ids, n, eos, s: (verify.hf_sample(model, ids, n, eos, s), None)
+        return lambda ids, n, eos, s, first: (verify.hf_sample(model, ids, n, eos, s, streamer=first), None)
     if sampled and name in ("hf-pld", "hf-assisted"):
         raise verify.UserError(f"--methods {name}: compared greedy only here (drop it, or use --temperature 0)")
     if name == "hf-pld":
         # transformers' prompt lookup decoding: drafts by matching the last n-gram in the prompt/output.
-        return lambda ids, n, eos, s: (verify.hf_generate(model, ids, n, eos, prompt_lookup_num_tokens=args.pld_tokens), None)
+        return lambda ids, n, eos, s, first: (verify.hf_generate(model, ids, n, eos, streamer=first,
+                                                                 prompt_lookup_num_tokens=args.pld_tokens), None)
     if name == "hf-assisted":
         card = _import("card", name)
         draft = card.load_draft(model, tok, card.CardConfig.for_device(model.device), args.model)
-        return lambda ids, n, eos, s: (verify.hf_generate(model, ids, n, eos, assistant_model=draft), None)
+        return lambda ids, n, eos, s, first: (verify.hf_generate(model, ids, n, eos, streamer=first,
+                                                                 assistant_model=draft), None)
     if name in PROJECT_METHODS:
         module_name, fixed = PROJECT_METHODS[name]
         module = _import(module_name, name)
@@ -134,7 +160,8 @@ def make_runner(spec: str, model, tok, args, sampled: bool = False):
         # What needs the model (a draft model, a frozen table, a measured cost): the method's prepare(), the
         # same hook its own CLI uses, run once before timing.
         cfg, extra = module.prepare(model, tok, cfg, args.model) if hasattr(module, "prepare") else (cfg, {})
-        return lambda ids, n, eos, s: _gen(module.generate(model, ids, n, eos, cfg, sampling=s, **extra))
+        return lambda ids, n, eos, s, first: _gen(module.generate(model, ids, n, eos, cfg, sampling=s, on_emit=first,
+                                                                  **extra))
     raise verify.UserError(f"--methods: unknown method {name!r} (known: {', '.join(HF_METHODS + list(PROJECT_METHODS))})")
 
 
@@ -223,8 +250,11 @@ def summarize(rows, methods, baseline: str = "hf-greedy"):
         out = _summarize_pass(rows, methods, baseline)  # the counted figures, over all rows
         for g, by_method in out.items():
             for m, s in by_method.items():
-                for key in ("tokens_per_s", "speedup", "speedup_total"):
+                for key in ("tokens_per_s", "speedup", "speedup_total", "decode_speedup"):
                     vals = [x[g][m][key] for x in per if m in x.get(g, {})]
+                    if None in vals:
+                        s[key], s[key + "_std"] = None, None
+                        continue
                     s[key] = sum(vals) / len(vals)
                     s[key + "_std"] = (sum((v - s[key]) ** 2 for v in vals) / max(1, len(vals) - 1)) ** 0.5
                 s["passes"] = len(per)
@@ -232,7 +262,7 @@ def summarize(rows, methods, baseline: str = "hf-greedy"):
     out = _summarize_pass(rows, methods, baseline)
     for by_method in out.values():
         for s in by_method.values():
-            s.update(tokens_per_s_std=0.0, speedup_std=0.0, speedup_total_std=0.0, passes=1)
+            s.update(tokens_per_s_std=0.0, speedup_std=0.0, speedup_total_std=0.0, decode_speedup_std=0.0, passes=1)
     return out
 
 
@@ -254,8 +284,16 @@ def _summarize_pass(rows, methods, baseline: str):
             tps = sum(r["tokens_per_s"] for r in rs) / len(rs)
             total_tps = sum(r["new_tokens"] for r in rs) / sum(r["wall_s"] for r in rs)
             base_total = sum(r["new_tokens"] for r in base) / sum(r["wall_s"] for r in base) if base else float("nan")
+            # the decoding rate after the first token (prefill left out), SpecBench's ratio of means again
+            dec = [r.get("decode_tokens_per_s") for r in rs]
+            base_dec = [r.get("decode_tokens_per_s") for r in base]
+            decode_speedup = (sum(dec) / len(dec)) / (sum(base_dec) / len(base_dec)) if (
+                dec and base_dec and None not in dec and None not in base_dec) else None
+            ttft = [r["ttft_s"] for r in rs if r.get("ttft_s") is not None]
             out[g][m] = {
                 "tokens_per_s": tps,
+                "decode_speedup": decode_speedup,
+                "ttft_s": sum(ttft) / len(ttft) if ttft else None,
                 "speedup": tps / base_tps,  # SpecBench's: mean of per-prompt tokens/s, over the baseline's
                 "speedup_total": total_tps / base_total,  # total tokens over total time, over the baseline's
                 "mean_accepted": sum(r["new_tokens"] for r in rs) / max(1, sum(r["target_forwards"] for r in rs)),
@@ -266,13 +304,15 @@ def _summarize_pass(rows, methods, baseline: str):
                                 if all("draft_s" in r for r in rs) else None),
                 "per_position": position_rates(rs) if all("per_position" in r for r in rs) else None,
                 "identical": sum(bool(r["identical"]) for r in rs) / len(rs),
-                "n": len(rs),
+                "n": len({r["question_id"] for r in rs}),  # prompts (a prompt run in several passes counts once)
             }
     return out
 
 
 def _pm(s: dict, key: str, unit: str, digits: int = 2) -> str:
-    """'1.23x' for one pass, '1.23x ± 0.04' (std between passes) for several."""
+    """'1.23x' for one pass, '1.23x ± 0.04' (std between passes) for several; '-' when not measured."""
+    if s.get(key) is None:
+        return "-"
     text = f"{s[key]:.{digits}f}{unit}"
     return text + f" ± {s[key + '_std']:.{digits}f}" if s.get("passes", 1) > 1 else text
 
@@ -300,8 +340,9 @@ def markdown(summary, methods, baseline: str = "hf-greedy") -> str:
     for c in cats:
         n = next(iter(summary[c].values()))["n"]
         lines += ["", f"**{c}** ({n} prompts)", "",
-                  "| method | tokens/s | speedup (SpecBench) | speedup (total tokens / total time) | mean accepted "
-                  "| acceptance rate | drafting time | identical |", "|---|---|---|---|---|---|---|---|"]
+                  "| method | tokens/s | speedup (SpecBench) | speedup (total tokens / total time) | decode speedup "
+                  "(after the first token) | time to first token | mean accepted | acceptance rate | drafting time "
+                  "| identical |", "|---" * 10 + "|"]
 
         def pct(x):
             return "-" if x is None else f"{100 * x:.1f}%"
@@ -309,7 +350,9 @@ def markdown(summary, methods, baseline: str = "hf-greedy") -> str:
         for m in methods:
             if m in summary[c]:
                 s = summary[c][m]
+                ttft = "-" if s.get("ttft_s") is None else f"{s['ttft_s']:.2f} s"
                 lines.append(f"| {m} | {_pm(s, 'tokens_per_s', '', 1)} | {_pm(s, 'speedup', 'x')} | {_pm(s, 'speedup_total', 'x')} | "
+                             f"{_pm(s, 'decode_speedup', 'x')} | {ttft} | "
                              f"{s['mean_accepted']:.2f} | {pct(s['acceptance'])} | {pct(s['draft_share'])} | "
                              f"{100 * s['identical']:.0f}% |")
     return "\n".join(lines)
@@ -514,7 +557,7 @@ def run(args) -> int:
     # One untimed warm-up per method: the first call of anything pays for allocations, lazy imports and
     # kernel selection, which must not be charged to whichever method happens to run first.
     for m in methods:
-        runners[m](encoded[0], min(16, args.max_new_tokens), eos, sampling)
+        runners[m](encoded[0], min(16, args.max_new_tokens), eos, sampling, FirstToken())
 
     rows = []
     # one bar for the whole run, redrawn in place (at most a few times a second): never a line per prompt
@@ -530,17 +573,21 @@ def run(args) -> int:
             bar.set_postfix_str(f"{q['category']}#{q['question_id']} {m}" + (f" pass {rep + 1}" if args.repeats > 1 else ""))
             forwards[0] = 0
             verify.sync(model)
+            first = FirstToken()
             t0 = time.perf_counter()
-            tokens, gen = runners[m](ids, args.max_new_tokens, eos, s)
+            tokens, gen = runners[m](ids, args.max_new_tokens, eos, s, first)
             verify.sync(model)
             wall = time.perf_counter() - t0
+            ttft = (first.t or t0 + wall) - t0
             if m == reference_method:
                 reference = tokens
             row = {
                 "method": m, "question_id": q["question_id"], "category": q["category"], "repeat": rep,
                 "prompt_tokens": len(ids), "new_tokens": len(tokens), "target_forwards": forwards[0],
                 "mean_accepted": len(tokens) / max(1, forwards[0]), "tokens_per_s": len(tokens) / wall,
-                "wall_s": wall, "identical": tokens == reference,
+                "wall_s": wall, "identical": tokens == reference, "ttft_s": ttft,
+                # tokens after the first over the time after it: the decoding rate, prefill left out
+                "decode_tokens_per_s": (len(tokens) - 1) / (wall - ttft) if len(tokens) > 1 and wall > ttft else None,
             }
             if gen is not None:  # our own methods also report their drafting time and their own stats
                 row["draft_ms_per_step"] = 1000 * gen.draft_s / max(gen.steps, 1)

@@ -24,12 +24,13 @@ by `--attn flex`.
 
 Reading order: the configuration (n, k, m and C) -> the pool (Algorithms 2 and 3) -> the guess streams
 (Eq. 1) -> the compression functions -> the step layout and its mask (Appendix E, Figure 4) -> Find Out
-verification (Algorithm 4) -> the two KV back-ends (dense mask / flex compacted blocks) -> the decode loop ->
-the CLI.
+verification (Algorithm 4) -> the three KV back-ends (dense mask / split SDPA / flex compacted blocks) -> the
+decode loop -> the CLI.
 
     python fafo.py --prompt "Write a limerick about a cat." --compare
     python fafo.py --prompt "..." --compress quest --trace
     python fafo.py --prompt "..." --compress none          # the Lookahead-style baseline (full KV guesses)
+    python fafo.py --prompt "..." --attn dense             # the mask as a tensor: the readable spec
     python fafo.py --prompt "..." --attn flex              # the FlexAttention compacted-block path
 
     from fafo import FafoConfig, generate                    # as a library
@@ -45,6 +46,8 @@ Deviations from the paper (each also in TUTORIAL.md chapter 5):
   * The pool is NOT seeded from the prompt by default (neither the paper nor Lookahead does);
     `--prompt-pool` does it and the bench measures both.
   * Algorithm 3 as printed never shortens its suffix (an endless loop); we try suffix lengths k .. 1.
+  * `--attn split` (ours; the CPU default): the saving of §4.4 without FlexAttention. The guess rows attend
+    to C(kv) in their own SDPA call, so their attention reads |C(kv)| entries instead of the whole cache.
 """
 
 from __future__ import annotations
@@ -514,10 +517,14 @@ def find_out(cands: Sequence[Sequence[int]], first_choice: int, cand_choices: Se
 
 
 # ----------------------------------------------------------------------------------------------------------
-# 6. The two KV back-ends: a dense mask (the spec), and the FlexAttention compacted buffer (the fast path)
+# 6. The KV back-ends: a dense mask (the spec), split SDPA (the saving, on any device), FlexAttention blocks
 # ----------------------------------------------------------------------------------------------------------
 #
-# Both expose the same four operations, so the decode loop below does not know which one it drives:
+# All three give the same logits (tested); they differ in what the guess rows' attention reads:
+#   DenseKV  the whole cache, then the mask zeroes most of it (what the paper's Figure 4 says, as a tensor)
+#   SplitKV  C(kv) gathered + the step's own columns, in a second SDPA call (verify.py section 9b)
+#   FlexKV   the head blocks of a compacted buffer, skipped block-wise by FlexAttention (§4.4, section 9)
+# They expose the same four operations, so the decode loop below does not know which one it drives:
 #   select(positions)       C(kv) for the next forward (flex: swap them into the head of the buffer)
 #   forward(tokens, positions, ...) -> logits [q, V] (+ hidden states if asked)
 #   keep(rows, positions)   after acceptance: keep the KV of these input rows only

@@ -637,7 +637,8 @@ def vanilla_generate(model, prompt_ids: Sequence[int], max_new_tokens: int, eos_
 
 
 @torch.no_grad()
-def hf_sample(model, prompt_ids: Sequence[int], max_new_tokens: int, eos_ids: Sequence[int], sampling: Sampling) -> list[int]:
+def hf_sample(model, prompt_ids: Sequence[int], max_new_tokens: int, eos_ids: Sequence[int], sampling: Sampling,
+              **gen_kwargs) -> list[int]:
     """transformers' own sampler with the same temperature / top-k / top-p: the SPEED baseline for sampled
     runs (its random stream differs from our keyed noise, so its tokens differ; identity is checked against
     vanilla_generate with the same Sampling)."""
@@ -648,7 +649,7 @@ def hf_sample(model, prompt_ids: Sequence[int], max_new_tokens: int, eos_ids: Se
                               pad_token_id=list(eos_ids)[0])
     torch.manual_seed(sampling.seed)
     ids = torch.tensor([list(prompt_ids)], device=model.device)
-    out = model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=config)
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=config, **gen_kwargs)
     return out[0, ids.shape[1] :].tolist()
 
 

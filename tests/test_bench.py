@@ -21,7 +21,30 @@ def test_summary_gives_both_speedups_acceptance_and_drafting_share():
     assert abs(s["acceptance"] - 50 / 120) < 1e-9 and abs(s["draft_share"] - 0.7 / 7.0) < 1e-9
     assert bench.summarize(rows, ["hf-greedy"])["overall"]["hf-greedy"]["acceptance"] is None
     table = bench.markdown(bench.summarize(rows, ["hf-greedy", "ngram"]), ["hf-greedy", "ngram"])
-    assert "| ngram | 35.0 | 1.17x | 1.71x | 1.33 | 41.7% | 10.0% | 100% |" in table
+    # no decode rate or first-token time in these rows: shown as "-"
+    assert "| ngram | 35.0 | 1.17x | 1.71x | - | - | 1.33 | 41.7% | 10.0% | 100% |" in table
+
+
+def test_decode_speedup_leaves_the_time_to_first_token_out():
+    # a long prompt: 8 s of prefill for both; then hf-greedy decodes 10 tokens in 2 s, ngram in 1 s
+    rows = [row("hf-greedy", 1, 11, 10.0, 11, ttft_s=8.0, decode_tokens_per_s=10 / 2.0),
+            row("ngram", 1, 11, 9.0, 6, ttft_s=8.0, decode_tokens_per_s=10 / 1.0, accepted=5, drafted=9, draft_s=0.0)]
+    s = bench.summarize(rows, ["hf-greedy", "ngram"])["overall"]["ngram"]
+    assert abs(s["speedup"] - 10 / 9) < 1e-9  # end to end, the prefill hides most of it
+    assert abs(s["decode_speedup"] - 2.0) < 1e-9 and s["ttft_s"] == 8.0
+
+
+def test_first_token_marks_the_first_emit_and_the_second_streamer_put():
+    hook = bench.FirstToken()
+    hook([5], [False])
+    t = hook.t
+    hook([6], [True])
+    assert hook.t == t is not None
+    streamer = bench.FirstToken()
+    streamer.put("the prompt")
+    assert streamer.t is None
+    streamer.put("token 1")
+    assert streamer.t is not None
 
 
 def test_per_position_acceptance_counts_steps_that_reached_and_accepted_each_position():
