@@ -289,7 +289,7 @@ class Drafter:
             # Catch up: feed the verified tokens the draft has not seen, ending with the root (causal).
             assert verify.cache_len(self.cache) == self.dp
             ids = torch.tensor([self.text[self.dp :]], device=model.device)
-            out = model(input_ids=ids, past_key_values=self.cache, use_cache=True)
+            out = model(input_ids=ids, past_key_values=self.cache, use_cache=True, **verify.last_logits_only(model))
             self.dp = len(self.text) - 1
             root.slot, root.cands = self.dp, self._topk(out.logits[0, -1:])[0]
         else:

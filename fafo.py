@@ -664,7 +664,8 @@ def generate(model, prompt_ids: Sequence[int], max_new_tokens: int, eos_ids: Seq
     # -- prefill (a plain forward) and the first token
     cache = verify.new_cache(model)
     ids = torch.tensor([list(prompt_ids)], device=model.device)
-    out = model(input_ids=ids, past_key_values=cache, use_cache=True, output_hidden_states=compressor.needs_query)
+    out = model(input_ids=ids, past_key_values=cache, use_cache=True, output_hidden_states=compressor.needs_query,
+                **verify.last_logits_only(model))
     verify.check_filled(cache, len(prompt_ids))  # as verify.prefill does: a recurrent model fills no cache
     pending = verify.first_token(out.logits[0, -1], len(prompt_ids), sampling)
     if gen.finish_prefill(pending):
