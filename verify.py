@@ -322,7 +322,6 @@ def cache_len(cache) -> int:
     return cache.get_seq_length()
 
 
-@torch.no_grad()
 @functools.lru_cache(maxsize=None)
 def _takes_logits_to_keep(forward) -> bool:
     import inspect
@@ -338,6 +337,7 @@ def last_logits_only(model) -> dict:
     return {"logits_to_keep": 1} if _takes_logits_to_keep(type(model).forward) else {}
 
 
+@torch.no_grad()
 def prefill(model, cache, prompt_ids: Sequence[int]) -> torch.Tensor:
     """Run the prompt through the model, filling the cache. Returns the last position's logits [V]."""
     ids = torch.tensor([list(prompt_ids)], device=model.device)  # [1, P]

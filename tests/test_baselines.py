@@ -33,3 +33,28 @@ def test_default_model_is_the_smollm2_gguf(real):
     cfg = model.config
     assert (cfg.model_type, cfg.num_hidden_layers, cfg.hidden_size, cfg.vocab_size) == ("llama", 30, 576, 49152)
     assert model.dtype.is_floating_point and str(model.dtype) == "torch.float32"
+
+
+def test_prefill_computes_only_the_last_logits_and_they_equal_the_full_forward(tiny):
+    """verify.prefill asks for the last position's logits only (as HF generate does): same values as the last row
+    of a full forward, and a model whose forward does not take logits_to_keep is simply asked for all of them."""
+    import torch
+
+    ids = list(range(3, 40))
+    full = tiny(input_ids=torch.tensor([ids])).logits[0, -1]
+    seen = []
+    handle = tiny.lm_head.register_forward_hook(lambda mod, inp, out: seen.append(out.shape[1]))
+    cache = verify.new_cache(tiny)
+    try:
+        last = verify.prefill(tiny, cache, ids)
+    finally:
+        handle.remove()
+    assert seen == [1]  # the head ran on one position, not 37
+    assert not cache.layers[0].keys.requires_grad  # no autograd graph kept (prefill runs under no_grad)
+    assert torch.allclose(full, last, atol=1e-5)
+
+    class NoKeep(torch.nn.Module):
+        def forward(self, input_ids=None, past_key_values=None, use_cache=None):
+            pass
+
+    assert verify.last_logits_only(NoKeep()) == {} and verify.last_logits_only(tiny) == {"logits_to_keep": 1}
