@@ -245,24 +245,20 @@ def summarize(rows, methods, baseline: str = "hf-greedy"):
     (1.3, 0.14, 2.0)
     """
     passes = sorted({r.get("repeat", 0) for r in rows})
-    if len(passes) > 1:
-        per = [_summarize_pass([r for r in rows if r.get("repeat", 0) == p], methods, baseline) for p in passes]
-        out = _summarize_pass(rows, methods, baseline)  # the counted figures, over all rows
-        for g, by_method in out.items():
-            for m, s in by_method.items():
-                for key in ("tokens_per_s", "speedup", "speedup_total", "decode_speedup"):
-                    vals = [x[g][m][key] for x in per if m in x.get(g, {})]
-                    if None in vals:
-                        s[key], s[key + "_std"] = None, None
-                        continue
-                    s[key] = sum(vals) / len(vals)
-                    s[key + "_std"] = (sum((v - s[key]) ** 2 for v in vals) / max(1, len(vals) - 1)) ** 0.5
-                s["passes"] = len(per)
-        return out
-    out = _summarize_pass(rows, methods, baseline)
-    for by_method in out.values():
-        for s in by_method.values():
-            s.update(tokens_per_s_std=0.0, speedup_std=0.0, speedup_total_std=0.0, decode_speedup_std=0.0, passes=1)
+    # each pass is summarized on its own (a speedup is a ratio within one pass: both sides ran interleaved)
+    per = [_summarize_pass([r for r in rows if r.get("repeat", 0) == p], methods, baseline) for p in passes]
+    out = _summarize_pass(rows, methods, baseline)  # the counted figures, over all rows
+    for g, by_method in out.items():
+        for m, s in by_method.items():
+            for key in ("tokens_per_s", "speedup", "speedup_total", "decode_speedup"):
+                vals = [x[g][m][key] for x in per if m in x.get(g, {})]
+                if None in vals:  # not measured (rows without a first-token time)
+                    s[key], s[key + "_std"] = None, None
+                    continue
+                s[key] = sum(vals) / len(vals)
+                # sample standard deviation between passes; 0 for a single pass
+                s[key + "_std"] = (sum((v - s[key]) ** 2 for v in vals) / max(1, len(vals) - 1)) ** 0.5
+            s["passes"] = len(per)
     return out
 
 
@@ -319,8 +315,8 @@ def _pm(s: dict, key: str, unit: str, digits: int = 2) -> str:
 
 def markdown(summary, methods, baseline: str = "hf-greedy") -> str:
     """A compact speedup table (methods x categories), then one detailed table per category."""
-    cats = [c for c in summary if c != "overall"] + ["overall"]
-    passes = next(iter(summary["overall"].values())).get("passes", 1)
+    cats = [c for c in summary if c != "overall"] + ["overall"]  # "overall" last, as SpecBench's tables
+    passes = next(iter(summary["overall"].values())).get("passes", 1)  # > 1: every timed cell gets "± std"
     lines = [f"Speedup vs {baseline}, SpecBench's definition (mean of per-prompt tokens/s, over {baseline}'s), "
              "per category" + (f"; mean ± std over {passes} passes:" if passes > 1 else ":"), ""]
     lines.append("| method | " + " | ".join(cats) + " |")
@@ -337,6 +333,9 @@ def markdown(summary, methods, baseline: str = "hf-greedy") -> str:
         for m in shown:
             rates = summary["overall"][m]["per_position"]
             lines.append(f"| {m} | " + " | ".join("-" if x is None else f"{100 * x:.0f}%" for x in rates) + " |")
+    # the detailed tables: both speedup definitions side by side (they disagree when prompts differ in length:
+    # total tokens over total time weighs the slow prompts more), then the decode rate after the first token
+    # (on long prompts the prefill is most of the wall time and is the same for every method)
     for c in cats:
         n = next(iter(summary[c].values()))["n"]
         lines += ["", f"**{c}** ({n} prompts)", "",
@@ -471,20 +470,24 @@ def run_fafo_steps(args) -> int:
     model, _ = verify.load_model(args.model, args.device, args.dtype)
     if max(contexts) + 64 > verify.context_length(model):
         raise verify.UserError(f"--fafo-steps: {max(contexts)} exceeds the model's context of {verify.context_length(model)}")
+    # One column per back-end for FAFO; Lookahead (C = none) has no fixed budget, so no flex column. The last
+    # column compares each method on its fastest back-end: the honest "FAFO over Lookahead" for this device.
     cols = [b for b in ("dense", "split", "flex") if any(x.startswith(b) for x in backends)]
-    head = "| context | rows | " + " | ".join(f"FAFO {b} ms" for b in cols) + " | " + " | ".join(
-        f"Lookahead {b} ms" for b in cols if b != "flex") + " | Lookahead / FAFO (best of each) |"
+    look_cols = [b for b in cols if b != "flex"]
+    head = "| context | rows | " + "".join(f"FAFO {b} ms | " for b in cols) + "".join(
+        f"Lookahead {b} ms | " for b in look_cols) + ("Lookahead / FAFO (best of each) |" if look_cols else "")
     lines = [head, "|---" * (head.count("|") - 1) + "|"]
     rows = []
     for c in tqdm(contexts, desc="fafo steps", unit="context", file=sys.stderr):
         r = fafo.step_times(model, c, backends=backends)
-        r.update(device=device_name(model), dtype=str(model.dtype))
+        r.update(device=device_name(model), dtype=str(model.dtype))  # every row says what it was measured on
         rows.append(r)
-        fafo_best = min(r[f"{b}_ms"] for b in cols)
-        look_best = min(r[f"lookahead_{b}_ms"] for b in cols if b != "flex")
-        lines.append(f"| {c} | {r['rows']} | " + " | ".join(f"{r[b + '_ms']:.1f}" for b in cols) + " | "
-                     + " | ".join(f"{r['lookahead_' + b + '_ms']:.1f}" for b in cols if b != "flex")
-                     + f" | {look_best / fafo_best:.2f} |")
+        line = f"| {c} | {r['rows']} | " + "".join(f"{r[b + '_ms']:.1f} | " for b in cols)
+        if look_cols:
+            line += "".join(f"{r['lookahead_' + b + '_ms']:.1f} | " for b in look_cols)
+            line += f"{min(r['lookahead_' + b + '_ms'] for b in look_cols) / min(r[b + '_ms'] for b in cols):.2f} |"
+        lines.append(line)
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)  # bench/results/ is not in git
     with open(args.out, "w") as f:
         for r in rows:
             f.write(json.dumps(r) + "\n")

@@ -52,6 +52,7 @@ Deviations from the paper (each also in TUTORIAL.md chapter 5):
 
 from __future__ import annotations
 
+import contextlib
 import random
 import sys
 import time
@@ -552,10 +553,15 @@ class DenseKV:
         dev = self.model.device
         allowed = combined_mask(layout, p, self.selected)  # [q, p + q]
         mask = verify.additive_mask(allowed, self.model.dtype, dev)  # [1, 1, q, p + q], 0 / finfo.min
-        out = self.model(input_ids=torch.tensor([tokens], device=dev), attention_mask=mask,
-                         position_ids=torch.tensor([positions], device=dev), past_key_values=self.cache,
-                         use_cache=True, output_hidden_states=hidden)
+        with self.attention(allowed, layout):
+            out = self.model(input_ids=torch.tensor([tokens], device=dev), attention_mask=mask,
+                             position_ids=torch.tensor([positions], device=dev), past_key_values=self.cache,
+                             use_cache=True, output_hidden_states=hidden)
         return out.logits[0], (out.hidden_states if hidden else None)
+
+    def attention(self, allowed: np.ndarray, layout: StepLayout):
+        """Which attention function computes this forward: the model's own, with the mask above."""
+        return contextlib.nullcontext()
 
     def keep(self, rows: Sequence[int], positions: Sequence[int]) -> None:
         verify.compact_kv(self.cache, positions[0], rows)  # rows are consecutive logical positions
@@ -569,22 +575,14 @@ class SplitKV(DenseKV):
     9b): the verification rows over the whole cache, the guess rows over C(kv) gathered plus their step
     columns. Same result as DenseKV; the guess rows' attention costs O(|C(kv)|) instead of O(p)."""
 
-    @torch.no_grad()
-    def forward(self, tokens, positions, hidden: bool = False, layout: StepLayout | None = None):
-        layout = layout or self.layout
-        p = self.length
-        dev = self.model.device
-        allowed = combined_mask(layout, p, self.selected)  # [q, p + q]: the spec, as DenseKV builds it
+    def attention(self, allowed: np.ndarray, layout: StepLayout):
+        """The same spec mask `allowed` [q, p + q], cut into two row groups: verification rows, guess rows.
+        note: the model still gets the dense mask (DenseKV.forward), so every model family prepares its
+        inputs exactly as on the dense path; only the attention function, which reads the plan, differs."""
         guess = layout.guess_rows()
-        plan = verify.SplitPlan.from_mask(allowed, [np.nonzero(~guess)[0], np.nonzero(guess)[0]], self.model.dtype, dev)
-        # note: the model still gets the dense mask, so every model family prepares its inputs exactly as on
-        # the dense path; only the attention function (which reads `plan` instead) differs.
-        mask = verify.additive_mask(allowed, self.model.dtype, dev)  # [1, 1, q, p + q]
-        with verify.split_mode(self.model, plan):
-            out = self.model(input_ids=torch.tensor([tokens], device=dev), attention_mask=mask,
-                             position_ids=torch.tensor([positions], device=dev), past_key_values=self.cache,
-                             use_cache=True, output_hidden_states=hidden)
-        return out.logits[0], (out.hidden_states if hidden else None)
+        plan = verify.SplitPlan.from_mask(allowed, [np.nonzero(~guess)[0], np.nonzero(guess)[0]],
+                                          self.model.dtype, self.model.device)
+        return verify.split_mode(self.model, plan)
 
 
 class FlexKV:
@@ -657,8 +655,8 @@ def generate(model, prompt_ids: Sequence[int], max_new_tokens: int, eos_ids: Seq
     streams = Streams.from_prompt(prompt_ids, n, k, cfg.seed)
     if cfg.prompt_pool:
         pool.seed(prompt_ids)
-    # subtle: the dense path takes as many candidates as the pool has (its mask is rebuilt anyway); the
-    # flex path pads to exactly m (static shapes) with dummy candidates that can never be accepted.
+    # subtle: the dense and split paths take as many candidates as the pool has (their mask is rebuilt
+    # anyway); the flex path pads to exactly m (static shapes) with dummy candidates that can never be accepted.
     static = cfg.attn.startswith("flex")
 
     # -- prefill (a plain forward) and the first token

@@ -789,20 +789,16 @@ def _compiled_flex():
 FLEX_EAGER, FLEX_COMPILED = "specdec_flex", "specdec_flex_compiled"
 
 
-class flex_mode:
-    """`with flex_mode(model, compiled):` -- the model's attention goes through `_flex_forward` inside the
-    block. Registering a named function and selecting it with `set_attn_implementation` is transformers'
-    public extension point (no patching of model code)."""
+class _attention_mode:
+    """`with <mode>(model, ...):` -- the model's attention goes through the function registered as `name`
+    inside the block, and back to what it was after. Registering a named function and selecting it with
+    `set_attn_implementation` is transformers' public extension point (no patching of model code). Shared by
+    flex_mode (section 9) and split_mode (section 9b)."""
 
-    def __init__(self, model, compiled: bool = False):
-        from transformers import AttentionInterface
-
+    def __init__(self, model, name: str, path: str):
         if not hasattr(model, "set_attn_implementation"):  # transformers before 4.57 lacks the switch
-            raise UserError("the FlexAttention path needs transformers >= 4.57 (model.set_attn_implementation)")
-
-        AttentionInterface.register(FLEX_EAGER, _flex_forward)
-        AttentionInterface.register(FLEX_COMPILED, lambda *a, **kw: _flex_forward(*a, compiled=True, **kw))
-        self.model, self.name = model, FLEX_COMPILED if compiled else FLEX_EAGER
+            raise UserError(f"the {path} path needs transformers >= 4.57 (model.set_attn_implementation)")
+        self.model, self.name = model, name
 
     def __enter__(self):
         self.before = self.model.config._attn_implementation
@@ -811,6 +807,17 @@ class flex_mode:
 
     def __exit__(self, *exc):
         self.model.set_attn_implementation(self.before)
+
+
+class flex_mode(_attention_mode):
+    """`with flex_mode(model, compiled):` -- the model's attention goes through `_flex_forward`."""
+
+    def __init__(self, model, compiled: bool = False):
+        from transformers import AttentionInterface
+
+        super().__init__(model, FLEX_COMPILED if compiled else FLEX_EAGER, "FlexAttention")
+        AttentionInterface.register(FLEX_EAGER, _flex_forward)
+        AttentionInterface.register(FLEX_COMPILED, lambda *a, **kw: _flex_forward(*a, compiled=True, **kw))
 
 
 @functools.lru_cache(maxsize=None)
@@ -1150,25 +1157,16 @@ def _split_forward(module, query, key, value, attention_mask, scaling=None, drop
 SPLIT = "specdec_split"
 
 
-class split_mode:
-    """`with split_mode(model, plan):` -- the model's attention goes through `_split_forward` with `plan`
-    inside the block (registered under one name, like flex_mode; one plan per forward)."""
+class split_mode(_attention_mode):
+    """`with split_mode(model, plan):` -- the model's attention goes through `_split_forward` with `plan`.
+    note: the plan changes every step (the cache grows), so the name is re-registered with the new plan each
+    time; one forward runs per block."""
 
     def __init__(self, model, plan: SplitPlan):
         from transformers import AttentionInterface
 
-        if not hasattr(model, "set_attn_implementation"):
-            raise UserError("the split path needs transformers >= 4.57 (model.set_attn_implementation)")
+        super().__init__(model, SPLIT, "split")
         AttentionInterface.register(SPLIT, functools.partial(_split_forward, plan=plan))
-        self.model = model
-
-    def __enter__(self):
-        self.before = self.model.config._attn_implementation
-        self.model.set_attn_implementation(SPLIT)
-        return self
-
-    def __exit__(self, *exc):
-        self.model.set_attn_implementation(self.before)
 
 
 # ----------------------------------------------------------------------------------------------------------

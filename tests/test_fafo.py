@@ -240,18 +240,26 @@ def test_streaming_swap_moves_one_slot_pair_per_new_token(tiny):
 # -- 7. the flex path matches the dense path -------------------------------------------------------------
 
 
-def _one_step_both_ways(model, compress, attn, p=37, n=3, k=3, m=2):
+def _one_step(model, compress, p=37, n=3, k=3, m=2):
+    """A prefilled cache of p random tokens, one step's inputs with random streams and candidates, and the
+    compressor's selection C(kv): (cache, layout, selection, tokens, positions)."""
     ids, cache = _prefilled(model, p, seed=1)
     lay = fafo.StepLayout(n, k, m)
     comp = fafo.make_compressor(compress, 2, 6, 4, 2)
-    dense = fafo.DenseKV(model, cache, lay)
     if comp.needs_query:
-        comp.observe(dense, torch.randn(model.config.num_hidden_layers, model.config.num_attention_heads, 16))
-    sel = comp.select(p)
+        comp.observe(fafo.DenseKV(model, cache, lay),
+                     torch.randn(model.config.num_hidden_layers, model.config.num_attention_heads, 16))
     g = torch.Generator().manual_seed(2)
     windows = torch.randint(3, 90, (n, k), generator=g).tolist()
     cands = [tuple(torch.randint(3, 90, (k,), generator=g).tolist()) for _ in range(m)]
     tokens, positions = lay.inputs(ids[-1], p, windows, cands)
+    return cache, lay, comp.select(p), tokens, positions
+
+
+def _one_step_both_ways(model, compress, attn):
+    cache, lay, sel, tokens, positions = _one_step(model, compress)
+    comp = fafo.make_compressor(compress, 2, 6, 4, 2)
+    dense = fafo.DenseKV(model, cache, lay)
 
     import copy
     flex = fafo.FlexKV(model, copy.deepcopy(cache), lay, comp.budget, 64, block_size=16, compiled=attn == "flex-compiled")
@@ -269,10 +277,10 @@ def test_split_plan_covers_exactly_the_allowed_entries():
     """Oracle: rebuild the dense mask from the plan's groups (rows x gathered columns, where the group's mask
     allows) and compare with the mask it was cut from, for every compressor's selection."""
     lay = fafo.StepLayout(3, 3, 2)
+    groups = [np.nonzero(~lay.guess_rows())[0], np.nonzero(lay.guess_rows())[0]]  # verification rows, guess rows
     for selected in ([0, 1, 30, 31, 32, 33, 34, 35], list(range(8, 16)) + [40], list(range(41))):
         allowed = fafo.combined_mask(lay, 41, selected)  # [q, 41 + q]
-        plan = verify.SplitPlan.from_mask(allowed, [np.nonzero(~lay.guess_rows())[0], np.nonzero(lay.guess_rows())[0]],
-                                          torch.float32)
+        plan = verify.SplitPlan.from_mask(allowed, groups, torch.float32)
         rebuilt = np.zeros_like(allowed)
         for g in plan.groups:
             cols = np.arange(allowed.shape[1]) if g.cols is None else g.cols.numpy()
@@ -280,24 +288,14 @@ def test_split_plan_covers_exactly_the_allowed_entries():
         assert (rebuilt == allowed).all()
         assert sorted(r for g in plan.groups for r in g.rows.tolist()) == list(range(lay.rows))
     # StreamingLLM's 8 of 41: the guess rows read 8 cached + 1 + n*k step columns, not 41 + q
-    plan = verify.SplitPlan.from_mask(fafo.combined_mask(lay, 41, [0, 1, 35, 36, 37, 38, 39, 40]),
-                                      [np.nonzero(~lay.guess_rows())[0], np.nonzero(lay.guess_rows())[0]], torch.float32)
+    plan = verify.SplitPlan.from_mask(fafo.combined_mask(lay, 41, [0, 1, 35, 36, 37, 38, 39, 40]), groups, torch.float32)
     assert [None if g.cols is None else len(g.cols) for g in plan.groups] == [None, 8 + 1 + 9]
 
 
 @pytest.mark.parametrize("compress", ["stream", "quest", "none"])
 def test_split_matches_dense(tiny, compress):
-    ids, cache = _prefilled(tiny, 37, seed=1)
-    lay = fafo.StepLayout(3, 3, 2)
-    comp = fafo.make_compressor(compress, 2, 6, 4, 2)
+    cache, lay, sel, tokens, positions = _one_step(tiny, compress)
     dense = fafo.DenseKV(tiny, cache, lay)
-    if comp.needs_query:
-        comp.observe(dense, torch.randn(tiny.config.num_hidden_layers, tiny.config.num_attention_heads, 16))
-    sel = comp.select(37)
-    g = torch.Generator().manual_seed(2)
-    windows = torch.randint(3, 90, (3, 3), generator=g).tolist()
-    cands = [tuple(torch.randint(3, 90, (3,), generator=g).tolist()) for _ in range(2)]
-    tokens, positions = lay.inputs(ids[-1], 37, windows, cands)
     # hostile: the entries the guess rows must NOT see get huge values. The dense mask hides them from the
     # guess rows, so if the plan leaked one, the guess rows' logits would move far beyond the tolerance.
     hidden = [x for x in range(37) if x not in set(sel)]
