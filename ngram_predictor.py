@@ -121,7 +121,9 @@ MASK64 = (1 << 64) - 1
 
 
 def fnv1a_64(tokens: Iterable[int]) -> int:
-    """>>> hex(fnv1a_64(b"a"))   # bytes are token ids < 256, so this is textbook FNV-1a
+    """64-bit FNV-1a over token ids: for each id, XOR it into the hash, then multiply by the FNV prime.
+
+    >>> hex(fnv1a_64(b"a"))   # bytes are token ids < 256, so this is textbook FNV-1a
     '0xaf63dc4c8601ec8c'
     """
     h = FNV_OFFSET_BASIS
