@@ -9,6 +9,8 @@ import sys
 import pytest
 import torch
 
+import verify
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 JSON_KEYS = {"method", "model", "device", "dtype", "prompt_tokens", "new_tokens", "target_forwards",
              "mean_accepted", "tokens_per_s", "wall_s", "draft_ms_per_step", "text", "token_ids"}
@@ -26,7 +28,9 @@ def test_json_contract_with_compare():
     assert len(lines) == 1  # exactly one JSON object, nothing else on stdout
     out = json.loads(lines[0])
     assert JSON_KEYS | {"baseline_tokens_per_s", "speedup", "identical"} <= set(out)
-    assert out["method"] == "vanilla" and out["device"] == "cpu" and out["dtype"] == "float32"
+    # --device auto picks CUDA where there is a GPU; --dtype auto is float32 on every device (the exact one)
+    assert out["method"] == "vanilla" and out["device"].split(":")[0] == verify.pick_device("auto").type
+    assert out["dtype"] == "float32" and out["identity_expected"] is True
     assert out["new_tokens"] == len(out["token_ids"]) <= 6
     assert out["mean_accepted"] == pytest.approx(out["new_tokens"] / out["target_forwards"])
     assert out["identical"] is True
@@ -132,7 +136,6 @@ def test_method_json_run_is_identical_to_hf_greedy(script, args):
 
 def test_first_difference_reports_the_index_and_the_top2_margin(tiny):
     """--compare's diagnosis when outputs differ: where, and whether the target's choice there was a tie."""
-    import verify
 
     prompt = [1, 5, 6, 7]
     want = verify.hf_generate(tiny, prompt, 6, [95])
@@ -148,8 +151,40 @@ def test_first_difference_reports_the_index_and_the_top2_margin(tiny):
 
 def test_method_json_reports_the_configuration_the_flags_filled_in():
     """argparse only fills in the method's config: a flag given changes its field, the others keep the device
-    default (the CPU one here)."""
-    r = run("--prompt", "Name a color.", "--max-new-tokens", "4", "--json", "--tdl", "8", script="cacheback.py")
+    default (the CPU one, forced here so the expected values do not depend on whether the machine has a GPU)."""
+    r = run("--prompt", "Name a color.", "--max-new-tokens", "4", "--json", "--tdl", "8", "--device", "cpu",
+            script="cacheback.py")
     assert r.returncode == 0, r.stderr
     cfg = json.loads(r.stdout.strip().splitlines()[-1])["config"]
     assert cfg["tdl"] == 8 and (cfg["ll"], cfg["crt"], cfg["prune"], cfg["frozen"]) == (2, 4, "cost", "none")
+
+
+def test_auto_dtype_is_float32_on_every_device_with_tf32_off():
+    """--dtype auto: float32 on CUDA too (the only dtype in which identity with HF greedy holds), and loading a
+    float32 model turns TF32 off even if something turned it on before."""
+    assert verify.pick_dtype("auto", torch.device("cuda")) == torch.float32
+    assert verify.pick_dtype("auto", torch.device("cpu")) == torch.float32
+    assert verify.pick_dtype("bfloat16", torch.device("cuda")) == torch.bfloat16
+    before = torch.get_float32_matmul_precision()
+    try:
+        torch.set_float32_matmul_precision("high")  # what a library that wants TF32 does
+        verify.load_model(verify.DEFAULT_MODEL, device="cpu", dtype="auto")
+        assert torch.get_float32_matmul_precision() == "highest"
+    finally:
+        torch.set_float32_matmul_precision(before)
+
+
+def test_compare_in_bfloat16_says_identity_is_not_expected():
+    """A user who asks for bfloat16 is told plainly that a many-row forward rounds differently, and gets the
+    agreement report rather than a bare NO."""
+    r = run("--prompt", "Name a color.", "--max-new-tokens", "6", "--dtype", "bfloat16", "--compare")
+    assert r.returncode == 0, r.stderr
+    assert "identity is not expected in bfloat16" in r.stdout and "--dtype float32" in r.stdout
+    r = run("--prompt", "Name a color.", "--max-new-tokens", "6", "--dtype", "bfloat16", "--compare", "--json")
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    assert out["dtype"] == "bfloat16" and out["identity_expected"] is False
+
+
+def test_rounding_tolerance_grows_with_coarser_dtypes():
+    tol = verify.rounding_tolerance
+    assert tol(torch.float32) < tol(torch.float16) < tol(torch.bfloat16)
