@@ -66,3 +66,6 @@ def pytest_configure(config):
     config.addinivalue_line(
         "markers", "compat: the lossless tests the CI compatibility job re-runs with the oldest transformers"
     )
+    config.addinivalue_line(
+        "markers", "cuda: the GPU tier (tests/test_cuda.py): skipped without CUDA; run it with pytest -m cuda"
+    )
