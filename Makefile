@@ -11,7 +11,7 @@ COMPAT_VENV ?= .venv-compat
 COMPAT_TRANSFORMERS ?= transformers==4.57.6
 COMPAT_STAMP := $(COMPAT_VENV)/.installed
 
-.PHONY: install demo test compat bench figures clean
+.PHONY: install demo test compat bench gpu-bench figures clean
 
 $(STAMP): requirements.txt
 	$(PYTHON) -m venv $(VENV)
@@ -41,6 +41,12 @@ compat: $(COMPAT_STAMP)
 
 bench: $(STAMP)
 	$(BIN)/python bench.py --methods vanilla,hf-greedy,hf-pld,ngram
+
+# On a GPU machine: the float32 bench of every method with its HF peers, the long prompts and FAFO's step times per
+# back-end, into bench/results/gpu-<name>/ (bench/gpu_bench.sh; PARTS="report card long steps tier" picks parts).
+# It uses .venv if there is one, else python3 (a GPU box often has torch with CUDA installed system-wide).
+gpu-bench:
+	PYTHON=$(if $(wildcard $(BIN)/python),$(BIN)/python,python3) bash bench/gpu_bench.sh $(PARTS)
 
 # Every figure of TUTORIAL.md, redrawn from the code into docs/figures/ (about a minute: one model load and
 # one cost-curve measurement; the benchmark figures read committed rows in bench/results/).
