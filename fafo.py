@@ -98,7 +98,9 @@ class FafoConfig:
     @classmethod
     def paper(cls) -> "FafoConfig":
         """n and k from the ablation (Tables 11, 12). The exact Init+Local budget for short prompts is not
-        given (Table 13's best is ~760 tokens); we keep 256, one FlexAttention block pair."""
+        given (Table 13's best is ~760 tokens); we keep 256, one FlexAttention block pair. The back-end stays
+        "dense" (the CUDA default), by measurement: on an H100, split and eager flex were slower than dense at
+        1k-7k tokens (TUTORIAL.md §6.3); flex-compiled has not been timed on a GPU yet."""
         return cls()
 
     @classmethod
