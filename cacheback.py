@@ -450,7 +450,8 @@ def generate(model, prompt_ids: Sequence[int], max_new_tokens: int, eos_ids: Seq
     text = list(prompt_ids)  # prompt + emitted tokens: the context the tables are queried with
     learn(dynamic, text, 0)  # §3.3: initialise the dynamic table with a sliding window over the prompt
 
-    cache = verify.new_cache(model)
+    # the cache's capacity: prompt + output + the largest step (the root and up to TDL tree tokens)
+    cache = verify.new_cache(model, len(prompt_ids) + max_new_tokens + cfg.tdl + 1)
     pending = verify.first_token(verify.prefill(model, cache, prompt_ids), len(prompt_ids), sampling)
     text.append(pending)
     learn(dynamic, text, len(text) - 1)

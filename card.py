@@ -258,10 +258,11 @@ class Drafter:
         self.layers_fed = 0  # draft forwards done (one per layer)
         self.kv_ready = None  # CUDA: an event recorded after correct() compacted the draft KV (see step())
 
-    def start(self, text: Sequence[int]) -> None:
-        """text = the verified tokens, its last one the (unfed) root."""
+    def start(self, text: Sequence[int], capacity: int = 256) -> None:
+        """text = the verified tokens, its last one the (unfed) root; capacity: the most KV positions the draft
+        cache will hold (verify.new_cache)."""
         self.text = list(text)
-        self.cache = verify.new_cache(self.model)
+        self.cache = verify.new_cache(self.model, capacity)
         self.dp = 0  # verified tokens whose KV is in the draft cache (text[:dp])
         self.tree.reset(self.text[-1])
         self.root_pos = len(self.text) - 1  # the text position of the tree's root
@@ -397,8 +398,8 @@ class Drafter:
 
 
 class CacheOnlyDrafter(Drafter):
-    def start(self, text: Sequence[int]) -> None:
-        super().start(text)
+    def start(self, text: Sequence[int], capacity: int = 256) -> None:
+        super().start(text, capacity)
         self.qroot = None  # the node the verified text has reached inside the tree (None: the root)
 
     def lead(self) -> int:
@@ -506,12 +507,14 @@ def generate(model, prompt_ids: Sequence[int], max_new_tokens: int, eos_ids: Seq
     gen = Generation(max_new_tokens, eos_ids, on_emit=on_emit, on_step=on_step)
     gen.extra.update(hits=0, misses=0, verified=0)
 
-    cache = verify.new_cache(model)
+    # the target's cache: prompt + output + the largest step (the pending token and a chain of r)
+    cache = verify.new_cache(model, len(prompt_ids) + max_new_tokens + ratio + 1)
     pending = verify.first_token(verify.prefill(model, cache, prompt_ids), len(prompt_ids), sampling)
     if gen.finish_prefill(pending):
         return gen
     drafter = (Drafter if cfg.correct else CacheOnlyDrafter)(draft, cfg.k, cfg.topk)
-    drafter.start(list(prompt_ids) + [pending])
+    # the draft's cache: the verified text + up to max_lead + 1 layers of K nodes ahead of it
+    drafter.start(list(prompt_ids) + [pending], capacity=len(prompt_ids) + max_new_tokens + (max_lead + 2) * cfg.k)
 
     cond, turn, stop, errors, worker = threading.Condition(), threading.Event(), threading.Event(), [], None
     main_threads = torch.get_num_threads()

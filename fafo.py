@@ -661,8 +661,8 @@ def generate(model, prompt_ids: Sequence[int], max_new_tokens: int, eos_ids: Seq
     # anyway); the flex path pads to exactly m (static shapes) with dummy candidates that can never be accepted.
     static = cfg.attn.startswith("flex")
 
-    # -- prefill (a plain forward) and the first token
-    cache = verify.new_cache(model)
+    # -- prefill (a plain forward) and the first token; the cache holds prompt + output + one whole step's rows
+    cache = verify.new_cache(model, len(prompt_ids) + max_new_tokens + 1 + n * k + m * k)
     ids = torch.tensor([list(prompt_ids)], device=model.device)
     out = model(input_ids=ids, past_key_values=cache, use_cache=True, output_hidden_states=compressor.needs_query,
                 **verify.last_logits_only(model))
@@ -751,7 +751,7 @@ def step_times(model, context: int, backends: Sequence[str] = ("dense", "split",
     rng = random.Random(0)
     vocab = model.config.vocab_size
     ids = [rng.randrange(vocab) for _ in range(context)]
-    cache = verify.new_cache(model)
+    cache = verify.new_cache(model, context + lay.rows)
     verify.prefill(model, cache, ids)
     windows = [[rng.randrange(vocab) for _ in range(lay.k)] for _ in range(lay.n)]
     cands = [tuple(rng.randrange(vocab) for _ in range(lay.k)) for _ in range(lay.m)]

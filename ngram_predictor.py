@@ -366,7 +366,8 @@ def generate(model, prompt_ids: Sequence[int], max_new_tokens: int, eos_ids: Seq
         draft_costs = measure_draft_costs(model, cfg.draft_count)
     gate = CostGate(draft_costs, cfg.max_order, cfg.draft_count)
 
-    cache = verify.new_cache(model)
+    # the cache's capacity: prompt + output + the largest step (the pending token and a full draft)
+    cache = verify.new_cache(model, len(prompt_ids) + max_new_tokens + cfg.draft_count + 1)
     known = verify.first_token(verify.prefill(model, cache, prompt_ids), len(prompt_ids), sampling)
     predictor.update(known)
     if gen.finish_prefill(known):

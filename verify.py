@@ -20,8 +20,9 @@ The public names, in the order this file defines them:
     2  ancestor_matrix, ancestor_matrix_bruteforce,     tree attention: who may see whom, the additive 4D
        tree_attention_mask, additive_mask,              mask every attention backend honours, RoPE positions
        tree_position_ids
-    3  check_supported, new_cache, cache_len,           the one verification forward, on a cache we know how
-       last_logits_only, prefill, check_filled,         to roll back (and a one-line refusal where we cannot)
+    3  check_supported, PreallocatedLayer,              the one verification forward, on a preallocated KV
+       PreallocatedKVCache, new_cache, cache_len,       cache we know how to roll back (and a one-line
+       last_logits_only, prefill, check_filled,         refusal where we cannot)
        tree_forward
     4  accept_greedy                                    longest accepted path + bonus token
     4b Sampling, accept, first_token                    the same walk for sampled decoding, still exact
@@ -306,17 +307,134 @@ def check_supported(model) -> None:
         )
 
 
-def new_cache(model):
+# The KV cache. transformers' DynamicCache appends each step's keys/values with torch.cat, which COPIES the
+# whole cache of every layer at every step: at a 4k context that copy took 34-155 ms of a ~200 ms CPU step,
+# more than attention (TUTORIAL.md §5.7). Speculative decoding also keeps rolling the cache back. Both want
+# the same thing: one buffer per layer, allocated once, and a length.
+#
+#     buffer  [ k_0  k_1  ...  k_{len-1} | this step's q rows | free ........................ ]
+#               `keys` = buffer[:, :, :len]  (a view, no copy)                        capacity
+#
+#   update(k, v)   write the q new rows at [len, len + q) in place, len += q, return the filled view
+#   rollback       len = keep               (nothing is freed or copied; the stale rows are overwritten later)
+#   compact_kv     gather the accepted rows down in place, then len = prefix + accepted
+#
+# The capacity is known at the start (prompt + max_new_tokens + the largest step), so a step never allocates.
+# If a caller's estimate is short, the buffer doubles (one copy, counted in `grown`): never silently wrong.
+# note: only CacheLayerMixin / Cache's public hooks are used (update, get_seq_length, get_mask_sizes, crop,
+# keys / values), the ones the same from transformers 4.57 through 5.x; the model code is not touched.
+
+
+class PreallocatedLayer(CacheLayerMixin):
+    """One layer: buffers [B, H_kv, capacity, D] allocated at the first update (shapes, dtype and device are
+    taken from the first keys/values, so every model family fits) and a length. `keys` and `values` are always
+    views of the filled part, exactly what a DynamicCache layer would hold.
+
+    >>> layer = PreallocatedLayer(capacity=4)
+    >>> k, _ = layer.update(torch.ones(1, 2, 3, 8), torch.ones(1, 2, 3, 8))   # a 3-token prefill
+    >>> k.shape[-2], layer.capacity, k.data_ptr() == layer.k_buf.data_ptr()   # a view, not a copy
+    (3, 4, True)
+    >>> layer.crop(-2); layer.get_seq_length()                                 # rollback moves the length
+    1
+    >>> _ = layer.update(torch.ones(1, 2, 5, 8), torch.ones(1, 2, 5, 8)); layer.capacity, layer.grown  # 6 > 4
+    (8, 1)
+    """
+
+    is_sliding = False
+    is_croppable = True  # transformers 5.x asks this before it trusts crop() to undo a step
+
+    def __init__(self, capacity: int = 256):
+        super().__init__()
+        self.capacity = max(1, int(capacity))
+        self.length = 0
+        self.grown = 0  # how often the buffer had to double (0 when the caller's capacity was right)
+        self.k_buf = self.v_buf = None
+
+    def lazy_initialization(self, key_states, value_states):
+        b, h, _, dk = key_states.shape
+        self.k_buf = key_states.new_empty(b, h, self.capacity, dk)  # [B, H_kv, capacity, D]
+        self.v_buf = value_states.new_empty(b, h, self.capacity, value_states.shape[-1])
+        self.dtype, self.device = key_states.dtype, key_states.device
+        self.is_initialized = True
+        self.set_length(0)
+
+    def set_length(self, n: int) -> None:
+        """Keep the first n positions (a rollback when n < length); `keys`/`values` become views of them."""
+        assert 0 <= n <= self.capacity, f"cache layer: cannot hold {n} positions (capacity {self.capacity})"
+        self.length = n
+        if self.k_buf is not None:
+            self.keys = self.k_buf[:, :, :n]  # [B, H_kv, n, D], a view
+            self.values = self.v_buf[:, :, :n]
+
+    def grow(self, need: int) -> None:
+        """The capacity was too small: double it (at least to `need`) and copy the filled part over, once."""
+        cap = max(2 * self.capacity, need)
+        for name in ("k_buf", "v_buf"):
+            old = getattr(self, name)
+            new = old.new_empty(*old.shape[:2], cap, old.shape[-1])
+            new[:, :, : self.length] = old[:, :, : self.length]
+            setattr(self, name, new)
+        self.capacity, self.grown = cap, self.grown + 1
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        """Write this step's rows [B, H_kv, q, D] behind the cached ones, in place; return the filled views."""
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        start, end = self.length, self.length + key_states.shape[-2]
+        if end > self.capacity:
+            self.grow(end)
+        self.k_buf[:, :, start:end] = key_states
+        self.v_buf[:, :, start:end] = value_states
+        self.set_length(end)
+        return self.keys, self.values
+
+    def get_seq_length(self, *args) -> int:
+        return self.length
+
+    def get_mask_sizes(self, query, *args) -> tuple[int, int]:
+        """(kv_length, kv_offset) for the mask: 5.x passes the query length, 4.57 the cache positions."""
+        q = query if isinstance(query, int) else int(query.shape[0])
+        return self.length + q, 0
+
+    def get_max_length(self) -> int:  # -1: no fixed maximum (it can grow), so masks are sized as for a DynamicCache
+        return -1
+
+    get_max_cache_shape = get_max_length  # the same method under its transformers 4.57 name (a shim)
+
+    def crop(self, n: int) -> None:
+        """transformers' crop: n < 0 drops the last -n positions; n >= 0 keeps n (4.x's meaning)."""
+        self.set_length(self.length + n if n < 0 else min(n, self.length))
+
+    def reset(self) -> None:
+        self.set_length(0)
+
+
+class PreallocatedKVCache(Cache):
+    """A transformers Cache of PreallocatedLayer, one per attention layer, created on first use (so the number
+    of layers need not be read from the config). Pass it as `past_key_values`, as a DynamicCache."""
+
+    def __init__(self, capacity: int = 256, layers: list | None = None):
+        self.capacity = capacity
+        if layers is not None:  # a subclass that lays its buffers out itself (CompactedKVCache, section 9)
+            super().__init__(layers=layers)
+        else:
+            super().__init__(layer_class_to_replicate=functools.partial(PreallocatedLayer, capacity))
+
+    @property
+    def grown(self) -> int:
+        return max((layer.grown for layer in self.layers), default=0)
+
+
+def new_cache(model, capacity: int = 256) -> PreallocatedKVCache:
     """An empty KV cache we know how to roll back, or a clear refusal (see check_supported).
 
-    note: only the cache API that is the same in every transformers release we test (4.57 to 5.x) is used
-    anywhere in this repository: DynamicCache(), get_seq_length(), crop(-n) (see rollback), and each layer's
-    .keys / .values tensors [batch, kv_heads, positions, head_dim]. DynamicCache() without a config builds
-    plain full-attention layers on first use, which is all check_supported lets through."""
-    from transformers import DynamicCache
-
+    capacity: the most positions it will hold; each method passes prompt + max_new_tokens + its largest step,
+    so no step allocates (a short estimate costs one doubling, not correctness).
+    note: a caller may pass a transformers DynamicCache instead anywhere a cache is taken: only the API the two
+    share is used in this repository (get_seq_length(), crop(-n) (see rollback), and each layer's
+    .keys / .values tensors [batch, kv_heads, positions, head_dim]), the same from transformers 4.57 to 5.x."""
     check_supported(model)
-    return DynamicCache()
+    return PreallocatedKVCache(capacity)
 
 
 def cache_len(cache) -> int:
@@ -588,6 +706,7 @@ class Generation:
         self.accepted: list[int] = []  # accepted draft tokens per verification step
         self.drafted: list[int] = []  # draft tokens offered (tree size - 1) per verification step
         self.depths: list[int] = []  # the draft's depth (longest branch) per verification step
+        self.first_token_at: float | None = None  # time.perf_counter() when the first token was emitted
         self.done = False
         self.extra: dict = {}  # method-specific stats (shown in --json)
         self.on_emit = on_emit  # callback(tokens, from_draft_flags) for streaming
@@ -604,6 +723,8 @@ class Generation:
             flags.append(is_draft)
             if int(tok) in self.eos_ids or len(self.tokens) + len(new) >= self.max_new_tokens:
                 self.done = True
+        if new and self.first_token_at is None:
+            self.first_token_at = time.perf_counter()  # the end of the prefill: time to first token
         self.tokens += new
         self.from_draft += flags
         if self.on_emit and new:
@@ -641,7 +762,7 @@ def vanilla_generate(model, prompt_ids: Sequence[int], max_new_tokens: int, eos_
     method must match). Each step is a root-only tree, so it goes through exactly the same machinery as the
     speculative methods with an empty draft."""
     gen = Generation(max_new_tokens, eos_ids, **hooks)
-    cache = new_cache(model)
+    cache = new_cache(model, len(prompt_ids) + max_new_tokens + 1)
     pending = first_token(prefill(model, cache, prompt_ids), len(prompt_ids), sampling)
     if gen.finish_prefill(pending):
         return gen
@@ -837,39 +958,43 @@ def _block_mask_class():
     return BlockMask4D
 
 
-class CompactedLayer(CacheLayerMixin):
-    """One layer's view of CompactedKVCache's shared buffer. update() writes this step's rows into the
-    input region and hands the attention function the WHOLE buffer (the mask decides what is seen)."""
+class CompactedLayer(PreallocatedLayer):
+    """Section 3's preallocated layer with another layout: its buffer is layer `index` of CompactedKVCache's
+    one [layers, ...] buffer, and update() writes this step's rows into the fixed INPUT region (not behind the
+    filled part) and hands the attention function the WHOLE buffer (the mask decides what is seen)."""
 
     def __init__(self, owner, index):
-        super().__init__()
+        super().__init__(capacity=owner.slots)
         self.owner, self.index, self.is_initialized = owner, index, True
-
-    def lazy_initialization(self, key_states, value_states):
-        pass
+        self.k_buf, self.v_buf = owner.K[index], owner.V[index]  # views: [1, H_kv, slots, D]
 
     def update(self, key_states, value_states, *args, **kwargs):
         o = self.owner
         q = key_states.shape[-2]
         assert q == o.Q, f"flex path: this forward has {q} rows, the buffer's input region {o.Q} (static shapes)"
-        o.K[self.index, :, :, o.H : o.H + q] = key_states  # [1, H_kv, Q, D]
-        o.V[self.index, :, :, o.H : o.H + q] = value_states
-        return o.K[self.index], o.V[self.index]  # [1, H_kv, slots, D]
+        self.k_buf[:, :, o.H : o.H + q] = key_states  # [1, H_kv, Q, D]
+        self.v_buf[:, :, o.H : o.H + q] = value_states
+        return self.k_buf, self.v_buf  # [1, H_kv, slots, D]
 
     def get_mask_sizes(self, *args):  # 5.x passes query_length, 4.57 cache_position; the answer is the same
         return self.owner.slots, 0
 
-    def get_seq_length(self):
+    def get_seq_length(self, *args):
         return self.owner.length
 
-    def get_max_length(self):  # transformers 5.x
+    def get_max_length(self):  # a fixed buffer: the masks span every slot
         return self.owner.slots
 
-    get_max_cache_shape = get_max_length  # the same method under its transformers 4.57 name (a shim)
+    get_max_cache_shape = get_max_length
+
+    def crop(self, n: int) -> None:
+        raise NotImplementedError("CompactedKVCache keeps what commit() is given; there is nothing to crop")
 
 
-class CompactedKVCache(Cache):
-    """A fixed KV buffer [head H | input Q | tail T] shared by all layers (see the section comment).
+class CompactedKVCache(PreallocatedKVCache):
+    """A fixed KV buffer [head H | input Q | tail T] shared by all layers (see the section comment): section
+    3's preallocated cache with another layout. One buffer for all layers, so a swap between steps is one
+    gather + scatter, and the step's rows are written to the fixed input region, not behind the filled part.
 
     Book-keeping, all host-side numpy/ints except the two bounds the mask reads:
       slot_pos[s]   logical position held by slot s, -1 if unused
@@ -898,7 +1023,7 @@ class CompactedKVCache(Cache):
         self.slot_of: dict[int, int] = {}
         self.n_head = self.n_tail = 0  # host copies of the bounds
         self.moved = 0  # slots written by reselect() so far (the D2D swap traffic)
-        super().__init__(layers=[CompactedLayer(self, i) for i in range(n_layers)])
+        super().__init__(self.slots, layers=[CompactedLayer(self, i) for i in range(n_layers)])
 
     # -- the logical view ------------------------------------------------------------------------------
     @property
@@ -1548,6 +1673,11 @@ def _run(args, method, generate, config, prepare, report) -> int:
         gen.extra.update(report(model, prompt_ids, gen, cfg, extra))
     text = tok.decode(gen.tokens, skip_special_tokens=True)
     n = len(gen.tokens)
+    # at long context the prefill can be most of the wall time: the rate after the first token is the one a
+    # speculative method changes. note: choosing the first token reads the logits (.tolist()), which waits for
+    # the prefill's kernels, so on CUDA too the first token's time includes the whole prefill.
+    ttft = (gen.first_token_at or t0 + wall) - t0
+    decode_rate = (n - 1) / (wall - ttft) if n > 1 and wall > ttft else None
     result = {
         "method": method,
         "model": args.model,
@@ -1559,6 +1689,8 @@ def _run(args, method, generate, config, prepare, report) -> int:
         "mean_accepted": n / max(gen.target_forwards, 1),  # SpecBench's convention: bonus token included
         "tokens_per_s": n / wall,
         "wall_s": wall,
+        "ttft_s": ttft,
+        "decode_tokens_per_s": decode_rate,
         "draft_ms_per_step": 1000 * gen.draft_s / max(gen.steps, 1),
         **gen.extra,
         "text": text,
@@ -1593,7 +1725,7 @@ def _run(args, method, generate, config, prepare, report) -> int:
     stats = (
         f"[{method}] new tokens {n} | target forwards {gen.target_forwards} | "
         f"mean accepted {result['mean_accepted']:.2f} | {result['tokens_per_s']:.1f} tokens/s | "
-        f"draft {result['draft_ms_per_step']:.3f} ms/step"
+        f"first token {ttft:.2f} s, then {decode_rate or 0:.1f} tokens/s | draft {result['draft_ms_per_step']:.3f} ms/step"
     )
     for k, v in gen.extra.items():
         stats += f" | {k} {v:.3g}" if isinstance(v, float) else f" | {k} {v}"
