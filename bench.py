@@ -250,7 +250,8 @@ def summarize(rows, methods, baseline: str = "hf-greedy"):
     out = _summarize_pass(rows, methods, baseline)  # the counted figures, over all rows
     for g, by_method in out.items():
         for m, s in by_method.items():
-            for key in ("tokens_per_s", "speedup", "speedup_total", "decode_speedup"):
+            for key in ("tokens_per_s", "speedup", "speedup_total", "decode_speedup", "speedup_vanilla",
+                        "decode_speedup_vanilla"):
                 vals = [x[g][m][key] for x in per if m in x.get(g, {})]
                 if None in vals:  # not measured (rows without a first-token time)
                     s[key], s[key + "_std"] = None, None
@@ -268,10 +269,17 @@ def _summarize_pass(rows, methods, baseline: str):
     for r in rows:
         for g in (r["category"], "overall"):
             groups[g][r["method"]].append(r)
+    def mean(rs, key):  # None where a row lacks the figure (no first-token time) or there are no rows
+        vals = [r.get(key) for r in rs]
+        return sum(vals) / len(vals) if vals and None not in vals else None
+
     out = {}
     for g, by_method in groups.items():
         base = by_method.get(baseline, [])
         base_tps = sum(r["tokens_per_s"] for r in base) / len(base) if base else float("nan")
+        # our own plain decoding on the same KV cache: what speculation gains apart from what the cache gains
+        van = by_method.get("vanilla", [])
+        van_tps, van_dec = mean(van, "tokens_per_s"), mean(van, "decode_tokens_per_s")
         out[g] = {}
         for m in methods:
             rs = by_method.get(m, [])
@@ -281,10 +289,8 @@ def _summarize_pass(rows, methods, baseline: str):
             total_tps = sum(r["new_tokens"] for r in rs) / sum(r["wall_s"] for r in rs)
             base_total = sum(r["new_tokens"] for r in base) / sum(r["wall_s"] for r in base) if base else float("nan")
             # the decoding rate after the first token (prefill left out), SpecBench's ratio of means again
-            dec = [r.get("decode_tokens_per_s") for r in rs]
-            base_dec = [r.get("decode_tokens_per_s") for r in base]
-            decode_speedup = (sum(dec) / len(dec)) / (sum(base_dec) / len(base_dec)) if (
-                dec and base_dec and None not in dec and None not in base_dec) else None
+            dec, base_dec = mean(rs, "decode_tokens_per_s"), mean(base, "decode_tokens_per_s")
+            decode_speedup = dec / base_dec if dec and base_dec else None
             ttft = [r["ttft_s"] for r in rs if r.get("ttft_s") is not None]
             out[g][m] = {
                 "tokens_per_s": tps,
@@ -292,6 +298,9 @@ def _summarize_pass(rows, methods, baseline: str):
                 "ttft_s": sum(ttft) / len(ttft) if ttft else None,
                 "speedup": tps / base_tps,  # SpecBench's: mean of per-prompt tokens/s, over the baseline's
                 "speedup_total": total_tps / base_total,  # total tokens over total time, over the baseline's
+                # the same two ratios over our vanilla (same cache), when the run has it
+                "speedup_vanilla": tps / van_tps if van_tps else None,
+                "decode_speedup_vanilla": dec / van_dec if dec and van_dec else None,
                 "mean_accepted": sum(r["new_tokens"] for r in rs) / max(1, sum(r["target_forwards"] for r in rs)),
                 # our methods only: accepted / drafted tokens, and the share of the wall time spent drafting
                 "acceptance": (sum(r["accepted"] for r in rs) / max(1, sum(r["drafted"] for r in rs))
@@ -311,6 +320,13 @@ def _pm(s: dict, key: str, unit: str, digits: int = 2) -> str:
         return "-"
     text = f"{s[key]:.{digits}f}{unit}"
     return text + f" ± {s[key + '_std']:.{digits}f}" if s.get("passes", 1) > 1 else text
+
+
+def _over_vanilla(s: dict) -> str:
+    """'1.10x; 1.25x': SpecBench's speedup and the decode speedup over our vanilla, '-' without a vanilla run."""
+    if s.get("speedup_vanilla") is None:
+        return "-"
+    return f"{_pm(s, 'speedup_vanilla', 'x')}; {_pm(s, 'decode_speedup_vanilla', 'x')}"
 
 
 def markdown(summary, methods, baseline: str = "hf-greedy") -> str:
@@ -340,8 +356,8 @@ def markdown(summary, methods, baseline: str = "hf-greedy") -> str:
         n = next(iter(summary[c].values()))["n"]
         lines += ["", f"**{c}** ({n} prompts)", "",
                   "| method | tokens/s | speedup (SpecBench) | speedup (total tokens / total time) | decode speedup "
-                  "(after the first token) | time to first token | mean accepted | acceptance rate | drafting time "
-                  "| identical |", "|---" * 10 + "|"]
+                  "(after the first token) | over vanilla, same cache (SpecBench; decode) | time to first token | "
+                  "mean accepted | acceptance rate | drafting time | identical |", "|---" * 11 + "|"]
 
         def pct(x):
             return "-" if x is None else f"{100 * x:.1f}%"
@@ -351,7 +367,7 @@ def markdown(summary, methods, baseline: str = "hf-greedy") -> str:
                 s = summary[c][m]
                 ttft = "-" if s.get("ttft_s") is None else f"{s['ttft_s']:.2f} s"
                 lines.append(f"| {m} | {_pm(s, 'tokens_per_s', '', 1)} | {_pm(s, 'speedup', 'x')} | {_pm(s, 'speedup_total', 'x')} | "
-                             f"{_pm(s, 'decode_speedup', 'x')} | {ttft} | "
+                             f"{_pm(s, 'decode_speedup', 'x')} | {_over_vanilla(s)} | {ttft} | "
                              f"{s['mean_accepted']:.2f} | {pct(s['acceptance'])} | {pct(s['draft_share'])} | "
                              f"{100 * s['identical']:.0f}% |")
     return "\n".join(lines)

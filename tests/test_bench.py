@@ -21,8 +21,8 @@ def test_summary_gives_both_speedups_acceptance_and_drafting_share():
     assert abs(s["acceptance"] - 50 / 120) < 1e-9 and abs(s["draft_share"] - 0.7 / 7.0) < 1e-9
     assert bench.summarize(rows, ["hf-greedy"])["overall"]["hf-greedy"]["acceptance"] is None
     table = bench.markdown(bench.summarize(rows, ["hf-greedy", "ngram"]), ["hf-greedy", "ngram"])
-    # no decode rate or first-token time in these rows: shown as "-"
-    assert "| ngram | 35.0 | 1.17x | 1.71x | - | - | 1.33 | 41.7% | 10.0% | 100% |" in table
+    # no decode rate, vanilla run or first-token time in these rows: shown as "-"
+    assert "| ngram | 35.0 | 1.17x | 1.71x | - | - | - | 1.33 | 41.7% | 10.0% | 100% |" in table
 
 
 def test_decode_speedup_leaves_the_time_to_first_token_out():
@@ -32,6 +32,20 @@ def test_decode_speedup_leaves_the_time_to_first_token_out():
     s = bench.summarize(rows, ["hf-greedy", "ngram"])["overall"]["ngram"]
     assert abs(s["speedup"] - 10 / 9) < 1e-9  # end to end, the prefill hides most of it
     assert abs(s["decode_speedup"] - 2.0) < 1e-9 and s["ttft_s"] == 8.0
+
+
+def test_speedup_over_vanilla_separates_the_cache_from_the_speculation():
+    # our vanilla decodes 10 tokens in 1.6 s on the preallocated cache (HF greedy: 2 s), ngram in 1 s
+    rows = [row("hf-greedy", 1, 11, 10.0, 11, ttft_s=8.0, decode_tokens_per_s=10 / 2.0),
+            row("vanilla", 1, 11, 9.6, 11, ttft_s=8.0, decode_tokens_per_s=10 / 1.6),
+            row("ngram", 1, 11, 9.0, 6, ttft_s=8.0, decode_tokens_per_s=10 / 1.0)]
+    out = bench.summarize(rows, ["hf-greedy", "vanilla", "ngram"])["overall"]
+    assert abs(out["ngram"]["decode_speedup"] - 2.0) < 1e-9  # over HF greedy: cache and speculation together
+    assert abs(out["ngram"]["decode_speedup_vanilla"] - 1.6) < 1e-9  # over vanilla: the speculation alone
+    assert abs(out["ngram"]["speedup_vanilla"] - 9.6 / 9.0) < 1e-9
+    assert abs(out["vanilla"]["decode_speedup"] - 1.25) < 1e-9 and out["vanilla"]["speedup_vanilla"] == 1.0
+    table = bench.markdown(bench.summarize(rows, ["hf-greedy", "vanilla", "ngram"]), ["hf-greedy", "vanilla", "ngram"])
+    assert "| 1.07x; 1.60x |" in table
 
 
 def test_first_token_marks_the_first_emit_and_the_second_streamer_put():

@@ -13,7 +13,8 @@ import verify
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 JSON_KEYS = {"method", "model", "device", "dtype", "prompt_tokens", "new_tokens", "target_forwards",
-             "mean_accepted", "tokens_per_s", "wall_s", "draft_ms_per_step", "text", "token_ids"}
+             "mean_accepted", "tokens_per_s", "wall_s", "ttft_s", "decode_tokens_per_s", "draft_ms_per_step", "text",
+             "token_ids"}
 
 
 def run(*args, env=None, script="verify.py", timeout=300):
@@ -35,6 +36,9 @@ def test_json_contract_with_compare():
     assert out["mean_accepted"] == pytest.approx(out["new_tokens"] / out["target_forwards"])
     assert out["identical"] is True
     assert out["speedup"] == pytest.approx(out["tokens_per_s"] / out["baseline_tokens_per_s"])
+    # the decoding rate after the first token: the tokens after it over the time after it
+    assert 0 < out["ttft_s"] < out["wall_s"]
+    assert out["decode_tokens_per_s"] == pytest.approx((out["new_tokens"] - 1) / (out["wall_s"] - out["ttft_s"]))
 
 
 def test_plain_run_streams_text_then_stats():
