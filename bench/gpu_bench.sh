@@ -8,8 +8,9 @@
 #   bash bench/gpu_bench.sh report card  # only some parts (each stays under 10 minutes on an H100)
 #
 # Parts:
-#   report  ngram, cacheback, fafo, lookahead, vanilla against hf-greedy and hf-pld: reporting half, 128 tokens
-#   card    CARD parallel and lockstep against hf-greedy and hf-assisted (the same draft): reporting half
+#   report  ngram, cacheback, fafo, lookahead, vanilla against hf-greedy, hf-pld and hf-assisted (CARD's draft):
+#           reporting half, 128 tokens
+#   card    CARD parallel and lockstep against hf-greedy: reporting half, 128 tokens
 #   long    the long prompts' reporting half (1k-7k tokens), FAFO and Lookahead on dense and split, 128 tokens
 #   steps   one FAFO and one Lookahead step at 1k, 2k, 4k and 7k tokens on dense, split and flex-compiled
 #   tier    the CUDA test tier (pytest -m cuda), its output in tier.txt
@@ -34,10 +35,10 @@ for part in "${parts[@]}"; do
   case "$part" in
     report)
       "$py" bench.py --split report --max-new-tokens 128 --dtype float32 \
-        --methods hf-greedy,hf-pld,vanilla,ngram,cacheback,fafo,lookahead --out "$out/report.jsonl" ;;
+        --methods hf-greedy,hf-pld,hf-assisted,vanilla,ngram,cacheback,fafo,lookahead --out "$out/report.jsonl" ;;
     card)
       "$py" bench.py --split report --max-new-tokens 128 --dtype float32 \
-        --methods hf-greedy,hf-assisted,card,card-lockstep --out "$out/card.jsonl" ;;
+        --methods hf-greedy,card,card-lockstep --out "$out/card.jsonl" ;;
     long)
       "$py" bench.py --prompts bench/long_prompts.jsonl --split report --max-new-tokens 128 --dtype float32 \
         --methods hf-greedy,vanilla,ngram,cacheback,fafo@attn=dense,lookahead@attn=dense,fafo@attn=split,lookahead@attn=split \
