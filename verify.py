@@ -277,8 +277,8 @@ STATEFUL_HINTS = ("mamba", "rwkv", "recurrent", "xlstm", "ssm", "hyena", "retnet
 
 def check_supported(model) -> None:
     """Raise UserError (one line, naming the reason) if greedy speculative decoding cannot stay lossless on
-    this model with a plain DynamicCache. Cheap: reads only the config. `new_cache` calls it, so every
-    method's generate() refuses such a model before it does anything."""
+    this model with a plain per-position KV cache (ours, or a DynamicCache). Cheap: reads only the config.
+    `new_cache` calls it, so every method's generate() refuses such a model before it does anything."""
     cfg = model.config
     name = getattr(cfg, "model_type", type(model).__name__)
     layer_types = [str(t) for t in (getattr(cfg, "layer_types", None) or [])]
@@ -472,7 +472,7 @@ def check_filled(cache, n: int) -> None:
     if cache_len(cache) != n:
         raise UserError(
             f"the model stored {cache_len(cache)} KV positions for a {n}-token prompt: it does not keep one "
-            "key/value per position in a DynamicCache, so drafts cannot be rolled back"
+            "key/value per position in the cache it was given, so drafts cannot be rolled back"
         )
 
 
@@ -1052,7 +1052,8 @@ class CompactedKVCache(PreallocatedKVCache):
 
     # -- filling it ------------------------------------------------------------------------------------
     def load(self, dense_cache, selected: Sequence[int]) -> None:
-        """Move a prefilled DynamicCache in: the selected positions to the head, the rest to the tail."""
+        """Move a prefilled cache (section 3's, or a DynamicCache) in: the selected positions to the head, the
+        rest to the tail."""
         n = dense_cache.get_seq_length()
         chosen = set(int(x) for x in selected)
         sel = sorted(chosen)
