@@ -413,7 +413,8 @@ def main(argv=None) -> int:
     p.add_argument("--max-new-tokens", type=int, default=128, help="per prompt (default: 128)")
     p.add_argument("--model", default=verify.DEFAULT_MODEL, help="as in every method script")
     p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N")
-    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"], help="auto = float32 on every device (TF32 off): the dtype whose outputs are token-identical to "
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                   help="auto = float32 on every device (TF32 off): the dtype whose outputs are token-identical to "
                         "HF greedy; bfloat16/float16 round a many-row forward differently, so 'identical' drops")
     p.add_argument("--no-chat", action="store_true", help="feed the raw prompt, no chat template")
     p.add_argument("--limit", type=int, default=None, help="at most this many prompts per category")

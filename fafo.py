@@ -665,7 +665,8 @@ def generate(model, prompt_ids: Sequence[int], max_new_tokens: int, eos_ids: Seq
     static = cfg.attn.startswith("flex")
 
     # -- prefill (a plain forward) and the first token; the cache holds prompt + output + one whole step's rows
-    cache = verify.new_cache(model, len(prompt_ids) + max_new_tokens + 1 + n * k + m * k)
+    layout = StepLayout(n, k, m)
+    cache = verify.new_cache(model, len(prompt_ids) + max_new_tokens + layout.rows)
     ids = torch.tensor([list(prompt_ids)], device=model.device)
     out = model(input_ids=ids, past_key_values=cache, use_cache=True, output_hidden_states=compressor.needs_query,
                 **verify.last_logits_only(model))
@@ -674,7 +675,6 @@ def generate(model, prompt_ids: Sequence[int], max_new_tokens: int, eos_ids: Seq
     if gen.finish_prefill(pending):
         return gen
     context = list(prompt_ids) + [pending]  # x_1 .. x_|x|; the last one is not in the KV cache yet
-    layout = StepLayout(n, k, m)
     if static:
         kv = FlexKV(model, cache, layout, compressor.budget, len(prompt_ids) + max_new_tokens + k + 1,
                     cfg.block_size, compiled=cfg.attn == "flex-compiled")

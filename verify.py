@@ -414,7 +414,6 @@ class PreallocatedKVCache(Cache):
     of layers need not be read from the config). Pass it as `past_key_values`, as a DynamicCache."""
 
     def __init__(self, capacity: int = 256, layers: list | None = None):
-        self.capacity = capacity
         if layers is not None:  # a subclass that lays its buffers out itself (CompactedKVCache, section 9)
             super().__init__(layers=layers)
         else:
