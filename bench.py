@@ -309,6 +309,9 @@ def _summarize_pass(rows, methods, baseline: str):
                                 if all("draft_s" in r for r in rs) else None),
                 "per_position": position_rates(rs) if all("per_position" in r for r in rs) else None,
                 "identical": sum(bool(r["identical"]) for r in rs) / len(rs),
+                # CARD only: its cost model's prediction (card.py section 3b) and its cache hit rate, per-prompt means
+                "predicted": mean(rs, "predicted_speedup"),
+                "hit_rate": mean(rs, "hit_rate"),
                 "n": len({r["question_id"] for r in rs}),  # prompts (a prompt run in several passes counts once)
             }
     return out
@@ -349,6 +352,17 @@ def markdown(summary, methods, baseline: str = "hf-greedy") -> str:
         for m in shown:
             rates = summary["overall"][m]["per_position"]
             lines.append(f"| {m} | " + " | ".join("-" if x is None else f"{100 * x:.0f}%" for x in rates) + " |")
+    # CARD's cost model beside the measurement: a large gap means a cost the model leaves out (or noise)
+    predicted = [m for m in methods if summary["overall"].get(m, {}).get("predicted") is not None]
+    if predicted:
+        lines += ["", "CARD's cost model (card.py section 3b): the speedup predicted from the measured step times, mean "
+                  "accepted length and hit rate (over a plain one-token target step), beside the measured one "
+                  "(SpecBench's, over " + baseline + "), all prompts:", "",
+                  "| method | predicted | measured | mean accepted | hit rate |", "|---" * 5 + "|"]
+        for m in predicted:
+            s = summary["overall"][m]
+            lines.append(f"| {m} | {s['predicted']:.2f}x | {_pm(s, 'speedup', 'x')} | {s['mean_accepted']:.2f} | "
+                         f"{s['hit_rate']:.2f} |")
     # the detailed tables: both speedup definitions side by side (they disagree when prompts differ in length:
     # total tokens over total time weighs the slow prompts more), then the decode rate after the first token
     # (on long prompts the prefill is most of the wall time and is the same for every method)

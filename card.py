@@ -6,7 +6,7 @@ Query-and-Correct Paradigm for Accelerating LLM Inference", 2025, arXiv:2508.044
 Classic speculative decoding is draft-THEN-verify: the target waits while the draft drafts, the draft waits
 while the target verifies. CARD lets both run at the same time:
 
-    DRAFT   (a worker, all the time) grows a scored tree of candidate continuations -- "the cache" -- one
+    DRAFT   (the draft model, all the time) grows a scored tree of candidate continuations -- "the cache" -- one
             layer of at most K nodes per draft forward: the top-k children of every node of the newest
             layer, scored parent's cumulative probability x child probability, globally top-K'd
                                                                           (§2.2, Eq. 1-9; its mask: §2.3)
@@ -25,33 +25,42 @@ File layout, in the paper's order:
     1. The candidate cache   primary layers + secondary (token, score, parent) cache   (§2.2, Figure 3)
     2. The drafter           draft forwards over a layer with the §2.3 mask; correction (§2.3, §2.4)
     2b. Ablation             Table 2's "cache only": query without correcting
-    3. The decode loop       lockstep (r layers per target step) and parallel (a worker thread)
-    4. CLI
+    3. The decode loop       lockstep (r layers per target step, one process) and parallel (the draft in its
+                             own process, messages of token ids)
+    3b. The cost model       the speedup that r, the acceptance and the hit rate predict
+    4. Drafts and CLI        offline drafts derived from the target (int8, first L layers, bfloat16)
 
     python card.py --prompt "Explain what a hash map is." --compare
 
-    from card import CardConfig, generate                    # as a library (draft: same tokenizer)
-    gen = generate(target, prompt_ids, 128, eos_ids, CardConfig.cpu(), draft=draft)
+    from card import CardConfig, generate, load_draft      # as a library (draft: same tokenizer)
+    cfg = CardConfig.cpu()
+    gen = generate(target, prompt_ids, 128, eos_ids, cfg, draft=load_draft(target, tok, cfg))
 
-The default pair is the default model in float32 (target) and THE SAME WEIGHTS in bfloat16 (draft): the
-only pair available offline. It stands in for a real small/large pair, e.g. --draft
-HuggingFaceTB/SmolLM2-135M-Instruct --target HuggingFaceTB/SmolLM2-1.7B-Instruct (hub ids need network
-access or a local copy).
+No second model can be downloaded here, so the drafts are derived from the target (section 4). On a CPU the
+default is the target with its linear layers in int8 (~3x cheaper per step); on CUDA the target's weights in
+bfloat16, which only stands in for a real small/large pair there (a GPU step of a small model costs the same
+in any dtype), e.g. --draft HuggingFaceTB/SmolLM2-135M-Instruct --target HuggingFaceTB/SmolLM2-1.7B-Instruct
+(hub ids need network access or a local copy).
 
 Greedy decoding, float32 target: the output is identical to the target's model.generate(do_sample=False) in
 both modes, except at exact ties within rounding (see verify.py); measured on every prompt we run
 (tests/test_card.py). Sampled (--temperature), the output is exactly the plain sampler's for the same seed
-(verify.py section 4b; TUTORIAL.md §1.8 measures what drafting deterministically gives up).
+(verify.py section 4b; TUTORIAL.md §1.8 measures what drafting deterministically gives up). In parallel mode
+the timing decides only how long the drafts are, never which tokens are emitted: the target decides every one.
 """
 
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
 import math
+import re
+import signal
 import sys
-import threading
 import time
+import warnings
+import weakref
 from dataclasses import dataclass, field
 from typing import Sequence
 
@@ -77,12 +86,13 @@ class CardConfig:
     k: int = 100  # K, the primary cache size: candidate sequences kept per tree layer (Eq. 7)
     topk: int = 100  # k, children proposed per node from the draft's top-k (Eq. 2)
     ratio: int | str = 7  # r, the communication ratio ~ t(target step) / t(draft layer); "auto" = measured
-    mode: str = "parallel"  # "parallel": the draft in a worker thread; "lockstep": r layers, then one target step
+    mode: str = "parallel"  # "parallel": the draft in its own process; "lockstep": r layers, then one target step
     correct: bool = True  # False = Table 2's "cache only" ablation (section 2b)
     max_lead: int | None = None  # layers the cache may run ahead of the verified text (None: 2r, as the reference)
-    draft: str | None = None  # the draft model's name for prepare() (None: the target's own weights)
-    draft_dtype: str = "bfloat16"  # the draft's dtype
-    draft_threads: int | None = None  # CPU, parallel mode: the worker's threads (None: half the cores)
+    wait: int | None = None  # parallel: layers the cache must lead by before a query is answered (None: r)
+    draft: str = "self"  # the draft prepare() builds: int8, layers:L, self or a model name (section 4)
+    draft_dtype: str = "bfloat16"  # the dtype of draft "self" or a named draft
+    draft_threads: int | None = None  # CPU, parallel mode: the draft process's threads (None: half the cores)
     target_threads: int | None = None  # CPU, parallel mode: the target's threads (None: the rest)
 
     @classmethod
@@ -93,9 +103,10 @@ class CardConfig:
 
     @classmethod
     def cpu(cls) -> "CardConfig":
-        """Measured on the tuning half of the shipped prompts (TUTORIAL.md §4.6): a one-node-wide cache,
-        r = 4, lockstep. K = 1 keeps CARD's loop (query, verify, correct) but not its width."""
-        return cls(k=1, topk=1, ratio=4, mode="lockstep")
+        """Measured on the tuning half of the shipped prompts (TUTORIAL.md §4.6): the int8 draft in its own
+        process, a one-node-wide cache, r = 5, answering a query once 3 layers are ready. K = 1 keeps CARD's
+        loop (query, verify, correct) but not its width."""
+        return cls(k=1, topk=1, ratio=5, mode="parallel", wait=3, draft="int8")
 
     @classmethod
     def for_device(cls, device) -> "CardConfig":
@@ -112,6 +123,10 @@ class CardConfig:
             v = getattr(self, name)
             if v != "auto" and v < 1:
                 raise verify.UserError(f"--{name} must be at least 1 (got {v})")
+        for name, low in (("wait", 0), ("max_lead", 1), ("draft_threads", 1), ("target_threads", 1)):
+            v = getattr(self, name)
+            if v is not None and v < low:
+                raise verify.UserError(f"--{name.replace('_', '-')} must be at least {low} (got {v})")
         if self.mode not in ("lockstep", "parallel"):
             raise verify.UserError(f"--mode must be lockstep or parallel (got {self.mode!r})")
 
@@ -256,7 +271,6 @@ class Drafter:
         self.tree = CandidateCache(k, topk)
         self.cache = None
         self.layers_fed = 0  # draft forwards done (one per layer)
-        self.kv_ready = None  # CUDA: an event recorded after correct() compacted the draft KV (see step())
 
     def start(self, text: Sequence[int], capacity: int = 256) -> None:
         """text = the verified tokens, its last one the (unfed) root; capacity: the most KV positions the draft
@@ -273,18 +287,10 @@ class Drafter:
         p, t = probs.topk(self.tree.k, dim=-1)
         return [list(zip(ti, pi)) for ti, pi in zip(t.tolist(), p.tolist())]
 
-    @torch.no_grad()  # subtle: grad mode is per thread; the worker thread needs its own no_grad
+    @torch.no_grad()
     def step(self) -> None:
         """One draft forward: feed the frontier (or, first, the root) and grow the next layer."""
         tree, model = self.tree, self.model
-        if self.kv_ready is not None:
-            # subtle (CUDA, parallel mode): correct() compacted the draft KV on the TARGET thread's stream,
-            # and this forward runs on the worker's own stream. CUDA orders work only within a stream, so
-            # without this wait the forward could read the KV while the compaction is still moving it. The
-            # wait is queued on the GPU (the host thread does not block); in lockstep mode both run on one
-            # stream and it costs nothing.
-            torch.cuda.current_stream(model.device).wait_event(self.kv_ready)
-            self.kv_ready = None
         root = tree.nodes[tree.root]
         if root.slot is None:
             # Catch up: feed the verified tokens the draft has not seen, ending with the root (causal).
@@ -336,9 +342,6 @@ class Drafter:
         slots = [tree.nodes[n].slot for n in verified + keep]
         assert slots == sorted(slots)
         verify.compact_kv(self.cache, self.dp, [s - self.dp for s in slots])
-        if self.model.device.type == "cuda":  # the worker's next step() waits for this (see there)
-            self.kv_ready = torch.cuda.Event()
-            self.kv_ready.record(torch.cuda.current_stream(self.model.device))
         self.dp += len(verified)
         self.root_pos = len(self.text) - 1
         if x is None:  # MISS: restart the cache from the target's token
@@ -435,68 +438,234 @@ class CacheOnlyDrafter(Drafter):
 
 
 # ----------------------------------------------------------------------------------------------------------
-# 3. The decode loop
+# 3. The decode loop: lockstep (one process) and parallel (the draft in its own process)
 # ----------------------------------------------------------------------------------------------------------
 #
-# lockstep  per target step the draft does exactly r layers, then the target queries: deterministic, one
-#           thread (what the released code effectively does; the fallback for one-core machines).
-# parallel  a worker thread feeds layers as long as the cache leads the verified text by < max_lead layers.
-#           The target queries, verifies (while the worker keeps drafting), then corrects. The tree is
-#           guarded by a lock: the worker holds it during one draft forward, so the target waits at most
-#           one draft step (~1/r of its own) to query or correct. On CUDA the worker has its own stream;
-#           on a CPU the cores are split between the two models (torch threads are per Python thread).
+# Both modes put the draft behind the same two calls, so the target's loop below is one loop:
+#   start(text, capacity)     a new prompt: the verified text so far, its last token the tree's root
+#   query(accepted, bonus)    CORRECT the cache with the target's last step (None the first time), then QUERY
+#                             it: -> (chain, hit), the best path of up to r tokens below the verified text
+#
+# lockstep  LockstepDraft: the draft lives in this process and does exactly r layers per query, then answers:
+#           deterministic, what the released code effectively does, and the path the tests pin down.
+# parallel  DraftProcess: the draft lives in a second process with its own Drafter, KV cache and candidate
+#           cache. It feeds layers whenever the cache leads the verified text by < max_lead layers, and
+#           between two layers it answers the target's messages. While the target verifies a chain, the
+#           draft keeps drafting below it, so after a hit the next chain is (partly) ready:
+#
+#     target:  query ─> verify the chain (r + 1 rows) ─────────────> correct+query ─> verify ...
+#     draft:   answer   layer  layer  layer  layer (below the chain)  answer          layer ...
+#
+# Why a process and not a thread: a small model's step is mostly host work (Python, kernel launches), and
+# two threads of one process take turns on the GIL. An earlier thread version of this file measured a mean
+# accepted length of 1.01 on an H100: at query time the draft had had no turn. The published CARD code also
+# runs the two models as two processes. Here they share nothing but a pipe, and the messages are token ids
+# (a few hundred bytes), never tensors:
+#
+#   target -> draft   ("start", run, text, capacity, max_lead)
+#                     ("query", run, accepted, bonus, r, wait)   correct (accepted None: nothing to correct),
+#                                                                then answer once the cache leads by `wait`
+#                                                                layers, or has reached max_lead
+#                     ("done",)                                  generate() returned: stop drafting, keep the model
+#                     ("stop",)                                  exit
+#   draft -> target   ("ready",) once, after start-up
+#                     ("chain", run, tokens, hit, layers_fed)
+#                     ("error", "ValueError: ...")               the draft failed; it then exits
+#
+# `run` numbers the generate() calls, so an answer to a query that an earlier, interrupted call left behind
+# is recognized and dropped.
 
 
-def _worker(drafter: Drafter, cond: threading.Condition, turn: threading.Event, stop: threading.Event,
-            max_lead: int, errors: list, threads: int | None, stream) -> None:
+class LockstepDraft:
+    """The draft in the target's process: r layers per query (the lockstep mode)."""
+
+    def __init__(self, draft, cfg: "CardConfig", ratio: int, max_lead: int):
+        self.drafter = (Drafter if cfg.correct else CacheOnlyDrafter)(draft, cfg.k, cfg.topk)
+        self.ratio, self.max_lead = ratio, max_lead
+
+    def start(self, text: Sequence[int], capacity: int) -> None:
+        self.drafter.start(text, capacity)
+
+    def query(self, accepted, bonus) -> tuple[list[int], bool | None]:
+        hit = None if accepted is None else self.drafter.correct(accepted, bonus)
+        for _ in range(self.ratio):
+            if self.drafter.lead() < self.max_lead:
+                self.drafter.step()
+        return self.drafter.query(self.ratio), hit
+
+    @property
+    def layers_fed(self) -> int:
+        return self.drafter.layers_fed
+
+    def done(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+class DraftProcessError(verify.UserError):
+    """The draft process died or failed. (A UserError only so that the CLI prints it as one line and exits
+    with a non-zero status, like every other error that stops a run.)"""
+
+
+def _draft_process(conn, k: int, topk: int, correct: bool, threads: int | None) -> None:
+    """The draft process's whole life (spawned by DraftProcess)."""
+    # Ctrl-C reaches every process of the terminal's process group. The target's process handles it (and
+    # then stops this one); here it would only print a second traceback.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     if threads:
         torch.set_num_threads(threads)
+    torch.set_grad_enabled(False)
+    drafter, max_lead, run, asked = None, 0, None, None
     try:
-        with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
-            while not stop.is_set():
-                with cond:
-                    # subtle: a lock is not fair. Released and re-taken at once, it would starve the target
-                    # thread; so whenever the target is waiting for the cache, the worker steps aside.
-                    while turn.is_set() and not stop.is_set():
-                        cond.wait(timeout=0.05)
-                    if stop.is_set():
-                        break
-                    if drafter.lead() < max_lead:
-                        drafter.step()
-                        if stream is not None:
-                            # the tree's tokens are read by the target thread, and correct()'s compaction
-                            # (on the target's stream) moves the KV this step wrote: both need it finished
-                            stream.synchronize()
-                    else:
-                        cond.wait(timeout=0.05)  # nothing to do until a correction: woken by it
-    except BaseException as e:  # reported to the target thread, which re-raises it
-        errors.append(e)
-        stop.set()
-        with cond:
-            cond.notify_all()
+        build, draft = conn.recv()  # the draft model, its tensors in shared memory (see DraftProcess)
+        if build is not None:
+            draft = build(draft)
+        conn.send(("ready",))
+        while True:
+            if asked is not None and drafter.lead() >= min(asked[1], max_lead):  # QUERY, once far enough ahead
+                conn.send(("chain", run, drafter.query(asked[0]), asked[2], drafter.layers_fed))
+                asked = None
+            if drafter is not None and drafter.lead() < max_lead and not conn.poll():
+                drafter.step()  # nothing asked of us right now: draft one more layer
+                continue
+            msg = conn.recv()  # idle, or a message is waiting. EOFError once the target's process is gone
+            if msg[0] == "stop":
+                return
+            if msg[0] == "done":  # the target's generate() returned: stop drafting, wait for the next prompt
+                drafter, asked = None, None
+            if msg[0] == "start":
+                _, run, text, capacity, max_lead = msg
+                drafter, asked = (Drafter if correct else CacheOnlyDrafter)(draft, k, topk), None
+                drafter.start(text, capacity)
+            elif msg[0] == "query":
+                _, run, accepted, bonus, r, wait = msg
+                hit = None if accepted is None else drafter.correct(accepted, bonus)  # CORRECT (§2.4)
+                asked = (r, wait, hit)
+    except (EOFError, BrokenPipeError, ConnectionResetError):
+        return  # the target's process is gone: nothing left to draft for
+    except BaseException as e:  # reported to the target, which raises DraftProcessError
+        with contextlib.suppress(Exception):
+            conn.send(("error", f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"))
 
 
-@contextlib.contextmanager
-def _targets_turn(cond: threading.Condition, turn: threading.Event, errors: list):
-    """The target's exclusive access to the cache (correct + query), ahead of the worker."""
-    turn.set()
-    with cond:
+def _stop_process(process, conn) -> None:
+    """Ask the draft process to stop; terminate it if it does not within a few seconds, kill it if it still
+    lives. Runs at close(), when the DraftProcess is garbage-collected, and at interpreter exit."""
+    with contextlib.suppress(Exception):
+        conn.send(("stop",))
+    process.join(timeout=5)  # subtle: the draft reads its messages between two layers, one forward at most
+    if process.is_alive():
+        process.terminate()
+        process.join(timeout=5)
+    if process.is_alive():
+        process.kill()
+        process.join()
+    conn.close()
+
+
+class DraftProcess:
+    """The draft model in its own process (the parallel mode). Starting one costs a Python start-up and the
+    imports (seconds), so a caller that decodes many prompts starts it once and passes it as `draft=`:
+
+        with card.DraftProcess(draft, cfg) as proc:           # cfg: the K, k and correction it drafts with
+            for ids in prompts:
+                card.generate(target, ids, 128, eos, cfg, draft=proc)
+
+    generate() given a plain model starts one for its own call and stops it before it returns or raises.
+    The process never outlives this one: it is stopped at close(), when this object is garbage-collected, at
+    interpreter exit, and it exits by itself when its pipe breaks (its parent died)."""
+
+    def __init__(self, draft, cfg: "CardConfig", threads: int | None = None):
+        ctx = torch.multiprocessing.get_context("spawn")  # fork is unsafe with threads and CUDA; spawn works everywhere
+        self.model, self.k, self.topk, self.correct = draft, cfg.k, cfg.topk, cfg.correct
+        if threads is None and draft.device.type == "cpu":
+            threads = cfg.draft_threads or max(1, torch.get_num_threads() // 2)
+        self.threads, self.run, self.layers_fed = threads, 0, 0
+        self.conn, child_end = ctx.Pipe()
+        self.process = ctx.Process(target=_draft_process, name="card-draft", daemon=True,
+                                   args=(child_end, cfg.k, cfg.topk, cfg.correct, threads))
+        self.process.start()
+        child_end.close()  # subtle: now only the child holds that end, so its death reads here as EOF
+        self._stop = weakref.finalize(self, _stop_process, self.process, self.conn)
+        # The model goes through the pipe: torch's pickler moves its CPU tensors to shared memory (CUDA tensors:
+        # CUDA IPC), so a draft that shares the target's weights is not copied. subtle: not as a Process
+        # argument -- those are pickled at start(), and a tensor made only for pickling (an int8 layer's
+        # unpacked weight) is freed, with its shared-memory handle, before the child can open it. And an int8
+        # draft does not survive the trip at all (torch cannot rebuild a per-channel quantized tensor from
+        # shared memory), so int8_draft() notes how it was made and the child builds its own from the target.
+        self._send(getattr(draft, "card_rebuild", (None, draft)))
+        self._receive("ready")
+
+    def _send(self, *msg) -> None:
         try:
-            if errors:
-                raise errors[0]
-            yield
-        finally:
-            turn.clear()
-            cond.notify_all()
+            self.conn.send(msg[0] if len(msg) == 1 else msg)
+        except (BrokenPipeError, ConnectionResetError, OSError):
+            self._died()
+
+    def _died(self):
+        self.close()
+        raise DraftProcessError(f"the draft process died (exit code {self.process.exitcode})")
+
+    def _receive(self, kind: str) -> tuple:
+        while True:
+            while not self.conn.poll(0.05):  # wakes as soon as a message arrives; checks the draft lives
+                if not self.process.is_alive():
+                    self._died()
+            try:
+                msg = self.conn.recv()
+            except (EOFError, ConnectionResetError, OSError):
+                self._died()
+            if msg[0] == "error":
+                self.close()
+                raise DraftProcessError(f"the draft process failed: {msg[1]}")
+            if msg[0] == kind and (kind == "ready" or msg[1] == self.run):
+                return msg  # (an answer left over from an interrupted run is dropped)
+
+    def check(self, cfg: "CardConfig") -> None:
+        if (self.k, self.topk, self.correct) != (cfg.k, cfg.topk, cfg.correct):
+            raise verify.UserError(f"this DraftProcess drafts with K={self.k}, k={self.topk}, correct={self.correct}; "
+                                   f"the config asks for K={cfg.k}, k={cfg.topk}, correct={cfg.correct}")
+
+    def start(self, text: Sequence[int], capacity: int, ratio: int, max_lead: int, wait: int) -> None:
+        self.run += 1
+        self.ratio, self.wait = ratio, wait
+        self._send("start", self.run, list(text), capacity, max_lead)
+
+    def query(self, accepted, bonus) -> tuple[list[int], bool | None]:
+        self._send("query", self.run, None if accepted is None else list(accepted), bonus, self.ratio, self.wait)
+        _, _, chain, hit, self.layers_fed = self._receive("chain")
+        return chain, hit
+
+    def done(self) -> None:
+        """The generate() call is over: the draft stops drafting (so it does not take cores from whatever the
+        caller runs next) and waits for the next start()."""
+        if self.process.is_alive():
+            with contextlib.suppress(DraftProcessError):
+                self._send("done")
+
+    def close(self) -> None:
+        self._stop()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
 
 
 @torch.no_grad()
 def generate(model, prompt_ids: Sequence[int], max_new_tokens: int, eos_ids: Sequence[int], cfg: CardConfig,
-             *, draft, sampling: verify.Sampling = verify.GREEDY, on_emit=None, on_step=None) -> Generation:
-    """CARD decoding. `model` is the target, `draft` the draft model (same tokenizer; `load_draft` loads the
-    one cfg names). cfg.mode "lockstep" is deterministic (the tests use it); "parallel" runs the draft in a
-    worker thread, as the paper. `sampling`: the target samples with keyed noise (verify.py section 4b) and
-    accepts the queried chain where it equals those samples; the draft still proposes its top-k tokens."""
+             *, draft, sampling: verify.Sampling = verify.GREEDY, costs: dict | None = None, on_emit=None,
+             on_step=None) -> Generation:
+    """CARD decoding. `model` is the target, `draft` the draft model (same tokenizer; `load_draft` builds the
+    one cfg names) or a running DraftProcess. cfg.mode "lockstep" is deterministic (the tests use it);
+    "parallel" runs the draft in its own process, as the paper. Both emit the same tokens: the target decides
+    every token. `sampling`: the target samples with keyed noise (verify.py section 4b) and accepts the
+    queried chain where it equals those samples; the draft still proposes its top-k tokens. `costs`
+    (prepare() measures them): the step times of the cost model in section 3b, which then adds its
+    prediction to the statistics."""
     cfg.check()
     if draft is None:
         raise verify.UserError("CARD needs a draft model (draft=...)")
@@ -504,82 +673,151 @@ def generate(model, prompt_ids: Sequence[int], max_new_tokens: int, eos_ids: Seq
         raise verify.UserError("cfg.ratio = 'auto' is measured by prepare() (or set r = measure_ratio(...))")
     ratio = cfg.ratio
     max_lead = 2 * ratio if cfg.max_lead is None else cfg.max_lead
+    wait = ratio if cfg.wait is None else cfg.wait
     gen = Generation(max_new_tokens, eos_ids, on_emit=on_emit, on_step=on_step)
-    gen.extra.update(hits=0, misses=0, verified=0)
+    gen.extra.update(hits=0, misses=0, verified=0, hit_tokens=0)
 
     # the target's cache: prompt + output + the largest step (the pending token and a chain of r)
     cache = verify.new_cache(model, len(prompt_ids) + max_new_tokens + ratio + 1)
     pending = verify.first_token(verify.prefill(model, cache, prompt_ids), len(prompt_ids), sampling)
     if gen.finish_prefill(pending):
         return gen
-    drafter = (Drafter if cfg.correct else CacheOnlyDrafter)(draft, cfg.k, cfg.topk)
-    # the draft's cache: the verified text + up to max_lead + 1 layers of K nodes ahead of it
-    drafter.start(list(prompt_ids) + [pending], capacity=len(prompt_ids) + max_new_tokens + (max_lead + 2) * cfg.k)
 
-    cond, turn, stop, errors, worker = threading.Condition(), threading.Event(), threading.Event(), [], None
-    main_threads = torch.get_num_threads()
-    if cfg.mode == "parallel":
-        stream, draft_threads = None, None
-        if draft.device.type == "cuda":
-            stream = torch.cuda.Stream(device=draft.device)
-        else:
-            draft_threads = cfg.draft_threads or max(1, main_threads // 2)
-            target = cfg.target_threads or max(1, main_threads - draft_threads)
-            torch.set_num_threads(target)
-        worker = threading.Thread(target=_worker, name="card-draft", daemon=True,
-                                  args=(drafter, cond, turn, stop, max_lead, errors, draft_threads, stream))
-        worker.start()
-
-    def next_chain() -> list[int]:
-        """QUERY the cache (lockstep: after exactly r new draft layers)."""
-        if worker is None:
-            for _ in range(ratio):
-                if drafter.lead() < max_lead:
-                    drafter.step()
-        chain = drafter.query(ratio)
-        return chain[: max(max_new_tokens - len(gen.tokens) - 1, 0)]  # a step emits at most len(chain) + 1
-
+    main_threads, side, owned = torch.get_num_threads(), None, False
     try:
+        if cfg.mode == "parallel":
+            side, owned = (draft, False) if isinstance(draft, DraftProcess) else (DraftProcess(draft, cfg), True)
+            side.check(cfg)
+            if side.threads:  # on a CPU the cores are split: the draft process has its share, we keep the rest
+                torch.set_num_threads(cfg.target_threads or max(1, main_threads - side.threads))
+        else:
+            side = LockstepDraft(draft.model if isinstance(draft, DraftProcess) else draft, cfg, ratio, max_lead)
+        # the draft's cache: the verified text + up to max_lead + 1 layers of K nodes ahead of it
+        capacity = len(prompt_ids) + max_new_tokens + (max_lead + 2) * cfg.k
+        if cfg.mode == "parallel":
+            side.start(list(prompt_ids) + [pending], capacity, ratio, max_lead, wait)
+        else:
+            side.start(list(prompt_ids) + [pending], capacity)
+        budget = lambda: max(max_new_tokens - len(gen.tokens) - 1, 0)  # a step emits at most len(chain) + 1
+
         t0 = time.perf_counter()
-        with _targets_turn(cond, turn, errors):
-            chain = next_chain()
-        draft_s = time.perf_counter() - t0
+        chain, _ = side.query(None, None)
+        chain, draft_s = chain[: budget()], time.perf_counter() - t0
         while True:
-            # -- VERIFY the chain with the target (in parallel mode the worker keeps drafting meanwhile)
+            # -- VERIFY the chain with the target (in parallel mode the draft keeps drafting meanwhile)
             tree = Tree.chain(pending, chain)
             prefix_len = verify.cache_len(cache)
             logits = verify.tree_forward(model, cache, tree)
             path, bonus = verify.accept(tree, logits, prefix_len, sampling)
             verify.rollback(cache, prefix_len + len(path))
             gen.extra["verified"] += len(tree)
-            if gen.finish_step(tree, path, bonus, draft_s if worker is None else 0.0):
+            if gen.finish_step(tree, path, bonus, draft_s):
                 return gen
             pending = bonus
 
-            # -- CORRECT the cache with what the target accepted, then QUERY it for the next step
+            # -- CORRECT the cache with what the target accepted, then QUERY it for the next step. draft_s: the
+            #    time the target waited for the draft (lockstep: all of the drafting)
             t0 = time.perf_counter()
-            with _targets_turn(cond, turn, errors):
-                hit = drafter.correct([tree.tokens[i] for i in path[1:]], bonus)
-                chain = next_chain()
-            draft_s = time.perf_counter() - t0
+            chain, hit = side.query([tree.tokens[i] for i in path[1:]], bonus)
+            chain, draft_s = chain[: budget()], time.perf_counter() - t0
             gen.extra["hits" if hit else "misses"] += 1
+            gen.extra["hit_tokens"] += len(path) if hit else 0  # the step's accepted tokens and its bonus
     finally:
-        stop.set()
-        if worker is not None:
-            with cond:
-                cond.notify_all()
-            worker.join()
-            torch.set_num_threads(main_threads)
-        gen.extra["draft_layers"] = drafter.layers_fed
+        torch.set_num_threads(main_threads)
+        if owned:
+            side.close()
+        elif side is not None:
+            side.done()
+        layers = side.layers_fed if side is not None else 0
         steps = max(gen.steps, 1)
         queries = max(gen.extra["hits"] + gen.extra["misses"], 1)
-        gen.extra.update(hit_rate=gen.extra["hits"] / queries, draft_layers_per_step=drafter.layers_fed / steps,
-                         verified_per_step=gen.extra["verified"] / steps)
+        gen.extra.update(draft_layers=layers, hit_rate=gen.extra["hits"] / queries,
+                         draft_layers_per_step=layers / steps, verified_per_step=gen.extra["verified"] / steps)
+        if costs and gen.steps:
+            hit_len = gen.extra["hit_tokens"] / gen.extra["hits"] if gen.extra["hits"] else None
+            gen.extra["predicted_speedup"] = predicted_speedup(
+                costs, cfg.mode, ratio, wait, len(gen.tokens) / gen.target_forwards, gen.extra["hit_rate"], hit_len)
 
 
 # ----------------------------------------------------------------------------------------------------------
-# 4. CLI
+# 3b. The cost model: the speedup that the measured step times, acceptance and hit rate predict
 # ----------------------------------------------------------------------------------------------------------
+#
+# Per target step CARD emits `mat` tokens (the mean accepted length, bonus included) where plain decoding
+# would have taken mat one-token target steps. What one CARD step costs depends on the mode:
+#
+#   lockstep  T = r * t_draft + t_verify                          the two models take turns
+#   parallel  T = h * max(t_verify, c * t_draft)                  a hit: the draft drafted while the target
+#                                                                 verified, and must replace the c layers the
+#                                                                 step consumed (c: tokens a hit step emits)
+#               + (1 - h) * (t_verify + w * t_draft)              a miss: the cache restarts from the target's
+#                                                                 token, and the target waits for w layers
+#   speedup = mat * t_target / T
+#
+# t_target: a one-token target step (plain decoding's cost per token); t_verify: a target forward over r + 1
+# rows; t_draft: one draft layer of K rows; h: the hit rate; w: the layers a query waits for (cfg.wait). In
+# parallel mode each time is measured with the cores that side gets, ONE SIDE AT A TIME: the model leaves out
+# what the two processes cost each other when they run together (memory bandwidth, caches), the messages and
+# the cache's bookkeeping. On the 2-core CPU it overestimates parallel mode by ~20% (TUTORIAL.md §4.6). The
+# paper's setting (r = 7, a draft 7x cheaper, t_verify ~ t_target on a GPU, mat ~5, h ~0.97) gives 4.85x in
+# parallel and 2.5x in lockstep -- the paper reports up to 4.83x.
+
+
+def predicted_speedup(costs: dict, mode: str, r: int, wait: int, mat: float, hit_rate: float,
+                      hit_len: float | None = None) -> float:
+    """The cost model above; costs = {"t_target", "t_verify", "t_draft"} in seconds; hit_len = c, the mean
+    tokens emitted by a step that ends in a hit (default: mat).
+
+    >>> paper = dict(t_target=1.0, t_verify=1.0, t_draft=1 / 7)
+    >>> round(predicted_speedup(paper, "parallel", 7, 7, mat=5.0, hit_rate=0.97), 2)
+    4.85
+    >>> round(predicted_speedup(paper, "lockstep", 7, 7, mat=5.0, hit_rate=0.97), 2)
+    2.5
+    """
+    t_t, t_v, t_d = costs["t_target"], costs["t_verify"], costs["t_draft"]
+    if mode == "lockstep":
+        step = r * t_d + t_v
+    else:
+        c = mat if hit_len is None else hit_len
+        step = hit_rate * max(t_v, c * t_d) + (1 - hit_rate) * (t_v + wait * t_d)
+    return mat * t_t / step
+
+
+def measure_costs(model, draft, cfg: "CardConfig") -> dict:
+    """The step times of the cost model, after 256 cached tokens (verify.measure_step_times), each with the
+    threads that side gets in cfg.mode. t_target is always measured with all of them (plain decoding's)."""
+    main_threads = torch.get_num_threads()
+    try:
+        t_target = verify.measure_step_times(model, [1], repeats=3)[1]
+        if cfg.mode == "parallel" and draft.device.type == "cpu":
+            draft_threads = cfg.draft_threads or max(1, main_threads // 2)
+            torch.set_num_threads(cfg.target_threads or max(1, main_threads - draft_threads))
+        t_verify = verify.measure_step_times(model, [cfg.ratio + 1], repeats=3)[cfg.ratio + 1]
+        if cfg.mode == "parallel" and draft.device.type == "cpu":
+            torch.set_num_threads(draft_threads)
+        t_draft = verify.measure_step_times(draft, [cfg.k], repeats=3)[cfg.k]
+    finally:
+        torch.set_num_threads(main_threads)
+    return {"t_target": t_target, "t_verify": t_verify, "t_draft": t_draft}
+
+
+# ----------------------------------------------------------------------------------------------------------
+# 4. The offline drafts, and the CLI
+# ----------------------------------------------------------------------------------------------------------
+#
+# CARD needs a draft that is CHEAPER than the target (r = t_target / t_draft > 1) and that agrees with it
+# often. No second model is available offline, so the drafts below are derived from the target itself
+# (`--draft` names each; TUTORIAL.md §4.6 measures them):
+#
+#   int8       the target with every linear layer in int8 (dynamic quantization, per output channel): ~3x
+#              cheaper on a CPU, and it agrees with the target on ~3.7 of r + 1 = 5 tokens. CPU only.
+#   layers:L   the target's first L decoder layers + its final norm and LM head, sharing its weights: the
+#              self-speculative draft of Draft & Verify (Zhang et al. 2023, arXiv:2309.08168) and LayerSkip
+#              (Elhoushi et al. 2024, arXiv:2404.16710). Untrained for early exit, it is a poor draft here
+#              (1.2 tokens a step at L = 20 of 30); LayerSkip trains the model so that it is not.
+#   self       the target's own weights in --draft-dtype (bfloat16): the best acceptance, but on a CPU it is
+#              only 1.2-1.7x cheaper and on a GPU no cheaper at all (a small model's step is launch-bound).
+#   NAME/PATH  any model with the same tokenizer, in --draft-dtype (a real small/large pair).
 
 
 def same_vocabulary(tok_a, tok_b) -> bool:
@@ -587,23 +825,86 @@ def same_vocabulary(tok_a, tok_b) -> bool:
     return tok_a.get_vocab() == tok_b.get_vocab()
 
 
-_DRAFTS: dict = {}  # (name, device, dtype) -> (model, tokenizer): bench.py's card and hf-assisted share one
+def decoder_layers(model) -> str:
+    """The module path of the model's list of decoder layers ("model.layers" for Llama): the ModuleList with
+    one entry per hidden layer."""
+    n = model.config.num_hidden_layers
+    for name, module in model.named_modules():
+        if isinstance(module, torch.nn.ModuleList) and len(module) == n:
+            return name
+    raise verify.UserError(f"cannot find the decoder layers of {type(model).__name__} for --draft layers:L")
+
+
+def first_layers(model, n: int):
+    """A draft made of the target's first n decoder layers, its final norm and its LM head, SHARING the
+    target's tensors (no copy). Built as the same model class with num_hidden_layers = n: its skeleton is
+    made on the meta device (no memory), then given the target's own tensors."""
+    total = model.config.num_hidden_layers
+    if not 1 <= n <= total:
+        raise verify.UserError(f"--draft layers:L needs 1 <= L <= {total} (got {n})")
+    config = copy.deepcopy(model.config)
+    config.num_hidden_layers = n
+    for key in ("layer_types",):  # per-layer lists (sliding/full attention, ...) are cut to n as well
+        if isinstance(getattr(config, key, None), list):
+            setattr(config, key, getattr(config, key)[:n])
+    with torch.device("meta"):
+        draft = type(model)(config)
+    prefix = re.compile(re.escape(decoder_layers(model)) + r"\.(\d+)\.")
+    keep = {k: v for k, v in model.state_dict().items() if not (m := prefix.match(k)) or int(m.group(1)) < n}
+    draft.load_state_dict(keep, strict=False, assign=True)  # assign: the draft's tensors ARE the target's
+    buffers = dict(model.named_buffers())  # buffers outside the state dict (rotary frequencies, ...)
+    for name, _ in list(draft.named_buffers()):
+        owner, _, attr = name.rpartition(".")
+        setattr(draft.get_submodule(owner), attr, buffers[name])
+    if any(t.is_meta for t in [*draft.parameters(), *draft.buffers()]):
+        raise verify.UserError(f"--draft layers:{n}: {type(model).__name__} has tensors we could not share")
+    draft.generation_config = model.generation_config
+    return draft.eval()
+
+
+def int8_draft(model):
+    """The target with every nn.Linear replaced by torch's int8 dynamically quantized linear (weights per
+    output channel; activations quantized on the fly). A copy: the target itself stays float32."""
+    if model.device.type != "cpu":
+        raise verify.UserError("--draft int8 runs on a CPU only (torch's dynamic quantization has no GPU kernels)")
+    try:
+        from torch.ao.quantization import per_channel_dynamic_qconfig, quantize_dynamic
+    except ImportError:
+        raise verify.UserError("this torch has no torch.ao.quantization.quantize_dynamic; use --draft self") from None
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # note: torch >= 2.10 marks torch.ao.quantization deprecated (-> torchao)
+        draft = quantize_dynamic(copy.deepcopy(model), {torch.nn.Linear: per_channel_dynamic_qconfig}, dtype=torch.qint8)
+    draft.card_rebuild = (int8_draft, model)  # how DraftProcess rebuilds it in the draft process (see there)
+    return draft
+
+
+_DRAFTS: dict = {}  # (spec, target, dtype) -> draft: bench.py's card and hf-assisted share one
 
 
 def load_draft(model, tok, cfg: CardConfig, target_name: str = verify.DEFAULT_MODEL):
-    """The draft model cfg names (default: the target's own weights) in cfg.draft_dtype, on the target's
-    device and with its attention implementation."""
-    name = cfg.draft or target_name
-    key = (name, str(model.device), cfg.draft_dtype)
+    """The draft cfg.draft names (see the table above), on the target's device."""
+    spec = cfg.draft or "self"
+    key = (spec, id(model), cfg.draft_dtype)
     if key not in _DRAFTS:
-        attn = getattr(model.config, "_attn_implementation", None)
-        _DRAFTS[key] = verify.load_model(name, device=str(model.device), dtype=cfg.draft_dtype,
-                                         attn_implementation=attn if attn in verify.MASK_HONOURING else "auto")
-    draft, draft_tok = _DRAFTS[key]
-    if not same_vocabulary(tok, draft_tok):
-        raise verify.UserError(f"--draft {name} and --target {target_name} do not share a vocabulary; CARD "
-                               "compares token ids, so both models need the same tokenizer")
-    return draft
+        if spec == "int8":
+            draft = int8_draft(model)
+        elif spec.startswith("layers:"):
+            try:
+                n = int(spec.removeprefix("layers:"))
+            except ValueError:
+                raise verify.UserError(f"--draft layers:L needs a whole number L (got {spec!r})") from None
+            draft = first_layers(model, n)
+        elif spec == "self":
+            draft = copy.deepcopy(model).to(verify.pick_dtype(cfg.draft_dtype, model.device))
+        else:
+            attn = getattr(model.config, "_attn_implementation", None)
+            draft, draft_tok = verify.load_model(spec, device=str(model.device), dtype=cfg.draft_dtype,
+                                                 attn_implementation=attn if attn in verify.MASK_HONOURING else "auto")
+            if not same_vocabulary(tok, draft_tok):
+                raise verify.UserError(f"--draft {spec} and --target {target_name} do not share a vocabulary; "
+                                       "CARD compares token ids, so both models need the same tokenizer")
+        _DRAFTS[key] = (draft, model)  # (the target is kept so that its id is not reused)
+    return _DRAFTS[key][0]
 
 
 def step_time(model, n: int) -> float:
@@ -619,12 +920,17 @@ def measure_ratio(model, draft, k: int) -> int:
 
 
 def prepare(model, tok, cfg: CardConfig, name: str = verify.DEFAULT_MODEL) -> tuple[CardConfig, dict]:
-    """Once per process, untimed: load the draft model; r = 'auto' is measured here."""
+    """Once per process, untimed, like loading: build the draft cfg names; measure r if it is 'auto' and the
+    cost model's step times; in parallel mode start the draft process (it lives until this process exits, or
+    until the caller closes it), so that generate() does not pay its start-up."""
     draft = load_draft(model, tok, cfg, name)
     if cfg.ratio == "auto":
         cfg = dataclasses.replace(cfg, ratio=measure_ratio(model, draft, cfg.k))
         print(f"[card] --ratio auto: measured r = {cfg.ratio}", file=sys.stderr)
-    return cfg, {"draft": draft}
+    costs = measure_costs(model, draft, cfg)
+    if cfg.mode == "parallel":
+        draft = DraftProcess(draft, cfg)
+    return cfg, {"draft": draft, "costs": costs}
 
 
 def main(argv=None) -> int:
@@ -637,9 +943,11 @@ def main(argv=None) -> int:
     g = parser.add_argument_group("CARD (the paper's names; CUDA defaults: §3.1's; CPU: TUTORIAL.md §4.6)")
     g.add_argument("--target", dest="model", default=argparse.SUPPRESS, help="the target model (same as --model)")
     g.add_argument("--draft",
-                   help="the draft model, same tokenizer (default: the target's weights in bfloat16, a stand-in)")
+                   help="the draft: int8 (the target's linear layers in int8; CPU), layers:L (the target's first L "
+                        "layers, shared weights), self (the target's weights in --draft-dtype), or a model name/path "
+                        "with the same tokenizer (section 4)" + default("draft"))
     g.add_argument("--draft-dtype", choices=["auto", "float32", "bfloat16", "float16"],
-                   help="the draft's dtype (default: bfloat16)")
+                   help="the dtype of --draft self or a named draft (default: bfloat16)")
     g.add_argument("--k", type=int,
                    help="K, the primary cache size: candidates kept per tree layer (Eq. 7)" + default("k"))
     g.add_argument("--topk", type=int,
@@ -648,7 +956,16 @@ def main(argv=None) -> int:
                    help="r, the communication ratio: chain length per target step; auto = measured (§3.1)"
                         + default("ratio"))
     g.add_argument("--mode", choices=["parallel", "lockstep"],
-                   help="parallel: draft in a worker thread; lockstep: r layers, then verify" + default("mode"))
+                   help="parallel: the draft in its own process; lockstep: r layers, then verify" + default("mode"))
+    g.add_argument("--wait", type=int,
+                   help="parallel mode: layers the cache must lead the verified text by before a query is "
+                        "answered (default: r; 0 = never wait, take what the cache holds)")
+    g.add_argument("--draft-threads", type=int,
+                   help="CPU, parallel mode: the draft process's threads (default: half the cores)")
+    g.add_argument("--target-threads", type=int,
+                   help="CPU, parallel mode: the target's threads (default: the other half)")
+    g.add_argument("--max-lead", type=int,
+                   help="layers the cache may run ahead of the verified text (default: 2r, as the reference)")
     g.add_argument("--no-correct", dest="correct", action="store_const", const=False,
                    help="Table 2's 'cache only' ablation: query without correcting (section 2b)")
     config = lambda args, device: verify.config_from_args(CardConfig.for_device(device), args)

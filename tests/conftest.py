@@ -52,6 +52,14 @@ def draft_bf16():
     return verify.load_model(verify.DEFAULT_MODEL, device="cpu", dtype="bfloat16")[0]
 
 
+@pytest.fixture(scope="session")
+def draft_int8(real):
+    """CARD's CPU default draft: the default model with its linear layers in int8."""
+    import card
+
+    return card.int8_draft(real[0])
+
+
 # A few real prompts, used by the lossless tests of every method.
 REAL_PROMPTS = [
     "Write a short poem about the sea.",

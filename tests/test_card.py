@@ -1,8 +1,15 @@
 """card.py: cache construction (Eq. 1-9) on a hand-made draft distribution, the §2.3 mask against a
 hand-written one, hit and miss correction (§2.4) against fresh recomputation, losslessness against the
-target's HF greedy decoding in both modes, and that the draft worker always shuts down."""
+target's HF greedy decoding in both modes, the offline drafts, the draft process (same tokens as lockstep, no
+hang, no orphan) and the cost model."""
 
-import threading
+import dataclasses
+import multiprocessing
+import os
+import signal
+import subprocess
+import sys
+import time
 import types
 
 import numpy as np
@@ -11,7 +18,7 @@ import torch
 
 import card
 import verify
-from conftest import REAL_PROMPTS, make_tiny_llama
+from conftest import REAL_PROMPTS, ROOT, make_tiny_llama
 
 # ---------------------------------------------------------------------------------------------- the cache
 
@@ -155,37 +162,171 @@ def test_max_new_tokens_and_eos_boundaries():
     assert gen.tokens == verify.hf_generate(target, prompt, 30, [eos])
 
 
-# ---------------------------------------------------------------------------------------------- shutdown
+# ---------------------------------------------------------------------------------------------- the drafts
 
 
-def workers():
-    return [t for t in threading.enumerate() if t.name == "card-draft"]
+def test_first_layers_shares_the_targets_tensors_and_is_its_early_exit():
+    target = make_tiny_llama(0)
+    draft = card.first_layers(target, 1)
+    assert draft.config.num_hidden_layers == 1 and target.config.num_hidden_layers == 2
+    # no copy: the draft's tensors are the target's
+    assert draft.model.layers[0].mlp.up_proj.weight.data_ptr() == target.model.layers[0].mlp.up_proj.weight.data_ptr()
+    assert draft.lm_head.weight.data_ptr() == target.lm_head.weight.data_ptr()
+    # oracle: the target's hidden state after its first layer, through the target's final norm and head
+    ids = torch.tensor([[1, 5, 6, 7, 8, 9]])
+    with torch.no_grad():
+        after_first = target(input_ids=ids, output_hidden_states=True).hidden_states[1]
+        want = target.lm_head(target.model.norm(after_first))
+        got = draft(input_ids=ids).logits
+    torch.testing.assert_close(got, want)
+    for bad in ("layers:0", "layers:3", "layers:x"):
+        with pytest.raises(verify.UserError, match="layers:L"):
+            card.load_draft(target, None, card.CardConfig(draft=bad))
 
 
-def test_worker_stops_at_the_end_on_errors_and_on_ctrl_c():
+def test_int8_draft_is_close_to_the_target_and_card_with_it_is_lossless():
+    target = make_tiny_llama(0)
+    draft = card.int8_draft(target)
+    assert type(draft.model.layers[0].mlp.up_proj).__name__ == "Linear" and draft.model.layers[0].mlp.up_proj.weight().is_quantized
+    ids = torch.tensor([[1, 5, 6, 7, 8, 9]])
+    with torch.no_grad():
+        a, b = target(input_ids=ids).logits, draft(input_ids=ids).logits
+    assert (a.argmax(-1) == b.argmax(-1)).float().mean() > 0.8  # close, not equal: int8 rounds the weights
+    prompt = [1] + [5, 6, 7, 8, 9] * 6
+    gen = card.generate(target, prompt, 30, [95], card.CardConfig(k=2, topk=2, ratio=3, mode="lockstep"), draft=draft)
+    assert gen.tokens == verify.hf_generate(target, prompt, 30, [95])
+
+
+# ---------------------------------------------------------------------------------------------- parallel mode
+
+
+def test_parallel_equals_lockstep_on_the_real_model(real, draft_int8):
+    """The CPU default draft in its own process: the same tokens as lockstep and as the plain decoders,
+    greedy and sampled, on several prompts, whatever the timing."""
+    model, tok = real
+    eos = verify.eos_ids_of(model, tok)
+    cfg = card.CardConfig.cpu()
+    with card.DraftProcess(draft_int8, cfg) as proc:
+        for i, prompt in enumerate(REAL_PROMPTS[:3]):
+            ids = verify.encode_prompt(tok, prompt)
+            lock = card.generate(model, ids, 40, eos, dataclasses.replace(cfg, mode="lockstep"), draft=draft_int8)
+            par = card.generate(model, ids, 40, eos, dataclasses.replace(cfg, mode="parallel"), draft=proc)
+            assert par.tokens == lock.tokens == verify.hf_generate(model, ids, 40, eos)
+            assert len(lock.tokens) / lock.target_forwards > 2.0  # the int8 draft is often right
+            s = verify.Sampling(0.8, top_p=0.95, seed=i)
+            lock = card.generate(model, ids, 24, eos, dataclasses.replace(cfg, mode="lockstep"), draft=draft_int8, sampling=s)
+            par = card.generate(model, ids, 24, eos, dataclasses.replace(cfg, mode="parallel", wait=0), draft=proc, sampling=s)
+            assert par.tokens == lock.tokens == verify.vanilla_generate(model, ids, 24, eos, s).tokens
+    assert draft_processes() == []
+
+
+def draft_processes():
+    return [p for p in multiprocessing.active_children() if p.name == "card-draft"]
+
+
+class ExplodingDraft(torch.nn.Module):
+    """A draft whose forward fails, inside the draft process. (At module level: it travels by pickle.)"""
+
+    def __init__(self, like):
+        super().__init__()
+        self.config, self.generation_config = like.config, like.generation_config
+        self.anchor = torch.nn.Parameter(torch.zeros(1))
+
+    device = property(lambda self: self.anchor.device)
+    dtype = property(lambda self: self.anchor.dtype)
+
+    def forward(self, **kw):
+        raise ValueError("draft exploded")
+
+
+def test_no_draft_process_is_left_after_a_return_an_error_or_ctrl_c():
     target = make_tiny_llama(0)
     prompt = [1] + [5, 6, 7, 8, 9] * 6
-    card.generate(target, prompt, 20, [95], card.CardConfig(k=4, topk=2, ratio=4, mode="parallel"), draft=target)
-    assert workers() == []
+    cfg = card.CardConfig(k=4, topk=2, ratio=4, mode="parallel")
+    card.generate(target, prompt, 20, [95], cfg, draft=target)  # a model: generate() owns its process
+    assert draft_processes() == []
 
     for exc in (RuntimeError("boom"), KeyboardInterrupt()):
         def on_emit(tokens, flags, exc=exc):
             raise exc
         with pytest.raises(type(exc)):
-            card.generate(target, prompt, 20, [95], card.CardConfig(k=4, topk=2, ratio=4, mode="parallel"), draft=target, on_emit=on_emit)
-        assert workers() == []
+            card.generate(target, prompt, 20, [95], cfg, draft=target, on_emit=on_emit)
+        assert draft_processes() == []
 
-    class Broken(torch.nn.Module):  # a draft whose forward fails inside the worker thread
-        device, dtype = torch.device("cpu"), torch.float32
-        config, generation_config = target.config, target.generation_config
-
-        def forward(self, **kw):
-            raise ValueError("draft exploded")
-
-    with pytest.raises(ValueError, match="draft exploded"):
-        card.generate(target, prompt, 20, [95], card.CardConfig(k=4, topk=2, ratio=4, mode="parallel"), draft=Broken())
-    assert workers() == []
+    with pytest.raises(card.DraftProcessError, match="failed: ValueError: draft exploded"):
+        card.generate(target, prompt, 20, [95], cfg, draft=ExplodingDraft(target))
+    assert draft_processes() == []
     assert torch.get_num_threads() >= 1
+
+    # a DraftProcess the caller passes is the caller's: it survives an error and serves the next call
+    with card.DraftProcess(target, cfg) as proc:
+        with pytest.raises(RuntimeError):
+            card.generate(target, prompt, 20, [95], cfg, draft=proc, on_emit=lambda *a: (_ for _ in ()).throw(RuntimeError()))
+        gen = card.generate(target, prompt, 20, [95], cfg, draft=proc)
+        assert gen.tokens == verify.hf_generate(target, prompt, 20, [95])
+    assert draft_processes() == []
+
+
+def test_a_dead_draft_process_is_a_one_line_error_not_a_hang():
+    target = make_tiny_llama(0)
+    prompt = [1] + [5, 6, 7, 8, 9] * 6
+    cfg = card.CardConfig(k=4, topk=2, ratio=4, mode="parallel")
+    proc = card.DraftProcess(target, cfg)
+
+    def kill_it(gen, tree, path, bonus):
+        os.kill(proc.process.pid, signal.SIGKILL)
+
+    t0 = time.time()
+    with pytest.raises(card.DraftProcessError, match=r"^the draft process died \(exit code -9\)$"):
+        card.generate(target, prompt, 40, [95], cfg, draft=proc, on_step=kill_it)
+    assert time.time() - t0 < 30
+    assert draft_processes() == []
+
+
+def alive(pid: int) -> bool:
+    """Running (a zombie that nobody reaped yet counts as dead)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc"), reason="reads /proc")
+def test_the_draft_process_exits_when_its_parent_dies(tmp_path):
+    script = tmp_path / "orphan.py"
+    script.write_text(
+        "import os, sys\n"
+        f"sys.path[:0] = [{ROOT!r}, {os.path.join(ROOT, 'tests')!r}]\n"
+        "import card\n"
+        "from conftest import make_tiny_llama\n"
+        "if __name__ == '__main__':\n"
+        "    proc = card.DraftProcess(make_tiny_llama(0), card.CardConfig(k=2, topk=2, ratio=2))\n"
+        "    print(proc.process.pid, flush=True)\n"
+        "    os._exit(0)  # no clean-up at all, as if the parent were killed\n"
+    )
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300)
+    pid = int(out.stdout.split()[-1])
+    deadline = time.time() + 30
+    while alive(pid) and time.time() < deadline:
+        time.sleep(0.1)
+    assert not alive(pid)
+
+
+# ---------------------------------------------------------------------------------------------- the cost model
+
+
+def test_cost_model_by_hand():
+    costs = dict(t_target=0.040, t_verify=0.060, t_draft=0.012)
+    # lockstep: 4 draft layers then a 5-row verification: 4 * 12 + 60 = 108 ms for 3.6 tokens; greedy: 3.6 * 40
+    assert card.predicted_speedup(costs, "lockstep", 4, 4, mat=3.6, hit_rate=0.5) == pytest.approx(144 / 108)
+    # parallel, half hits: a hit costs max(60, 3.6 * 12) = 60 ms; a miss 60 + 4 * 12 = 108 ms -> mean 84 ms
+    assert card.predicted_speedup(costs, "parallel", 4, 4, mat=3.6, hit_rate=0.5) == pytest.approx(144 / 84)
+    # a draft too slow to keep up: a hit then costs the draft's 3.6 layers, not the verification
+    slow = dict(costs, t_draft=0.030)
+    assert card.predicted_speedup(slow, "parallel", 4, 0, mat=3.6, hit_rate=1.0) == pytest.approx(144 / 108)
+    # ... and c, the tokens a hit step emits, if given: 5 layers to replace -> 150 ms
+    assert card.predicted_speedup(slow, "parallel", 4, 0, mat=3.6, hit_rate=1.0, hit_len=5) == pytest.approx(144 / 150)
 
 
 def test_refuses_a_draft_with_another_vocabulary(monkeypatch):

@@ -3,8 +3,10 @@ errors for bad input. Each case runs the script in a subprocess, as a user would
 
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -95,7 +97,7 @@ def test_missing_default_wheel_names_the_pip_command():
 
 METHOD_FLAGS = {
     "cacheback.py": ["--ll", "--fl", "--lc", "--fc", "--tdl", "--crt", "--frozen", "--prune"],
-    "card.py": ["--target", "--draft", "--k", "--topk", "--ratio", "--mode", "--no-correct"],
+    "card.py": ["--target", "--draft", "--k", "--topk", "--ratio", "--mode", "--wait", "--max-lead", "--no-correct"],
     "fafo.py": ["--n-guess", "--k", "--m", "--compress", "--sink", "--recent", "--page-size", "--top-pages", "--attn"],
 }
 
@@ -115,6 +117,8 @@ def test_method_help_names_the_papers_parameters(script):
     ("card.py", ["--ratio", "fast"], "--ratio must be a whole number or 'auto'"),
     ("cacheback.py", ["--frozen", "wiki"], "--frozen wiki"),
     ("card.py", ["--draft", "./no/such/model"], "no such model"),
+    ("card.py", ["--draft", "layers:99"], "--draft layers:L needs 1 <= L <= 30"),
+    ("card.py", ["--wait", "-1"], "--wait must be at least 0"),
     ("fafo.py", ["--k", "0"], "--k must be at least 1"),
     ("fafo.py", ["--compress", "none", "--attn", "flex"], "fixed compression budget"),
 ])
@@ -192,3 +196,52 @@ def test_compare_in_bfloat16_says_identity_is_not_expected():
 def test_rounding_tolerance_grows_with_coarser_dtypes():
     tol = verify.rounding_tolerance
     assert tol(torch.float32) < tol(torch.float16) < tol(torch.bfloat16)
+
+
+# ---------------------------------------------------------------------------------------------- CARD's draft process
+
+
+def child_pids(pid: int) -> list[int]:
+    with open(f"/proc/{pid}/task/{pid}/children") as f:
+        return [int(x) for x in f.read().split()]
+
+
+def running(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def start_card_parallel():
+    """card.py in parallel mode on a long answer, returned once it streams text (its draft process runs)."""
+    p = subprocess.Popen([sys.executable, "card.py", "--prompt", "Count from one to two hundred in words.",
+                          "--mode", "parallel", "--max-new-tokens", "1000"], cwd=ROOT, stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True, start_new_session=True)
+    assert p.stdout.read(1)  # the first streamed character
+    drafts = [c for c in child_pids(p.pid) if "spawn_main" in open(f"/proc/{c}/cmdline").read()]
+    return p, drafts
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc"), reason="reads /proc")
+def test_card_ctrl_c_in_parallel_mode_stops_both_processes():
+    p, drafts = start_card_parallel()
+    assert len(drafts) == 1
+    os.killpg(p.pid, signal.SIGINT)  # what Ctrl-C does: SIGINT to the whole foreground process group
+    _, err = p.communicate(timeout=60)
+    assert p.returncode == 130 and err.strip() == "interrupted" and "Traceback" not in err
+    deadline = time.time() + 30
+    while any(running(c) for c in drafts) and time.time() < deadline:
+        time.sleep(0.1)
+    assert not any(running(c) for c in drafts)
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc"), reason="reads /proc")
+def test_card_a_killed_draft_process_is_a_one_line_error():
+    p, drafts = start_card_parallel()
+    assert len(drafts) == 1
+    os.kill(drafts[0], signal.SIGKILL)
+    _, err = p.communicate(timeout=60)
+    assert p.returncode == 2 and "Traceback" not in err
+    assert err.strip().splitlines()[-1].startswith("error: the draft process died")

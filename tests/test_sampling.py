@@ -162,15 +162,16 @@ def test_every_method_sampled_is_the_plain_sampler(real, draft_bf16, prompt, tem
 @pytest.mark.compat
 def test_tiny_model_every_method_and_mode_sampled(tiny):
     prompt = [1] + [5, 6, 7, 8, 9] * 6
-    for seed in range(4):
-        s = verify.Sampling(0.8, top_k=20, top_p=0.95, seed=seed)
-        want = verify.vanilla_generate(tiny, prompt, 30, [95], s).tokens
-        for name, run in methods(tiny).items():
-            assert run(tiny, prompt, 30, [95], s).tokens == want, (name, seed)
-        gen = card.generate(tiny, prompt, 30, [95], card.CardConfig(k=4, topk=2, ratio=3, mode="parallel"), draft=tiny, sampling=s)
-        assert gen.tokens == want
-        gen = fafo.generate(tiny, prompt, 30, [95], dataclasses.replace(fafo.FafoConfig.cpu(), attn="flex", block_size=16), sampling=s)
-        assert gen.tokens == want
+    parallel = card.CardConfig(k=4, topk=2, ratio=3, mode="parallel")
+    with card.DraftProcess(tiny, parallel) as proc:  # one draft process for every seed
+        for seed in range(4):
+            s = verify.Sampling(0.8, top_k=20, top_p=0.95, seed=seed)
+            want = verify.vanilla_generate(tiny, prompt, 30, [95], s).tokens
+            for name, run in methods(tiny).items():
+                assert run(tiny, prompt, 30, [95], s).tokens == want, (name, seed)
+            assert card.generate(tiny, prompt, 30, [95], parallel, draft=proc, sampling=s).tokens == want
+            gen = fafo.generate(tiny, prompt, 30, [95], dataclasses.replace(fafo.FafoConfig.cpu(), attn="flex", block_size=16), sampling=s)
+            assert gen.tokens == want
 
 
 # ---------------------------------------------------------------------------------------------- the CLI
