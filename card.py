@@ -810,7 +810,7 @@ def measure_costs(model, draft, cfg: "CardConfig") -> dict:
 # (`--draft` names each; TUTORIAL.md §4.6 measures them):
 #
 #   int8       the target with every linear layer in int8 (dynamic quantization, per output channel): ~3x
-#              cheaper on a CPU, and it agrees with the target on ~3.7 of r + 1 = 5 tokens. CPU only.
+#              cheaper on a CPU, with 3.3 tokens accepted per step of at most r + 1 = 5. CPU only.
 #   layers:L   the target's first L decoder layers + its final norm and LM head, sharing its weights: the
 #              self-speculative draft of Draft & Verify (Zhang et al. 2023, arXiv:2309.08168) and LayerSkip
 #              (Elhoushi et al. 2024, arXiv:2404.16710). Untrained for early exit, it is a poor draft here
