@@ -519,7 +519,8 @@ def _draft_process(conn, k: int, topk: int, correct: bool, threads: int | None) 
     torch.set_grad_enabled(False)
     drafter, max_lead, run, asked = None, 0, None, None
     try:
-        build, draft = conn.recv()  # the draft model, its tensors in shared memory (see DraftProcess)
+        build, (kind, payload) = conn.recv()  # the draft model, its tensors in shared memory (see DraftProcess)
+        draft = assemble(*payload) if kind == "parts" else payload
         if build is not None:
             draft = build(draft)
         conn.send(("ready",))
@@ -535,7 +536,7 @@ def _draft_process(conn, k: int, topk: int, correct: bool, threads: int | None) 
                 return
             if msg[0] == "done":  # the target's generate() returned: stop drafting, wait for the next prompt
                 drafter, asked = None, None
-            if msg[0] == "start":
+            elif msg[0] == "start":
                 _, run, text, capacity, max_lead = msg
                 drafter, asked = (Drafter if correct else CacheOnlyDrafter)(draft, k, topk), None
                 drafter.start(text, capacity)
@@ -589,13 +590,16 @@ class DraftProcess:
         self.process.start()
         child_end.close()  # subtle: now only the child holds that end, so its death reads here as EOF
         self._stop = weakref.finalize(self, _stop_process, self.process, self.conn)
-        # The model goes through the pipe: torch's pickler moves its CPU tensors to shared memory (CUDA tensors:
-        # CUDA IPC), so a draft that shares the target's weights is not copied. subtle: not as a Process
-        # argument -- those are pickled at start(), and a tensor made only for pickling (an int8 layer's
-        # unpacked weight) is freed, with its shared-memory handle, before the child can open it. And an int8
-        # draft does not survive the trip at all (torch cannot rebuild a per-channel quantized tensor from
-        # shared memory), so int8_draft() notes how it was made and the child builds its own from the target.
-        self._send(getattr(draft, "card_rebuild", (None, draft)))
+        # The model goes through the pipe, as its parts: class, config and tensors (portable()). torch's pickler
+        # moves CPU tensors to shared memory (CUDA tensors: CUDA IPC), so a draft that shares the target's
+        # weights is not copied. subtle, three traps avoided here: (1) not the module object, which would also
+        # pickle its hooks, often local functions that cannot be pickled (transformers installs some itself);
+        # (2) not as a Process argument: those are pickled at start(), and a tensor made only for pickling is
+        # freed, with its shared-memory handle, before the child can open it; (3) an int8 draft cannot make
+        # the trip at all (torch cannot rebuild a per-channel quantized tensor from shared memory), so
+        # int8_draft() notes how it was made and the child builds its own from the target's parts.
+        build, source = getattr(draft, "card_rebuild", (None, draft))
+        self._send((build, portable(source)))
         self._receive("ready")
 
     def _send(self, *msg) -> None:
@@ -835,10 +839,37 @@ def decoder_layers(model) -> str:
     raise verify.UserError(f"cannot find the decoder layers of {type(model).__name__} for --draft layers:L")
 
 
+def portable(model) -> tuple[str, object]:
+    """What a model is made of, for another process: ("parts", (class, config, tensors, buffers, generation
+    config)) for a transformers model, to be put together again by assemble(); anything else as it is."""
+    from transformers import PreTrainedModel
+
+    if not isinstance(model, PreTrainedModel):
+        return "module", model
+    return "parts", (type(model), model.config, model.state_dict(), dict(model.named_buffers()), model.generation_config)
+
+
+def assemble(cls, config, tensors: dict, buffers: dict, generation_config):
+    """A model of class `cls` whose tensors ARE the given ones (no copy). Its skeleton is built on the meta
+    device (no memory, no initialization), then handed the tensors; buffers outside the state dict (rotary
+    frequencies, ...) are set one by one."""
+    with torch.device("meta"):
+        model = cls(config)
+    model.load_state_dict(tensors, strict=False, assign=True)  # assign: keep these tensors, do not copy into new ones
+    for name, _ in list(model.named_buffers()):
+        if name in buffers:
+            owner, _, attr = name.rpartition(".")
+            setattr(model.get_submodule(owner), attr, buffers[name])
+    if any(t.is_meta for t in [*model.parameters(), *model.buffers()]):
+        raise verify.UserError(f"{cls.__name__}: some tensors of the draft could not be shared")
+    model.generation_config = generation_config
+    return model.eval()
+
+
 def first_layers(model, n: int):
     """A draft made of the target's first n decoder layers, its final norm and its LM head, SHARING the
-    target's tensors (no copy). Built as the same model class with num_hidden_layers = n: its skeleton is
-    made on the meta device (no memory), then given the target's own tensors."""
+    target's tensors (no copy): the same model class with num_hidden_layers = n, put together from the
+    target's own tensors (assemble)."""
     total = model.config.num_hidden_layers
     if not 1 <= n <= total:
         raise verify.UserError(f"--draft layers:L needs 1 <= L <= {total} (got {n})")
@@ -847,19 +878,9 @@ def first_layers(model, n: int):
     for key in ("layer_types",):  # per-layer lists (sliding/full attention, ...) are cut to n as well
         if isinstance(getattr(config, key, None), list):
             setattr(config, key, getattr(config, key)[:n])
-    with torch.device("meta"):
-        draft = type(model)(config)
     prefix = re.compile(re.escape(decoder_layers(model)) + r"\.(\d+)\.")
     keep = {k: v for k, v in model.state_dict().items() if not (m := prefix.match(k)) or int(m.group(1)) < n}
-    draft.load_state_dict(keep, strict=False, assign=True)  # assign: the draft's tensors ARE the target's
-    buffers = dict(model.named_buffers())  # buffers outside the state dict (rotary frequencies, ...)
-    for name, _ in list(draft.named_buffers()):
-        owner, _, attr = name.rpartition(".")
-        setattr(draft.get_submodule(owner), attr, buffers[name])
-    if any(t.is_meta for t in [*draft.parameters(), *draft.buffers()]):
-        raise verify.UserError(f"--draft layers:{n}: {type(model).__name__} has tensors we could not share")
-    draft.generation_config = model.generation_config
-    return draft.eval()
+    return assemble(type(model), config, keep, dict(model.named_buffers()), model.generation_config)
 
 
 def int8_draft(model):

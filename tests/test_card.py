@@ -267,6 +267,22 @@ def test_no_draft_process_is_left_after_a_return_an_error_or_ctrl_c():
     assert draft_processes() == []
 
 
+def test_a_draft_with_hooks_crosses_to_its_process_as_parts():
+    """A module pickles its hooks, and hooks are often local functions (transformers installs its own when
+    hidden states are asked for): the draft crosses as class + config + tensors instead, sharing memory."""
+    target, draft = make_tiny_llama(0), make_tiny_llama(0)
+    calls = []
+    draft.register_forward_hook(lambda *a: calls.append(1))  # a lambda: cannot be pickled
+    draft(input_ids=torch.tensor([[1, 2, 3]]), output_hidden_states=True)
+    kind, (cls, config, tensors, buffers, _) = card.portable(draft)
+    rebuilt = card.assemble(cls, config, tensors, buffers, draft.generation_config)
+    assert rebuilt.lm_head.weight.data_ptr() == draft.lm_head.weight.data_ptr()  # the same tensors, no copy
+    prompt = [1] + [5, 6, 7, 8, 9] * 6
+    cfg = card.CardConfig(k=2, topk=2, ratio=3, mode="parallel")
+    gen = card.generate(target, prompt, 20, [95], cfg, draft=draft)
+    assert gen.tokens == verify.hf_generate(target, prompt, 20, [95])
+
+
 def test_a_dead_draft_process_is_a_one_line_error_not_a_hang():
     target = make_tiny_llama(0)
     prompt = [1] + [5, 6, 7, 8, 9] * 6
