@@ -60,6 +60,15 @@ def draft_int8(real):
     return card.int8_draft(real[0])
 
 
+def running(pid: int) -> bool:
+    """Whether a process runs (Linux, /proc): a zombie that nobody has reaped yet counts as gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
 # A few real prompts, used by the lossless tests of every method.
 REAL_PROMPTS = [
     "Write a short poem about the sea.",

@@ -18,7 +18,7 @@ import torch
 
 import card
 import verify
-from conftest import REAL_PROMPTS, ROOT, make_tiny_llama
+from conftest import REAL_PROMPTS, ROOT, make_tiny_llama, running
 
 # ---------------------------------------------------------------------------------------------- the cache
 
@@ -299,15 +299,6 @@ def test_a_dead_draft_process_is_a_one_line_error_not_a_hang():
     assert draft_processes() == []
 
 
-def alive(pid: int) -> bool:
-    """Running (a zombie that nobody reaped yet counts as dead)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
-
-
 @pytest.mark.skipif(not os.path.isdir("/proc"), reason="reads /proc")
 def test_the_draft_process_exits_when_its_parent_dies(tmp_path):
     script = tmp_path / "orphan.py"
@@ -324,9 +315,9 @@ def test_the_draft_process_exits_when_its_parent_dies(tmp_path):
     out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300)
     pid = int(out.stdout.split()[-1])
     deadline = time.time() + 30
-    while alive(pid) and time.time() < deadline:
+    while running(pid) and time.time() < deadline:
         time.sleep(0.1)
-    assert not alive(pid)
+    assert not running(pid)
 
 
 # ---------------------------------------------------------------------------------------------- the cost model

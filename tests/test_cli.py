@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import verify
+from conftest import running
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 JSON_KEYS = {"method", "model", "device", "dtype", "prompt_tokens", "new_tokens", "target_forwards",
@@ -204,14 +205,6 @@ def test_rounding_tolerance_grows_with_coarser_dtypes():
 def child_pids(pid: int) -> list[int]:
     with open(f"/proc/{pid}/task/{pid}/children") as f:
         return [int(x) for x in f.read().split()]
-
-
-def running(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
 
 
 def start_card_parallel():
