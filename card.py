@@ -442,7 +442,8 @@ class CacheOnlyDrafter(Drafter):
 # ----------------------------------------------------------------------------------------------------------
 #
 # Both modes put the draft behind the same two calls, so the target's loop below is one loop:
-#   start(text, capacity)     a new prompt: the verified text so far, its last token the tree's root
+#   start(text, capacity, r, max_lead, wait)
+#                             a new prompt: the verified text so far, its last token the tree's root
 #   query(accepted, bonus)    CORRECT the cache with the target's last step (None the first time), then QUERY
 #                             it: -> (chain, hit), the best path of up to r tokens below the verified text
 #
@@ -479,11 +480,11 @@ class CacheOnlyDrafter(Drafter):
 class LockstepDraft:
     """The draft in the target's process: r layers per query (the lockstep mode)."""
 
-    def __init__(self, draft, cfg: "CardConfig", ratio: int, max_lead: int):
+    def __init__(self, draft, cfg: "CardConfig"):
         self.drafter = (Drafter if cfg.correct else CacheOnlyDrafter)(draft, cfg.k, cfg.topk)
-        self.ratio, self.max_lead = ratio, max_lead
 
-    def start(self, text: Sequence[int], capacity: int) -> None:
+    def start(self, text: Sequence[int], capacity: int, ratio: int, max_lead: int, wait: int) -> None:
+        self.ratio, self.max_lead = ratio, max_lead  # (wait: lockstep always has its r layers before a query)
         self.drafter.start(text, capacity)
 
     def query(self, accepted, bonus) -> tuple[list[int], bool | None]:
@@ -695,13 +696,10 @@ def generate(model, prompt_ids: Sequence[int], max_new_tokens: int, eos_ids: Seq
             if side.threads:  # on a CPU the cores are split: the draft process has its share, we keep the rest
                 torch.set_num_threads(cfg.target_threads or max(1, main_threads - side.threads))
         else:
-            side = LockstepDraft(draft.model if isinstance(draft, DraftProcess) else draft, cfg, ratio, max_lead)
+            side = LockstepDraft(draft.model if isinstance(draft, DraftProcess) else draft, cfg)
         # the draft's cache: the verified text + up to max_lead + 1 layers of K nodes ahead of it
         capacity = len(prompt_ids) + max_new_tokens + (max_lead + 2) * cfg.k
-        if cfg.mode == "parallel":
-            side.start(list(prompt_ids) + [pending], capacity, ratio, max_lead, wait)
-        else:
-            side.start(list(prompt_ids) + [pending], capacity)
+        side.start(list(prompt_ids) + [pending], capacity, ratio, max_lead, wait)
         budget = lambda: max(max_new_tokens - len(gen.tokens) - 1, 0)  # a step emits at most len(chain) + 1
 
         t0 = time.perf_counter()
