@@ -477,6 +477,14 @@ class CacheOnlyDrafter(Drafter):
 # is recognized and dropped.
 
 
+def cpu_split(cfg: "CardConfig") -> tuple[int, int]:
+    """(draft threads, target threads) in parallel mode on a CPU: cfg's, else half of this process's threads
+    for the draft process and the rest for the target (on 2 cores: one each)."""
+    threads = torch.get_num_threads()
+    draft = cfg.draft_threads or max(1, threads // 2)
+    return draft, cfg.target_threads or max(1, threads - draft)
+
+
 class LockstepDraft:
     """The draft in the target's process: r layers per query (the lockstep mode)."""
 
@@ -583,7 +591,7 @@ class DraftProcess:
         ctx = torch.multiprocessing.get_context("spawn")  # fork is unsafe with threads and CUDA; spawn works everywhere
         self.model, self.k, self.topk, self.correct = draft, cfg.k, cfg.topk, cfg.correct
         if threads is None and draft.device.type == "cpu":
-            threads = cfg.draft_threads or max(1, torch.get_num_threads() // 2)
+            threads = cpu_split(cfg)[0]
         self.threads, self.run, self.layers_fed = threads, 0, 0
         self.conn, child_end = ctx.Pipe()
         self.process = ctx.Process(target=_draft_process, name="card-draft", daemon=True,
@@ -603,9 +611,9 @@ class DraftProcess:
         self._send((build, portable(source)))
         self._receive("ready")
 
-    def _send(self, *msg) -> None:
+    def _send(self, msg) -> None:
         try:
-            self.conn.send(msg[0] if len(msg) == 1 else msg)
+            self.conn.send(msg)
         except (BrokenPipeError, ConnectionResetError, OSError):
             self._died()
 
@@ -636,10 +644,10 @@ class DraftProcess:
     def start(self, text: Sequence[int], capacity: int, ratio: int, max_lead: int, wait: int) -> None:
         self.run += 1
         self.ratio, self.wait = ratio, wait
-        self._send("start", self.run, list(text), capacity, max_lead)
+        self._send(("start", self.run, list(text), capacity, max_lead))
 
     def query(self, accepted, bonus) -> tuple[list[int], bool | None]:
-        self._send("query", self.run, None if accepted is None else list(accepted), bonus, self.ratio, self.wait)
+        self._send(("query", self.run, None if accepted is None else list(accepted), bonus, self.ratio, self.wait))
         _, _, chain, hit, self.layers_fed = self._receive("chain")
         return chain, hit
 
@@ -648,7 +656,7 @@ class DraftProcess:
         caller runs next) and waits for the next start()."""
         if self.process.is_alive():
             with contextlib.suppress(DraftProcessError):
-                self._send("done")
+                self._send(("done",))
 
     def close(self) -> None:
         self._stop()
@@ -760,7 +768,7 @@ def generate(model, prompt_ids: Sequence[int], max_new_tokens: int, eos_ids: Seq
 # rows; t_draft: one draft layer of K rows; h: the hit rate; w: the layers a query waits for (cfg.wait). In
 # parallel mode each time is measured with the cores that side gets, ONE SIDE AT A TIME: the model leaves out
 # what the two processes cost each other when they run together (memory bandwidth, caches), the messages and
-# the cache's bookkeeping. On the 2-core CPU it overestimates parallel mode by ~20% (TUTORIAL.md §4.6). The
+# the cache's bookkeeping. On the 2-core CPU it overestimated parallel mode by 5-20% (TUTORIAL.md §4.6). The
 # paper's setting (r = 7, a draft 7x cheaper, t_verify ~ t_target on a GPU, mat ~5, h ~0.97) gives 4.85x in
 # parallel and 2.5x in lockstep -- the paper reports up to 4.83x.
 
@@ -791,12 +799,11 @@ def measure_costs(model, draft, cfg: "CardConfig") -> dict:
     main_threads = torch.get_num_threads()
     try:
         t_target = verify.measure_step_times(model, [1], repeats=3)[1]
-        if cfg.mode == "parallel" and draft.device.type == "cpu":
-            draft_threads = cfg.draft_threads or max(1, main_threads // 2)
-            torch.set_num_threads(cfg.target_threads or max(1, main_threads - draft_threads))
+        split = cfg.mode == "parallel" and draft.device.type == "cpu"
+        draft_threads, target_threads = cpu_split(cfg) if split else (main_threads, main_threads)
+        torch.set_num_threads(target_threads)
         t_verify = verify.measure_step_times(model, [cfg.ratio + 1], repeats=3)[cfg.ratio + 1]
-        if cfg.mode == "parallel" and draft.device.type == "cpu":
-            torch.set_num_threads(draft_threads)
+        torch.set_num_threads(draft_threads)
         t_draft = verify.measure_step_times(draft, [cfg.k], repeats=3)[cfg.k]
     finally:
         torch.set_num_threads(main_threads)

@@ -283,6 +283,24 @@ def test_a_draft_with_hooks_crosses_to_its_process_as_parts():
     assert gen.tokens == verify.hf_generate(target, prompt, 20, [95])
 
 
+@pytest.mark.skipif(not os.path.isdir("/proc"), reason="reads /proc")
+def test_a_kept_draft_process_stops_drafting_when_generate_returns():
+    """Between two prompts the draft process must not take cores from whatever the caller runs next."""
+    def cpu_ticks(pid):
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return int(fields[11]) + int(fields[12])  # utime + stime
+
+    target = make_tiny_llama(0)
+    cfg = card.CardConfig(k=4, topk=2, ratio=4, mode="parallel", max_lead=10**6)  # would draft forever
+    with card.DraftProcess(target, cfg) as proc:
+        card.generate(target, [1] + [5, 6, 7, 8, 9] * 6, 20, [95], cfg, draft=proc)
+        time.sleep(0.5)
+        before = cpu_ticks(proc.process.pid)
+        time.sleep(1.0)
+        assert cpu_ticks(proc.process.pid) - before < 20  # idle (drafting: ~100 ticks a second)
+
+
 def test_a_dead_draft_process_is_a_one_line_error_not_a_hang():
     target = make_tiny_llama(0)
     prompt = [1] + [5, 6, 7, 8, 9] * 6
