@@ -29,7 +29,7 @@ decode loop -> the CLI.
 
     python fafo.py --prompt "Write a limerick about a cat." --compare
     python fafo.py --prompt "..." --compress quest --trace
-    python fafo.py --prompt "..." --compress none          # the Lookahead-style baseline (full KV guesses)
+    python fafo.py --prompt "..." --compress none --lookback 1   # Lookahead Decoding: full-KV guesses, 1-token keys
     python fafo.py --prompt "..." --attn dense             # the mask as a tensor: the readable spec
     python fafo.py --prompt "..." --attn flex              # the FlexAttention compacted-block path
 
@@ -46,6 +46,8 @@ Deviations from the paper (each also in TUTORIAL.md chapter 5):
   * The pool is NOT seeded from the prompt by default (neither the paper nor Lookahead does);
     `--prompt-pool` does it and the bench measures both.
   * Algorithm 3 as printed never shortens its suffix (an endless loop); we try suffix lengths k .. 1.
+  * The head (hidden -> vocabulary) runs only on the rows whose prediction is read (StepLayout.read_rows):
+    x, each stream's newest row and the candidates. The paper does not say; the output is the same.
   * `--attn split` (ours; the CPU default): the saving of §4.4 without FlexAttention. The guess rows attend
     to C(kv) in their own SDPA call, so their attention reads |C(kv)| entries instead of the whole cache.
 """
@@ -91,6 +93,7 @@ class FafoConfig:
     top_pages: int = 16  # Quest: pages selected per step
     attn: str = "dense"  # "dense" mask (the spec), "split" (two SDPA calls), "flex"/"flex-compiled" (compacted blocks)
     pool_cap: int | None = None  # k-grams kept per pool key, LRU (Appendix F; None: n)
+    lookback: int | None = None  # longest pool key, the "lookback window" of §4.3 (None: k; Lookahead: 1)
     prompt_pool: bool = False  # also seed the pool with the prompt's k-grams (not in the paper)
     block_size: int = 128  # flex: KV block size, B_z in Algorithm 1
     seed: int = 0  # the streams' random initial tokens
@@ -124,6 +127,8 @@ class FafoConfig:
                 raise UserError(f"--{name.replace('_', '-')} must be at least 1 (got {getattr(self, name)})")
         if self.sink < 0:
             raise UserError(f"--sink must be >= 0 (got {self.sink})")
+        if self.lookback is not None and not 1 <= self.lookback <= self.k:
+            raise UserError(f"--lookback must be between 1 and k = {self.k} (got {self.lookback})")
         if self.pool_cap is not None and self.pool_cap < 1:
             raise UserError(f"--pool-cap must be at least 1 (got {self.pool_cap})")
         if self.compress not in ("stream", "quest", "none"):
@@ -158,10 +163,19 @@ class FafoConfig:
 
 
 class NgramPool:
-    """key (tuple of 1..k tokens) -> at most `cap` k-grams, least recently used evicted first."""
+    """key (tuple of 1..lookback tokens) -> at most `cap` k-grams, least recently used evicted first.
+    lookback = k is FAFO's prefix caching (the default); lookback = 1 is Lookahead Decoding's pool, keyed by
+    the one token before the n-gram ("conditioned solely on x_|x|", §4.3).
 
-    def __init__(self, k: int, cap: int):
+    >>> pool = NgramPool(k=2, cap=4, lookback=1)
+    >>> pool.add_guess(['The', ' cat'], [' sat', ' on'])   # filed under (' cat',) only
+    >>> pool.retrieve(['A', ' dog', 'The', ' cat'], m=2), pool.retrieve(['My', ' cat'], m=2)
+    ([(' sat', ' on')], [(' sat', ' on')])
+    """
+
+    def __init__(self, k: int, cap: int, lookback: int | None = None):
         self.k, self.cap = k, cap
+        self.lookback = k if lookback is None else lookback  # longest key: FAFO k, Lookahead 1
         self.table: dict[tuple, OrderedDict] = {}
 
     def __len__(self) -> int:
@@ -178,8 +192,8 @@ class NgramPool:
                 bucket.popitem(last=False)  # LRU eviction
 
     def add_guess(self, discarded: Sequence[int], ngram: Sequence[int]) -> None:
-        """Algorithm 2 for one stream: file `ngram` under every suffix (length 1..k) of its buffer."""
-        for length in range(1, min(self.k, len(discarded)) + 1):
+        """Algorithm 2 for one stream: file `ngram` under every suffix (length 1..lookback) of its buffer."""
+        for length in range(1, min(self.lookback, len(discarded)) + 1):
             self.add(discarded[-length:], ngram)
 
     def seed(self, tokens: Sequence[int]) -> None:
@@ -192,7 +206,7 @@ class NgramPool:
         """Algorithm 3: up to m distinct k-grams, longest matching suffix of the text first, the most
         recently filed first within one key."""
         out: list[tuple] = []
-        for length in range(min(self.k, len(context)), 0, -1):
+        for length in range(min(self.lookback, len(context)), 0, -1):
             for value in reversed(self.table.get(tuple(context[-length:]), ())):
                 if value not in out:
                     out.append(value)
@@ -443,6 +457,17 @@ class StepLayout:
         return 1 + self.n * self.k + c * self.k + t
 
     @cache
+    def read_rows(self) -> tuple[int, ...]:
+        """The rows whose next-token prediction the step reads: x, the newest row of every stream (column-wise,
+        the last n fumble rows) and every candidate row. The other (k-1)*n fumble rows are there only as
+        context for their stream's newest row, so the head (hidden -> vocab logits) skips them. (Cached.)
+
+        >>> StepLayout(n=2, k=2, m=1).read_rows()   # rows 1, 2 = level 1 of the streams: not read
+        (0, 3, 4, 5, 6)
+        """
+        return (0,) + tuple(range(1 + (self.k - 1) * self.n, self.rows))
+
+    @cache
     def guess_rows(self) -> np.ndarray:
         """bool [q]: the rows restricted to C(kv). (Cached: treat as read-only.)"""
         g = np.zeros(self.rows, dtype=bool)
@@ -537,8 +562,26 @@ def find_out(cands: Sequence[Sequence[int]], first_choice: int, cand_choices: Se
 #   keys(start, end)        logical keys [L, H_kv, n, D] (Quest's page statistics)
 
 
+def head_rows(model, rows: Sequence[int] | None) -> dict:
+    """Ask the model for the logits of `rows` only: transformers' `logits_to_keep` takes a 1D tensor of
+    positions (4.57 and 5.x). The head is a [hidden x vocab] matmul per row (49152 x 576 on the default
+    model, a fifth of a row's multiply-adds), so the step's unread fumble rows are worth skipping. A model
+    whose forward lacks the argument computes every row; rows_of() then picks the same rows."""
+    if rows is None or not verify._takes_logits_to_keep(type(model).forward):
+        return {}
+    return {"logits_to_keep": torch.tensor(rows, device=model.device)}
+
+
+def rows_of(logits: torch.Tensor, rows: Sequence[int] | None) -> torch.Tensor:
+    """logits [q, V] (every row computed) or [len(rows), V] (just `rows`) -> [len(rows), V]. `rows` is
+    increasing, so a length of q means every row, in order."""
+    if rows is None or len(logits) == len(rows):
+        return logits
+    return logits[list(rows)]
+
+
 class DenseKV:
-    """A transformers DynamicCache in logical order + an additive float mask built every step."""
+    """The cache in logical order (verify.PreallocatedKVCache) + an additive float mask built every step."""
 
     def __init__(self, model, cache, layout: StepLayout):
         self.model, self.cache, self.layout = model, cache, layout
@@ -552,7 +595,9 @@ class DenseKV:
         self.selected = list(positions)
 
     @torch.no_grad()
-    def forward(self, tokens, positions, hidden: bool = False, layout: StepLayout | None = None):
+    def forward(self, tokens, positions, hidden: bool = False, layout: StepLayout | None = None,
+                rows: Sequence[int] | None = None):
+        """-> (logits [len(rows), V] of the input rows `rows` (None: all q), hidden states if asked)."""
         layout = layout or self.layout
         p = self.length
         dev = self.model.device
@@ -561,8 +606,8 @@ class DenseKV:
         with self.attention(allowed, layout):
             out = self.model(input_ids=torch.tensor([tokens], device=dev), attention_mask=mask,
                              position_ids=torch.tensor([positions], device=dev), past_key_values=self.cache,
-                             use_cache=True, output_hidden_states=hidden)
-        return out.logits[0], (out.hidden_states if hidden else None)
+                             use_cache=True, output_hidden_states=hidden, **head_rows(self.model, rows))
+        return rows_of(out.logits[0], rows), (out.hidden_states if hidden else None)
 
     def attention(self, allowed: np.ndarray, layout: StepLayout):
         """Which attention function computes this forward: the model's own, with the mask above."""
@@ -610,13 +655,13 @@ class FlexKV:
         self.kv.reselect(positions)
 
     @torch.no_grad()
-    def forward(self, tokens, positions, hidden: bool = False, layout=None):
+    def forward(self, tokens, positions, hidden: bool = False, layout=None, rows: Sequence[int] | None = None):
         dev = self.model.device
         with self.mode:
             out = self.model(input_ids=torch.tensor([tokens], device=dev), attention_mask=self.block_mask,
                              position_ids=torch.tensor([positions], device=dev), past_key_values=self.kv,
-                             use_cache=True, output_hidden_states=hidden)
-        return out.logits[0], (out.hidden_states if hidden else None)
+                             use_cache=True, output_hidden_states=hidden, **head_rows(self.model, rows))
+        return rows_of(out.logits[0], rows), (out.hidden_states if hidden else None)
 
     def keep(self, rows: Sequence[int], positions: Sequence[int]) -> None:
         self.kv.commit(rows, positions)
@@ -654,7 +699,7 @@ def generate(model, prompt_ids: Sequence[int], max_new_tokens: int, eos_ids: Seq
     gen = Generation(max_new_tokens, eos_ids, on_emit=on_emit, on_step=on_step)
     compressor = make_compressor(cfg.compress, cfg.sink, cfg.recent, cfg.page_size, cfg.top_pages)
     if pool is None:
-        pool = NgramPool(k, cfg.pool_cap or n)
+        pool = NgramPool(k, cfg.pool_cap or n, cfg.lookback)
     elif pool.k != k:
         raise UserError(f"the pool given was built for k = {pool.k}, not k = {k}")
     streams = Streams.from_prompt(prompt_ids, n, k, cfg.seed)
@@ -700,11 +745,14 @@ def generate(model, prompt_ids: Sequence[int], max_new_tokens: int, eos_ids: Seq
         tokens, positions = step.inputs(pending, p, streams.windows, cands)
         draft_s = time.perf_counter() - t0
 
-        logits, hidden = kv.forward(tokens, positions, hidden=compressor.needs_query, layout=step)  # [q, V]
-        choice = logits.argmax(dim=-1).tolist()  # the model's greedy token after every row
+        read = step.read_rows()  # x, the streams' newest rows, the candidates: the rows whose prediction we use
+        logits, hidden = kv.forward(tokens, positions, hidden=compressor.needs_query, layout=step, rows=read)
+        # logits [len(read), V]; choice: input row -> the model's greedy token after it
+        choice = dict(zip(read, logits.argmax(dim=-1).tolist()))
         if not sampling.greedy:  # verification rows: the keyed sample at the position each row predicts
             check = [0] + [step.cand_row(c, t) for c in range(real) for t in range(k)]
-            for r, tok in zip(check, sampling.choose(logits[check], [positions[r] + 1 for r in check])):
+            at = [read.index(r) for r in check]
+            for r, tok in zip(check, sampling.choose(logits[at], [positions[r] + 1 for r in check])):
                 choice[r] = tok
 
         # Find Out (Algorithm 4) on the real candidates only
@@ -759,6 +807,7 @@ def step_times(model, context: int, backends: Sequence[str] = ("dense", "split",
     windows = [[rng.randrange(vocab) for _ in range(lay.k)] for _ in range(lay.n)]
     cands = [tuple(rng.randrange(vocab) for _ in range(lay.k)) for _ in range(lay.m)]
     tokens, positions = lay.inputs(ids[-1], context, windows, cands)
+    read = lay.read_rows()  # the head runs on these rows only, as in generate()
 
     def timed(step) -> float:
         ts = []
@@ -770,9 +819,9 @@ def step_times(model, context: int, backends: Sequence[str] = ("dense", "split",
             ts.append(time.perf_counter() - t0)
         return 1000 * float(np.median(ts[2:]))  # the first two calls are warm-up (and compilation)
 
-    def on_dynamic_cache(kv):  # dense and split append to the DynamicCache: roll it back after each step
+    def on_dynamic_cache(kv):  # dense and split append to the cache: roll it back after each step
         def step():
-            kv.forward(tokens, positions)
+            kv.forward(tokens, positions, rows=read)
             verify.rollback(cache, context)
         return step
 
@@ -781,7 +830,7 @@ def step_times(model, context: int, backends: Sequence[str] = ("dense", "split",
         if backend.startswith("flex"):
             flex = FlexKV(model, cache, lay, comp.budget, context + 1, block_size, compiled=backend == "flex-compiled")
             flex.select(comp.select(context))
-            out.update(flex_backend=backend, block=block_size, flex_ms=timed(lambda: flex.forward(tokens, positions)))
+            out.update(flex_backend=backend, block=block_size, flex_ms=timed(lambda: flex.forward(tokens, positions, rows=read)))
             continue
         kv = {"dense": DenseKV, "split": SplitKV}[backend](model, cache, lay)
         kv.select(comp.select(context))
@@ -820,6 +869,9 @@ def main(argv=None) -> int:
                    help="dense mask (the spec); split = two SDPA calls per layer, guess rows over C(kv) only; "
                         "flex = compacted blocks (eager: checks the layout), flex-compiled" + default("attn"))
     g.add_argument("--pool-cap", type=int, help="pool: k-grams kept per key, LRU (Appendix F; default: n)")
+    g.add_argument("--lookback", type=int,
+                   help="pool: longest key, in tokens before the n-gram (§4.3's lookback window; default: k). "
+                        "1 = Lookahead Decoding's pool, keyed by the last token only")
     g.add_argument("--prompt-pool", action="store_const", const=True,
                    help="also seed the pool with the prompt's k-grams (not in the paper)")
     g.add_argument("--block-size", type=int, help="flex: KV block size, B_z in Algorithm 1 (default: 128)")

@@ -118,7 +118,7 @@ def test_every_method_knows_its_capacity(real, draft_bf16, monkeypatch):
         "card": lambda: card.generate(model, ids, 40, eos, card.CardConfig(k=4, topk=2, ratio=4, mode="lockstep"),
                                       draft=draft_bf16),
         "fafo": lambda: fafo.generate(model, ids, 40, eos, fafo.FafoConfig.cpu()),
-        "lookahead": lambda: fafo.generate(model, ids, 40, eos, fafo.FafoConfig(n_guess=4, k=3, m=3, compress="none")),
+        "lookahead": lambda: fafo.generate(model, ids, 40, eos, fafo.FafoConfig(n_guess=4, k=3, m=3, compress="none", lookback=1)),
     }
     for name, run in runs.items():
         made = _record_caches(monkeypatch)

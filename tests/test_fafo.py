@@ -55,6 +55,23 @@ def test_retrieval_prefers_the_longest_suffix_then_the_most_recent_and_dedupes()
     assert pool.retrieve([1, 2], m=3) == []
 
 
+def test_lookback_one_is_lookaheads_pool_keyed_by_the_last_token_only():
+    pool = fafo.NgramPool(k=3, cap=4, lookback=1)
+    pool.add_guess([7, 8, 9], (1, 2, 3))
+    pool.add_guess([6, 8, 9], (4, 5, 6))
+    assert list(pool.table) == [(9,)]  # FAFO (lookback k) would also file under (8, 9) and (7, 8, 9)
+    assert pool.retrieve([0, 7, 8, 9], m=4) == [(4, 5, 6), (1, 2, 3)]  # most recent first, no longer key tried
+    two = fafo.NgramPool(k=3, cap=4, lookback=2)
+    two.add_guess([7, 8, 9], (1, 2, 3))
+    assert set(two.table) == {(9,), (8, 9)}
+
+
+def test_lookback_is_checked():
+    for bad in (0, 4):
+        with pytest.raises(verify.UserError, match="--lookback"):
+            cpu(k=3, lookback=bad).check()
+
+
 def test_prompt_seeding_files_each_kgram_under_its_preceding_tokens():
     pool = fafo.NgramPool(k=2, cap=4)
     pool.seed([1, 2, 3, 4])
@@ -312,6 +329,21 @@ def test_split_matches_dense(tiny, compress):
     assert tiny.config._attn_implementation != verify.SPLIT  # the context manager put the model back
 
 
+@pytest.mark.parametrize("backend", [fafo.DenseKV, fafo.SplitKV])
+def test_head_on_the_read_rows_only_gives_those_rows_logits(tiny, backend):
+    cache, lay, sel, tokens, positions = _one_step(tiny, "stream")
+    kv = backend(tiny, cache, lay)
+    kv.select(sel)
+    every, _ = kv.forward(tokens, positions)  # [q, V]
+    verify.rollback(cache, 37)
+    read = lay.read_rows()
+    assert read == (0, 7, 8, 9, 10, 11, 12, 13, 14, 15)  # n = k = 3, m = 2: fumble levels 1-2 (rows 1-6) unread
+    some, _ = kv.forward(tokens, positions, rows=read)
+    assert some.shape == (len(read), every.shape[1])
+    assert torch.allclose(some, every[list(read)], atol=1e-5, rtol=1e-5)
+    assert torch.equal(some.argmax(-1), every[list(read)].argmax(-1))
+
+
 @pytest.mark.parametrize("compress", ["stream", "quest"])
 def test_flex_eager_matches_dense(tiny, compress):
     want, got = _one_step_both_ways(tiny, compress, "flex")
@@ -365,6 +397,8 @@ def test_lossless_on_real_prompts(real, prompt):
         assert gen.tokens == want, compress
     gen = fafo.generate(model, ids, 48, eos, cpu(prompt_pool=True, **small))
     assert gen.tokens == want, "prompt pool"
+    gen = fafo.generate(model, ids, 48, eos, cpu(compress="none", lookback=1, **small))  # Lookahead Decoding
+    assert gen.tokens == want, "lookahead"
 
 
 def test_lossless_split_on_a_real_prompt(real):
