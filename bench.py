@@ -45,6 +45,7 @@ import os
 import sys
 import time
 from collections import defaultdict
+from typing import Sequence
 
 import verify
 
@@ -69,7 +70,9 @@ PROJECT_METHODS = {
     "fafo": ("fafo", {}),  # StreamingLLM guesses
     "fafo-quest": ("fafo", {"compress": "quest"}),
     "fafo-promptpool": ("fafo", {"prompt_pool": True}),  # the pool seeded with the prompt's k-grams
-    "lookahead": ("fafo", {"compress": "none"}),  # the same file with full-KV guesses
+    # Lookahead Decoding (Fu et al. 2024) in the same file: full-KV guesses, the pool keyed by the last token
+    "lookahead": ("fafo", {"compress": "none", "lookback": 1}),
+    "fafo-fullkv": ("fafo", {"compress": "none"}),  # FAFO minus C: full-KV guesses, FAFO's lookback keys
 }
 CONFIG_CLASSES = {"ngram_predictor": "NgramConfig", "cacheback": "CachebackConfig", "card": "CardConfig",
                   "fafo": "FafoConfig"}
@@ -176,10 +179,10 @@ def split_of(question_id: int) -> str:
     return "tune" if int(question_id) % 2 else "report"
 
 
-def load_prompts(path: str, limit: int | None, split: str = "all"):
+def load_prompts(path: str, limit: int | None, split: str = "all", categories: Sequence[str] | None = None):
     """SpecBench question.jsonl rows -> [{question_id, category, prompt}], the first turn as the prompt,
-    only those of `split` (tune / report / all), at most `limit` per category (in file order). A malformed
-    line is a one-line error, not a traceback."""
+    only those of `split` (tune / report / all) and of `categories` (None: all), at most `limit` per
+    category (in file order). A malformed line is a one-line error, not a traceback."""
     if not os.path.isfile(path):
         raise verify.UserError(f"--prompts {path}: no such file")
     rows, per_cat = [], defaultdict(int)
@@ -194,11 +197,13 @@ def load_prompts(path: str, limit: int | None, split: str = "all"):
                 raise verify.UserError(f"{path}:{line_no}: not a SpecBench question (question_id, category, turns)") from None
             if split != "all" and split_of(q["question_id"]) != split:
                 continue
+            if categories is not None and q["category"] not in categories:
+                continue
             if limit is None or per_cat[q["category"]] < limit:
                 per_cat[q["category"]] += 1
                 rows.append(q)
     if not rows:
-        raise verify.UserError(f"{path}: no prompts")
+        raise verify.UserError(f"{path}: no prompts" + (f" of category {', '.join(categories)}" if categories else ""))
     return rows
 
 
@@ -432,6 +437,8 @@ def main(argv=None) -> int:
                         "HF greedy; bfloat16/float16 round a many-row forward differently, so 'identical' drops")
     p.add_argument("--no-chat", action="store_true", help="feed the raw prompt, no chat template")
     p.add_argument("--limit", type=int, default=None, help="at most this many prompts per category")
+    p.add_argument("--categories", default=None,
+                   help="comma list: only the prompts of these categories (e.g. 4k in bench/long_prompts.jsonl)")
     p.add_argument("--split", default="report", choices=["report", "tune", "all"],
                    help="which half of the prompt set: report (even question ids: what README and TUTORIAL report), "
                         "tune (odd ids: what the defaults were chosen on) or all (default: report)")
@@ -576,7 +583,8 @@ def run(args) -> int:
         raise verify.UserError("--repeats must be at least 1")
     if args.limit is not None and args.limit <= 0:
         raise verify.UserError("--limit must be positive")
-    prompts = load_prompts(args.prompts, args.limit, args.split)
+    prompts = load_prompts(args.prompts, args.limit, args.split,
+                           args.categories.split(",") if args.categories else None)
     verify.set_seed(0)
     model, tok = verify.load_model(args.model, args.device, args.dtype)
     eos = verify.eos_ids_of(model, tok)

@@ -1,6 +1,12 @@
-"""bench.py's report, on hand-made rows: both speedup definitions, the acceptance rate and the drafting share."""
+"""bench.py's report, on hand-made rows: both speedup definitions, the acceptance rate and the drafting share;
+and which prompts it loads."""
+
+import os
+
+import pytest
 
 import bench
+import verify
 
 
 def row(method, qid, tokens, wall, forwards, **extra):
@@ -90,3 +96,12 @@ def test_repeats_give_the_mean_and_std_over_passes():
     # a single pass prints no ± at all
     one = [r for r in rows if r["repeat"] == 0]
     assert "±" not in bench.markdown(bench.summarize(one, ["hf-greedy", "ngram"]), ["hf-greedy", "ngram"])
+
+
+def test_prompts_are_filtered_by_split_and_category_and_the_long_set_has_its_halves():
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench", "long_prompts.jsonl")
+    rows = bench.load_prompts(path, None, "report", ["4k"])
+    assert [r["question_id"] for r in rows] == [10, 12, 18, 20, 22, 24]  # even ids, 4k only, in file order
+    assert [r["question_id"] for r in bench.load_prompts(path, 2, "tune", ["1k", "7k"])] == [1, 3, 13, 15]
+    with pytest.raises(verify.UserError, match="no prompts of category 9k"):
+        bench.load_prompts(path, None, "all", ["9k"])
