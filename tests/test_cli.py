@@ -208,8 +208,10 @@ def child_pids(pid: int) -> list[int]:
 
 
 def start_card_parallel():
-    """card.py in parallel mode on a long answer, returned once it streams text (its draft process runs)."""
-    p = subprocess.Popen([sys.executable, "card.py", "--prompt", "Count from one to two hundred in words.",
+    """card.py in parallel mode on a long answer, returned once it streams text (its draft process runs).
+    subtle: the answer must outlast the signal. An earlier prompt here was answered in 28 tokens (~1.5 s), so
+    under load the run could finish before the signal came, and exit 0. This one runs to all 1000 tokens."""
+    p = subprocess.Popen([sys.executable, "card.py", "--prompt", "Write a long story about a dragon who learns to bake bread.",
                           "--mode", "parallel", "--max-new-tokens", "1000"], cwd=ROOT, stdout=subprocess.PIPE,
                          stderr=subprocess.PIPE, text=True, start_new_session=True)
     assert p.stdout.read(1)  # the first streamed character
@@ -222,8 +224,9 @@ def test_card_ctrl_c_in_parallel_mode_stops_both_processes():
     p, drafts = start_card_parallel()
     assert len(drafts) == 1
     os.killpg(p.pid, signal.SIGINT)  # what Ctrl-C does: SIGINT to the whole foreground process group
-    _, err = p.communicate(timeout=60)
-    assert p.returncode == 130 and err.strip() == "interrupted" and "Traceback" not in err
+    out, err = p.communicate(timeout=60)
+    assert p.returncode == 130 and err.strip() == "interrupted" and "Traceback" not in err, \
+        (p.returncode, err[-1500:], out[-300:])
     deadline = time.time() + 30
     while any(running(c) for c in drafts) and time.time() < deadline:
         time.sleep(0.1)
