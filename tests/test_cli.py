@@ -208,12 +208,15 @@ def child_pids(pid: int) -> list[int]:
 
 
 def start_card_parallel():
-    """card.py in parallel mode on a long answer, returned once it streams text (its draft process runs).
-    subtle: the answer must outlast the signal. An earlier prompt here was answered in 28 tokens (~1.5 s), so
-    under load the run could finish before the signal came, and exit 0. This one runs to all 1000 tokens."""
+    """card.py in parallel mode on a long answer (all 1000 tokens, so it outlasts the test's signal), returned
+    once it streams text (its draft process runs).
+    subtle: Ctrl-C as a terminal delivers it. A shell starts a background job (`make test &`) with SIGINT
+    ignored, every child inherits that, and Python then installs no KeyboardInterrupt handler: the CLI ran
+    to the end and exited 0. So the child gets SIGINT's default disposition back before it starts."""
     p = subprocess.Popen([sys.executable, "card.py", "--prompt", "Write a long story about a dragon who learns to bake bread.",
                           "--mode", "parallel", "--max-new-tokens", "1000"], cwd=ROOT, stdout=subprocess.PIPE,
-                         stderr=subprocess.PIPE, text=True, start_new_session=True)
+                         stderr=subprocess.PIPE, text=True, start_new_session=True,
+                         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     assert p.stdout.read(1)  # the first streamed character
     drafts = [c for c in child_pids(p.pid) if "spawn_main" in open(f"/proc/{c}/cmdline").read()]
     return p, drafts
