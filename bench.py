@@ -69,6 +69,7 @@ PROJECT_METHODS = {
     "card-nocorrect": ("card", {"mode": "lockstep", "k": 4, "topk": 2, "correct": False}),
     "fafo": ("fafo", {}),  # StreamingLLM guesses
     "fafo-quest": ("fafo", {"compress": "quest"}),
+    "fafo-snapkv": ("fafo", {"compress": "snapkv"}),  # SnapKV's prompt selection + the recent positions
     "fafo-promptpool": ("fafo", {"prompt_pool": True}),  # the pool seeded with the prompt's k-grams
     # Lookahead Decoding (Fu et al. 2024) in the same file: full-KV guesses, the pool keyed by the last token
     "lookahead": ("fafo", {"compress": "none", "lookback": 1}),

@@ -16,7 +16,8 @@ verified. The trick is that guessing and verifying happen in the SAME forward pa
 
 FAFO's contribution (§4.2): the guess rows only need to be plausible, not exact, so let them attend to a
 compressed selection C(kv) of the cache (StreamingLLM: sinks + recent tokens; Quest: the pages whose keys
-can score highest), which makes many more guesses affordable. The verification rows see the full cache,
+can score highest; SnapKV: the prompt positions its last rows attended to most), which makes many more
+guesses affordable. The verification rows see the full cache,
 so the output stays greedy (identical in float32 except at exact ties within rounding, see verify.py).
 §4.4 adds the systems part -- keep C(kv) physically contiguous at the head of a fixed KV buffer so
 FlexAttention can skip every other block -- which lives in verify.py (`CompactedKVCache`) and is used here
@@ -29,6 +30,7 @@ decode loop -> the CLI.
 
     python fafo.py --prompt "Write a limerick about a cat." --compare
     python fafo.py --prompt "..." --compress quest --trace
+    python fafo.py --prompt "..." --compress snapkv        # SnapKV: chosen once, from the prompt
     python fafo.py --prompt "..." --compress none --lookback 1   # Lookahead Decoding: full-KV guesses, 1-token keys
     python fafo.py --prompt "..." --attn dense             # the mask as a tensor: the readable spec
     python fafo.py --prompt "..." --attn flex              # the FlexAttention compacted-block path
@@ -42,7 +44,9 @@ Deviations from the paper (each also in TUTORIAL.md chapter 5):
   * Quest scores pages with the query of the LAST VERIFIED row (the forward that produced the token we now
     feed), one step stale, because the new token's own query does not exist before the forward; and one
     page selection is shared by all layers and heads (summed scores), so that one mask and one physical
-    layout serve the whole model. Quest proper selects per head.
+    layout serve the whole model. Quest proper selects per head. SnapKV likewise: one selection from votes
+    summed over layers and heads; and the guess rows also see the `recent` newest positions (SnapKV keeps
+    every generated token; a fixed budget needs a window).
   * The pool is NOT seeded from the prompt by default (neither the paper nor Lookahead does);
     `--prompt-pool` does it and the bench measures both.
   * Algorithm 3 as printed never shortens its suffix (an endless loop); we try suffix lengths k .. 1.
@@ -86,11 +90,14 @@ class FafoConfig:
     n_guess: int = 40  # n: guess streams in the fumble branch (§4.2; Tables 11, 12)
     k: int = 6  # k: tokens per stream = length of a guessed n-gram = longest pool key (§4.2, Algorithm 2)
     m: int = 8  # m: candidates retrieved and verified per step (Algorithm 3; not given in the paper: ours)
-    compress: str = "stream"  # C: "stream" (StreamingLLM), "quest", or "none" (full KV: Lookahead)
+    compress: str = "stream"  # C: "stream" (StreamingLLM), "quest", "snapkv", or "none" (full KV: Lookahead)
     sink: int = 4  # StreamingLLM: attention-sink tokens kept from the start
     recent: int = 252  # StreamingLLM: most recent tokens kept (sink + recent = 256: one flex block pair)
     page_size: int = 16  # Quest: positions per page
     top_pages: int = 16  # Quest: pages selected per step
+    window_size: int = 32  # SnapKV: the observation window, the prompt's last rows whose attention votes
+    max_capacity_prompt: int = 256  # SnapKV: prompt positions kept, the window included
+    kernel_size: int = 5  # SnapKV: width of the average pooling over the votes (keeps neighbours together)
     attn: str = "dense"  # "dense" mask (the spec), "split" (two SDPA calls), "flex"/"flex-compiled" (compacted blocks)
     pool_cap: int | None = None  # k-grams kept per pool key, LRU (Appendix F; None: n)
     lookback: int | None = None  # longest pool key, the "lookback window" of §4.3 (None: k; Lookahead: 1)
@@ -122,7 +129,7 @@ class FafoConfig:
 
     def check(self) -> None:
         """Raise verify.UserError (a ValueError) for an impossible value."""
-        for name in ("n_guess", "k", "m", "recent", "page_size", "top_pages"):
+        for name in ("n_guess", "k", "m", "recent", "page_size", "top_pages", "window_size", "kernel_size"):
             if getattr(self, name) < 1:
                 raise UserError(f"--{name.replace('_', '-')} must be at least 1 (got {getattr(self, name)})")
         if self.sink < 0:
@@ -131,12 +138,17 @@ class FafoConfig:
             raise UserError(f"--lookback must be between 1 and k = {self.k} (got {self.lookback})")
         if self.pool_cap is not None and self.pool_cap < 1:
             raise UserError(f"--pool-cap must be at least 1 (got {self.pool_cap})")
-        if self.compress not in ("stream", "quest", "none"):
-            raise UserError(f"--compress must be stream, quest or none (got {self.compress!r})")
+        if self.compress not in ("stream", "quest", "snapkv", "none"):
+            raise UserError(f"--compress must be stream, quest, snapkv or none (got {self.compress!r})")
+        if self.max_capacity_prompt <= self.window_size:
+            raise UserError(f"--max-capacity-prompt ({self.max_capacity_prompt}) must exceed --window-size "
+                            f"({self.window_size}): the window is part of what SnapKV keeps")
+        if self.kernel_size % 2 == 0:
+            raise UserError(f"--kernel-size must be odd, so the pooling keeps the length (got {self.kernel_size})")
         if self.attn not in ("dense", "split", "flex", "flex-compiled"):
             raise UserError(f"--attn must be dense, split, flex or flex-compiled (got {self.attn!r})")
         if self.attn.startswith("flex") and self.compress == "none":
-            raise UserError("--attn flex needs a fixed compression budget (--compress stream or quest)")
+            raise UserError("--attn flex needs a fixed compression budget (--compress stream, quest or snapkv)")
         if self.block_size < 16 or self.block_size & (self.block_size - 1):
             raise UserError(f"--block-size must be a power of two >= 16 (got {self.block_size})")
 
@@ -270,18 +282,22 @@ class Streams:
 # A compressor answers one question per step: which cached positions may the guess rows see? It returns
 # logical positions (0 .. length-1); the KV back-end turns them into a mask (dense) or into the head of the
 # buffer (flex). `budget` bounds the answer's size (the flex head is allocated from it). To add another
-# method (SnapKV: keep positions the prompt's last window attended to most; H2O: accumulate attention per
-# position), subclass Compressor: `observe` sees every step's KV and the last verified row's queries.
+# method (H2O: accumulate attention per position), subclass Compressor: `observe` sees every step's KV and
+# the last verified row's queries (needs_query), `observe_prompt` the prompt's last rows' queries (window).
 
 
 class Compressor:
     name = "base"
     needs_query = False  # True -> observe() receives per-layer queries [L, H, D]
+    window = 0  # > 0 -> observe_prompt() receives the prompt's last `window` rows' queries, once
 
     def __init__(self):
         self.budget: int | None = None
 
     def observe(self, kv, queries: torch.Tensor | None) -> None:
+        pass
+
+    def observe_prompt(self, kv, queries: torch.Tensor, scale: float) -> None:
         pass
 
     def select(self, length: int) -> list[int]:
@@ -375,17 +391,79 @@ class Quest(Compressor):
         return [x for p in pages for x in range(p * ps, min(length, (p + 1) * ps))]
 
 
-def make_compressor(compress: str, sink: int, recent: int, page_size: int, top_pages: int) -> Compressor:
+def snapkv_votes(queries: torch.Tensor, keys: torch.Tensor, scale: float) -> torch.Tensor:
+    """SnapKV's vote (Li et al. 2024): the attention that the observation window's queries pay to each
+    position before the window, summed over the window's rows, the heads and the layers.
+
+    queries [L, H, w, D] (the prompt's last w rows, RoPE applied), keys [L, H_kv, P, D] (the cache after the
+    prefill) -> votes [P - w]. These are the attention weights the model itself computed in the prefill:
+    the rows' softmax over every position they could see (causal inside the window), then cut to the
+    positions before the window (tested against the model's own attention weights)."""
+    L, H, w, _ = queries.shape
+    P = keys.shape[2]
+    G = H // keys.shape[1]  # query heads per KV head (grouped-query attention)
+    row_pos = torch.arange(P - w, P, device=keys.device)  # where the window's rows sit
+    future = torch.arange(P, device=keys.device)[None, :] > row_pos[:, None]  # [w, P]: causal mask
+    votes = torch.zeros(P - w, device=keys.device)
+    for l in range(L):  # one layer at a time: [H, w, P] stays small at long context
+        k = keys[l].float().repeat_interleave(G, dim=0)  # [H, P, D]
+        logits = (queries[l].float() @ k.transpose(-1, -2)) * scale  # [H, w, P]
+        attn = logits.masked_fill(future, float("-inf")).softmax(dim=-1)
+        votes += attn[:, :, : P - w].sum(dim=(0, 1))
+    return votes
+
+
+class SnapKV(Compressor):
+    """Li et al., "SnapKV: LLM Knows What You are Looking for Before Generation", NeurIPS 2024, arXiv:2404.14469:
+    a static selection, made once after the prefill. The prompt's last `window_size` rows (the observation
+    window) vote with their attention; the votes are average-pooled over `kernel_size` neighbours (so a
+    selected token keeps its context) and the top max_capacity_prompt - window_size positions are kept, with
+    the window. FAFO names it as its third compression method (Appendix, Table 8). The guess rows then see
+    that selection plus the `recent` newest positions (the tokens generated since the prompt).
+
+        prompt 12, window 2, capacity 5: votes over positions 0..9 -> top 3, say [1, 2, 7], + window [10, 11]
+        -> C(kv) = [1, 2, 7, 10, 11] + the most recent positions
+
+    deviation (as for Quest): one selection for every layer and head (the votes are summed), so that one
+    mask and one physical layout serve the whole model. SnapKV proper selects per head."""
+
+    name = "snapkv"
+
+    def __init__(self, window_size: int, max_capacity_prompt: int, kernel_size: int, recent: int):
+        super().__init__()
+        self.window, self.capacity, self.kernel, self.recent = window_size, max_capacity_prompt, kernel_size, recent
+        self.budget = max_capacity_prompt + recent
+        self.kept: list[int] = []  # the prompt positions SnapKV keeps
+
+    def observe_prompt(self, kv, queries: torch.Tensor, scale: float) -> None:
+        P, w = kv.length, queries.shape[2]
+        if P <= self.capacity:
+            self.kept = list(range(P))
+            return
+        votes = snapkv_votes(queries, kv.keys(0, P), scale)  # [P - w]
+        pooled = torch.nn.functional.avg_pool1d(votes[None, None], self.kernel, stride=1,
+                                                padding=self.kernel // 2)[0, 0]  # [P - w], same length (odd kernel)
+        top = torch.topk(pooled, self.capacity - w).indices
+        self.kept = sorted(top.tolist()) + list(range(P - w, P))
+
+    def select(self, length: int) -> list[int]:
+        return sorted(set(self.kept).union(range(max(0, length - self.recent), length)))
+
+
+def make_compressor(compress: str, sink: int, recent: int, page_size: int, top_pages: int, window_size: int = 32,
+                    max_capacity_prompt: int = 256, kernel_size: int = 5) -> Compressor:
     if compress == "stream":
         return StreamingLLM(sink, recent)
     if compress == "quest":
         return Quest(page_size, top_pages)
+    if compress == "snapkv":
+        return SnapKV(window_size, max_capacity_prompt, kernel_size, recent)
     return FullKV()
 
 
-def check_llama_layout(model) -> None:
-    """Quest recomputes each layer's query from its input (layer_queries below), which needs the Llama-family
-    module layout. Other families (GPT-2, GPT-NeoX, Phi3's fused qkv) are refused clearly."""
+def check_llama_layout(model, compress: str = "quest") -> None:
+    """Quest and SnapKV recompute each layer's queries from its input (layer_queries below), which needs the
+    Llama-family module layout. Other families (GPT-2, GPT-NeoX, Phi3's fused qkv) are refused clearly."""
     inner = getattr(model, "model", None)
     layers = getattr(inner, "layers", None)
     ok = layers is not None and hasattr(inner, "rotary_emb") and all(
@@ -393,13 +471,13 @@ def check_llama_layout(model) -> None:
         for l in layers
     )
     if not ok:
-        raise UserError(f"--compress quest needs a Llama-style layout (input_layernorm, q_proj, rotary_emb); "
+        raise UserError(f"--compress {compress} needs a Llama-style layout (input_layernorm, q_proj, rotary_emb); "
                         f"{model.config.model_type} has another: use --compress stream or none")
 
 
-def layer_queries(model, hidden_states, row: int, position: int) -> torch.Tensor:
-    """The query vectors every layer computed for input row `row` at `position`: [L, H, D], RoPE applied
-    (cached keys carry RoPE too, so q.k here is exactly the attention logit).
+def layer_queries(model, hidden_states, rows: Sequence[int], positions: Sequence[int]) -> torch.Tensor:
+    """The query vectors every layer computed for input rows `rows` at `positions`: [L, H, r, D], RoPE
+    applied (cached keys carry RoPE too, so q.k times the layer's scaling is exactly the attention logit).
 
     note: Llama-family layout (input_layernorm -> q_proj, rotary_emb); hidden_states[l] is layer l's input,
     as transformers returns it with output_hidden_states=True."""
@@ -407,17 +485,27 @@ def layer_queries(model, hidden_states, row: int, position: int) -> torch.Tensor
     cfg = model.config
     H = cfg.num_attention_heads
     D = getattr(cfg, "head_dim", None) or cfg.hidden_size // H
-    hs = torch.stack([hidden_states[l][0, row] for l in range(cfg.num_hidden_layers)])  # [L, hidden]
-    pos = torch.tensor([[position]], device=hs.device)
-    cos, sin = inner.rotary_emb(hs[None, :1], position_ids=pos)  # [1, 1, D]
+    r = len(rows)
+    hs = torch.stack([hidden_states[l][0, list(rows)] for l in range(cfg.num_hidden_layers)])  # [L, r, hidden]
+    pos = torch.tensor([list(positions)], device=hs.device)
+    cos, sin = inner.rotary_emb(hs[:1], position_ids=pos)  # [1, r, D]
     qs = []
     for l, layer in enumerate(inner.layers):
-        q = layer.self_attn.q_proj(layer.input_layernorm(hs[l])).view(H, D)  # [H, D]
+        q = layer.self_attn.q_proj(layer.input_layernorm(hs[l])).view(r, H, D)  # [r, H, D]
         if hasattr(layer.self_attn, "q_norm"):  # QK-norm (Qwen3): each head's query is normalised before RoPE
             q = layer.self_attn.q_norm(q)
-        rot = torch.cat([-q[:, D // 2 :], q[:, : D // 2]], dim=-1)  # rotate_half
+        q = q.transpose(0, 1)  # [H, r, D]
+        rot = torch.cat([-q[..., D // 2 :], q[..., : D // 2]], dim=-1)  # rotate_half
         qs.append(q * cos[0] + rot * sin[0])
-    return torch.stack(qs)  # [L, H, D]
+    return torch.stack(qs)  # [L, H, r, D]
+
+
+def attention_scale(model) -> float:
+    """The factor on q.k in the model's attention (transformers keeps it as self_attn.scaling; 1/sqrt(D)
+    otherwise)."""
+    attn = model.model.layers[0].self_attn
+    D = getattr(model.config, "head_dim", None) or model.config.hidden_size // model.config.num_attention_heads
+    return float(getattr(attn, "scaling", D ** -0.5))
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -687,8 +775,8 @@ def generate(model, prompt_ids: Sequence[int], max_new_tokens: int, eos_ids: Seq
     the next prompt; by default every call starts from an empty pool."""
     cfg.check()
     n, k, m = cfg.n_guess, cfg.k, cfg.m
-    if cfg.compress == "quest":
-        check_llama_layout(model)
+    if cfg.compress in ("quest", "snapkv"):
+        check_llama_layout(model, cfg.compress)
     # subtle: guess rows run ahead of the text: stream i's level-j token sits at position p + 1 + i + j, up
     # to p + n + k - 1. A model with absolute position embeddings fails past its table, and a RoPE model is
     # untested there, so the context check must include them, not just prompt + max_new_tokens.
@@ -697,7 +785,8 @@ def generate(model, prompt_ids: Sequence[int], max_new_tokens: int, eos_ids: Seq
         raise UserError(f"prompt ({len(prompt_ids)}) + max new tokens ({max_new_tokens}) + the guess rows' lead "
                         f"(n + k = {n + k}) exceeds the model's context of {verify.context_length(model)}")
     gen = Generation(max_new_tokens, eos_ids, on_emit=on_emit, on_step=on_step)
-    compressor = make_compressor(cfg.compress, cfg.sink, cfg.recent, cfg.page_size, cfg.top_pages)
+    compressor = make_compressor(cfg.compress, cfg.sink, cfg.recent, cfg.page_size, cfg.top_pages, cfg.window_size,
+                                 cfg.max_capacity_prompt, cfg.kernel_size)
     if pool is None:
         pool = NgramPool(k, cfg.pool_cap or n, cfg.lookback)
     elif pool.k != k:
@@ -713,8 +802,8 @@ def generate(model, prompt_ids: Sequence[int], max_new_tokens: int, eos_ids: Seq
     layout = StepLayout(n, k, m)
     cache = verify.new_cache(model, len(prompt_ids) + max_new_tokens + layout.rows)
     ids = torch.tensor([list(prompt_ids)], device=model.device)
-    out = model(input_ids=ids, past_key_values=cache, use_cache=True, output_hidden_states=compressor.needs_query,
-                **verify.last_logits_only(model))
+    out = model(input_ids=ids, past_key_values=cache, use_cache=True,
+                output_hidden_states=compressor.needs_query or compressor.window > 0, **verify.last_logits_only(model))
     verify.check_filled(cache, len(prompt_ids))  # as verify.prefill does: a recurrent model fills no cache
     pending = verify.first_token(out.logits[0, -1], len(prompt_ids), sampling)
     if gen.finish_prefill(pending):
@@ -728,7 +817,10 @@ def generate(model, prompt_ids: Sequence[int], max_new_tokens: int, eos_ids: Seq
     else:
         kv = DenseKV(model, cache, layout)
     final = len(prompt_ids) - 1  # the prompt's last row, at position `final`
-    queries = layer_queries(model, out.hidden_states, final, final) if compressor.needs_query else None
+    if compressor.window:  # SnapKV: the observation window votes, once (rows = positions in the prompt)
+        window = list(range(max(0, len(prompt_ids) - compressor.window), len(prompt_ids)))
+        compressor.observe_prompt(kv, layer_queries(model, out.hidden_states, window, window), attention_scale(model))
+    queries = layer_queries(model, out.hidden_states, [final], [final])[:, :, 0] if compressor.needs_query else None
     compressor.observe(kv, queries)
     gen.extra["compress"] = compressor.name
     guess_rows = cand_rows = 0  # rows of the fumble branch / candidates verified, over all steps
@@ -768,7 +860,7 @@ def generate(model, prompt_ids: Sequence[int], max_new_tokens: int, eos_ids: Seq
         kv.keep(rows, [p + j for j in range(len(rows))])
         if compressor.needs_query:
             last = rows[-1]  # the row that produced the bonus token
-            compressor.observe(kv, layer_queries(model, hidden, last, positions[last]))
+            compressor.observe(kv, layer_queries(model, hidden, [last], [positions[last]])[:, :, 0])
         else:
             compressor.observe(kv, None)
 
@@ -830,7 +922,8 @@ def step_times(model, context: int, backends: Sequence[str] = ("dense", "split",
         if backend.startswith("flex"):
             flex = FlexKV(model, cache, lay, comp.budget, context + 1, block_size, compiled=backend == "flex-compiled")
             flex.select(comp.select(context))
-            out.update(flex_backend=backend, block=block_size, flex_ms=timed(lambda: flex.forward(tokens, positions, rows=read)))
+            flex_ms = timed(lambda: flex.forward(tokens, positions, rows=read))
+            out.update(flex_backend=backend, block=block_size, flex_ms=flex_ms)
             continue
         kv = {"dense": DenseKV, "split": SplitKV}[backend](model, cache, lay)
         kv.select(comp.select(context))
@@ -859,12 +952,20 @@ def main(argv=None) -> int:
     g.add_argument("--k", type=int,
                    help="k: tokens per stream = guessed n-gram length = longest pool key (§4.2)" + default("k"))
     g.add_argument("--m", type=int, help="m: pool candidates verified per step (Algorithm 3)" + default("m"))
-    g.add_argument("--compress", choices=["stream", "quest", "none"],
-                   help="C: stream = StreamingLLM, quest = Quest pages, none = full KV (Lookahead) (default: stream)")
+    g.add_argument("--compress", choices=["stream", "quest", "snapkv", "none"],
+                   help="C: stream = StreamingLLM, quest = Quest pages, snapkv = SnapKV's prompt selection + the "
+                        "recent positions, none = full KV (Lookahead) (default: stream)")
     g.add_argument("--sink", type=int, help="StreamingLLM: attention-sink tokens kept" + default("sink"))
     g.add_argument("--recent", type=int, help="StreamingLLM: most recent tokens kept" + default("recent"))
     g.add_argument("--page-size", type=int, help="Quest: positions per page" + default("page_size"))
     g.add_argument("--top-pages", type=int, help="Quest: pages selected per step" + default("top_pages"))
+    g.add_argument("--window-size", type=int,
+                   help="SnapKV: observation window, the prompt's last rows whose attention votes"
+                        + default("window_size"))
+    g.add_argument("--max-capacity-prompt", type=int,
+                   help="SnapKV: prompt positions kept, the window included" + default("max_capacity_prompt"))
+    g.add_argument("--kernel-size", type=int,
+                   help="SnapKV: average-pooling width over the votes" + default("kernel_size"))
     g.add_argument("--attn", choices=["dense", "split", "flex", "flex-compiled"],
                    help="dense mask (the spec); split = two SDPA calls per layer, guess rows over C(kv) only; "
                         "flex = compacted blocks (eager: checks the layout), flex-compiled" + default("attn"))

@@ -110,6 +110,8 @@ def _cases():
         "card-parallel": lambda m, d: card.generate(m, PROMPT, NEW, [EOS], card.CardConfig(mode="parallel", **cd), draft=d),
         "fafo-dense": lambda m, d: fafo.generate(m, PROMPT, NEW, [EOS], fafo.FafoConfig(attn="dense", **ff)),
         "fafo-quest": lambda m, d: fafo.generate(m, PROMPT, NEW, [EOS], fafo.FafoConfig(compress="quest", **ff)),
+        "fafo-snapkv": lambda m, d: fafo.generate(m, PROMPT, NEW, [EOS], fafo.FafoConfig(
+            compress="snapkv", window_size=8, max_capacity_prompt=20, **ff)),  # 20 of the 36 prompt positions
         "fafo-flex": lambda m, d: fafo.generate(m, PROMPT, NEW, [EOS], fafo.FafoConfig(attn="flex", block_size=16, **ff)),
         "fafo-split": lambda m, d: fafo.generate(m, PROMPT, NEW, [EOS], fafo.FafoConfig(attn="split", **ff)),
     }
@@ -128,11 +130,11 @@ def draft_of(arch_model):
 @pytest.mark.parametrize("case", CASES)
 def test_every_method_is_token_identical_to_hf_greedy(arch_model, draft_of, case):
     arch, model, want = arch_model
-    if case == "fafo-quest":
+    if case in ("fafo-quest", "fafo-snapkv"):
         try:
             fafo.check_llama_layout(model)
         except verify.UserError:
-            pytest.skip(f"{arch}: Quest needs the Llama-style layout (refusal tested below)")
+            pytest.skip(f"{arch}: {case} needs the Llama-style layout (refusal tested below)")
     gen = _cases()[case](model, draft_of)
     assert gen.tokens == want, f"{arch} / {case}"
     assert sum(gen.accepted) > 0, f"{arch} / {case}: no draft token was ever accepted, so nothing was tested"
@@ -253,6 +255,7 @@ def test_cli_refuses_an_unsupported_model_before_generating(tmp_path):
 
 
 @pytest.mark.parametrize("arch", ["gpt2", "gpt_neox", "phi3"])
-def test_quest_refuses_a_layout_it_cannot_read(arch):
-    with pytest.raises(verify.UserError, match="Llama-style"):
-        fafo.generate(tiny_model(arch), PROMPT, 4, [EOS], fafo.FafoConfig(compress="quest"))
+@pytest.mark.parametrize("compress", ["quest", "snapkv"])
+def test_quest_and_snapkv_refuse_a_layout_they_cannot_read(arch, compress):
+    with pytest.raises(verify.UserError, match=f"--compress {compress} needs a Llama-style"):
+        fafo.generate(tiny_model(arch), PROMPT, 4, [EOS], fafo.FafoConfig(compress=compress))

@@ -168,6 +168,58 @@ def test_quest_page_statistics_are_updated_incrementally():
     assert quest.kmin.shape == (2, 3, 1, 4)
 
 
+def test_snapkv_votes_are_the_models_own_attention_weights():
+    """Oracle: the eager attention weights transformers returns for the prompt (output_attentions=True).
+    SnapKV's votes = what the window's rows paid to each earlier position, summed over rows, heads, layers."""
+    from conftest import make_tiny_llama
+
+    model = make_tiny_llama(seed=3)
+    model.config._attn_implementation = "eager"  # the only back-end that returns the weights
+    try:
+        ids = torch.randint(3, 90, (1, 21), generator=torch.Generator().manual_seed(4))
+        cache = verify.new_cache(model, 32)
+        out = model(input_ids=ids, past_key_values=cache, use_cache=True, output_hidden_states=True,
+                     output_attentions=True)
+    finally:
+        model.config._attn_implementation = "sdpa"
+    P, w = 21, 5
+    window = list(range(P - w, P))
+    queries = fafo.layer_queries(model, out.hidden_states, window, window)  # [L, H, w, D]
+    keys = torch.stack([layer.keys[0] for layer in cache.layers])  # [L, H_kv, P, D]
+    got = fafo.snapkv_votes(queries, keys, fafo.attention_scale(model))
+    want = sum(a[0, :, P - w :, : P - w].sum(dim=(0, 1)) for a in out.attentions)  # [P - w]
+    assert got.shape == (P - w,) and torch.allclose(got, want, atol=1e-5, rtol=1e-4)
+
+
+def test_snapkv_keeps_the_pooled_top_positions_and_the_window():
+    # 1 layer, 1 KV head, 1 query head, D = 2; 12 positions, window 2 (positions 10, 11)
+    keys = torch.zeros(1, 1, 12, 2)
+    keys[0, 0, 3] = torch.tensor([4.0, 0.0])  # the window's queries point along +x: position 3 wins the vote
+    keys[0, 0, 8] = torch.tensor([3.9, 0.0])  # and 8 comes a close second; every other position ties
+    queries = torch.tensor([[1.0, 0.0], [1.0, 0.0]]).view(1, 1, 2, 2)  # [L, H, w, D]
+    votes = fafo.snapkv_votes(queries, keys, 1.0)
+    assert votes.shape == (10,) and votes.argsort(descending=True)[:2].tolist() == [3, 8]
+    # capacity 4 = the window + 2 chosen; no pooling (kernel 1): the two best positions
+    snap = fafo.SnapKV(window_size=2, max_capacity_prompt=4, kernel_size=1, recent=3)
+    snap.observe_prompt(FakeKV(keys), queries, scale=1.0)
+    assert snap.kept == [3, 8, 10, 11]
+    assert snap.select(14) == [3, 8, 10, 11, 12, 13]  # + the 3 most recent positions
+    # pooling over 3 neighbours: the winner's neighbourhood (2, 3, 4) now outranks the runner-up itself
+    pooled = fafo.SnapKV(window_size=2, max_capacity_prompt=5, kernel_size=3, recent=1)
+    pooled.observe_prompt(FakeKV(keys), queries, scale=1.0)
+    assert pooled.kept == [2, 3, 4, 10, 11]
+    short = fafo.SnapKV(window_size=2, max_capacity_prompt=20, kernel_size=5, recent=1)
+    short.observe_prompt(FakeKV(keys), queries, scale=1.0)  # a prompt within the capacity: keep it all
+    assert short.kept == list(range(12))
+
+
+def test_snapkv_settings_are_checked():
+    for bad, flag in ((dict(window_size=0), "--window-size"), (dict(max_capacity_prompt=32), "--max-capacity-prompt"),
+                      (dict(kernel_size=4), "--kernel-size")):
+        with pytest.raises(verify.UserError, match=flag):
+            cpu(compress="snapkv", **bad).check()
+
+
 # -- 4. the step layout and the combined mask (Figure 4) -------------------------------------------------
 
 
@@ -377,10 +429,11 @@ def test_block_mask_lets_guess_rows_skip_the_tail(tiny):
 def test_lossless_on_the_tiny_model_all_paths(tiny):
     ids = list(range(3, 40)) * 2
     want = verify.hf_generate(tiny, ids, 40, [2])
-    for compress in ("stream", "quest", "none"):
+    for compress in ("stream", "quest", "snapkv", "none"):
         for attn in ("dense", "split", "flex") if compress != "none" else ("dense", "split"):
             gen = fafo.generate(tiny, ids, 40, [2], cpu(n_guess=3, k=3, m=2, compress=compress, sink=2, recent=6,
-                                                        page_size=4, top_pages=2, attn=attn, block_size=16))
+                                                        page_size=4, top_pages=2, window_size=4, max_capacity_prompt=12,
+                                                        kernel_size=3, attn=attn, block_size=16))
             assert gen.tokens == want, (compress, attn)
 
 
@@ -391,8 +444,8 @@ def test_lossless_on_real_prompts(real, prompt):
     eos = verify.eos_ids_of(model, tok)
     want = verify.hf_generate(model, ids, 48, eos)
     # small budgets, so that the compression really drops most of the cache on these short prompts
-    small = dict(n_guess=4, k=4, m=3, sink=2, recent=12, page_size=8, top_pages=2)
-    for compress in ("stream", "quest", "none"):
+    small = dict(n_guess=4, k=4, m=3, sink=2, recent=12, page_size=8, top_pages=2, window_size=8, max_capacity_prompt=16)
+    for compress in ("stream", "quest", "snapkv", "none"):
         gen = fafo.generate(model, ids, 48, eos, cpu(compress=compress, **small))
         assert gen.tokens == want, compress
     gen = fafo.generate(model, ids, 48, eos, cpu(prompt_pool=True, **small))
