@@ -645,7 +645,8 @@ def find_out(cands: Sequence[Sequence[int]], first_choice: int, cand_choices: Se
 #   FlexKV   the head blocks of a compacted buffer, skipped block-wise by FlexAttention (§4.4, section 9)
 # They expose the same four operations, so the decode loop below does not know which one it drives:
 #   select(positions)       C(kv) for the next forward (flex: swap them into the head of the buffer)
-#   forward(tokens, positions, ..., rows) -> logits [len(rows), V] of the rows asked for (+ hidden states if asked)
+#   forward(tokens, positions, ..., rows)
+#                           -> logits [len(rows), V] of the rows asked for (+ hidden states if asked)
 #   keep(rows, positions)   after acceptance: keep the KV of these input rows only
 #   keys(start, end)        logical keys [L, H_kv, n, D] (Quest's page statistics)
 
