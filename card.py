@@ -54,6 +54,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
+import functools
 import math
 import re
 import signal
@@ -523,15 +524,16 @@ def _draft_process(conn, k: int, topk: int, correct: bool, threads: int | None) 
     # Ctrl-C reaches every process of the terminal's process group. The target's process handles it (and
     # then stops this one); here it would only print a second traceback.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    if threads:
-        torch.set_num_threads(threads)
     torch.set_grad_enabled(False)
     drafter, max_lead, run, asked = None, 0, None, None
     try:
-        build, (kind, payload) = conn.recv()  # the draft model, its tensors in shared memory (see DraftProcess)
+        engine, build, (kind, payload) = conn.recv()  # the draft model, its tensors in shared memory
         draft = assemble(*payload) if kind == "parts" else payload
-        if build is not None:
+        if build is not None:  # an int8 draft is quantized here (the parent waits: all cores), with the
+            torch.backends.quantized.engine = engine  # kernels the parent chose
             draft = build(draft)
+        if threads:
+            torch.set_num_threads(threads)
         conn.send(("ready",))
         while True:
             if asked is not None and drafter.lead() >= min(asked[1], max_lead):  # QUERY, once far enough ahead
@@ -608,7 +610,7 @@ class DraftProcess:
         # the trip at all (torch cannot rebuild a per-channel quantized tensor from shared memory), so
         # int8_draft() notes how it was made and the child builds its own from the target's parts.
         build, source = getattr(draft, "card_rebuild", (None, draft))
-        self._send((build, portable(source)))
+        self._send((torch.backends.quantized.engine, build, portable(source)))
         self._receive("ready")
 
     def _send(self, msg) -> None:
@@ -888,9 +890,10 @@ def first_layers(model, n: int):
     return assemble(type(model), config, keep, dict(model.named_buffers()), model.generation_config)
 
 
-def int8_draft(model):
+def int8_draft(model, copy_model: bool = True):
     """The target with every nn.Linear replaced by torch's int8 dynamically quantized linear (weights per
-    output channel; activations quantized on the fly). A copy: the target itself stays float32."""
+    output channel; activations quantized on the fly). A copy: the target itself stays float32 (the draft
+    process, which owns the module it assembled, quantizes that one in place: copy_model=False)."""
     if model.device.type != "cpu":
         raise verify.UserError("--draft int8 runs on a CPU only (torch's dynamic quantization has no GPU kernels)")
     try:
@@ -899,8 +902,10 @@ def int8_draft(model):
         raise verify.UserError("this torch has no torch.ao.quantization.quantize_dynamic; use --draft self") from None
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # note: torch >= 2.10 marks torch.ao.quantization deprecated (-> torchao)
-        draft = quantize_dynamic(copy.deepcopy(model), {torch.nn.Linear: per_channel_dynamic_qconfig}, dtype=torch.qint8)
-    draft.card_rebuild = (int8_draft, model)  # how DraftProcess rebuilds it in the draft process (see there)
+        draft = quantize_dynamic(copy.deepcopy(model) if copy_model else model,
+                                 {torch.nn.Linear: per_channel_dynamic_qconfig}, dtype=torch.qint8)
+    # how DraftProcess rebuilds it in the draft process (see there)
+    draft.card_rebuild = (functools.partial(int8_draft, copy_model=False), model)
     return draft
 
 
@@ -925,7 +930,8 @@ def load_draft(model, tok, cfg: CardConfig, target_name: str = verify.DEFAULT_MO
         else:
             attn = getattr(model.config, "_attn_implementation", None)
             draft, draft_tok = verify.load_model(spec, device=str(model.device), dtype=cfg.draft_dtype,
-                                                 attn_implementation=attn if attn in verify.MASK_HONOURING else "auto")
+                                                 attn_implementation=attn if attn in verify.MASK_HONOURING else "auto",
+                                                 option="--draft")
             if not same_vocabulary(tok, draft_tok):
                 raise verify.UserError(f"--draft {spec} and --target {target_name} do not share a vocabulary; "
                                        "CARD compares token ids, so both models need the same tokenizer")
