@@ -1,6 +1,12 @@
 """Shared fixtures: a tiny random Llama for the mechanics (fast, deterministic) and the real default model
-(SmolLM2-135M-Instruct, float32, CPU) for the oracle tests."""
+(SmolLM2-135M-Instruct, float32, CPU) for the oracle tests, with the oracle itself (HF greedy) run once per
+prompt for the whole session.
 
+    pytest tests                                   # the whole suite (README's test command)
+    pytest tests --quantized-engine qnnpack        # the int8 draft on another of torch's int8 back-ends
+"""
+
+import copy
 import os
 import sys
 
@@ -12,7 +18,9 @@ sys.path.insert(0, ROOT)
 
 import verify  # noqa: E402
 
-torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+# At most 2 threads (CI's machines have 2 cores), fewer where this process may use fewer: torch's default
+# already honours OMP_NUM_THREADS and the CPU affinity (taskset), so the suite runs under either as asked.
+torch.set_num_threads(max(1, min(2, torch.get_num_threads())))
 
 
 def make_tiny_llama(seed: int = 0, vocab: int = 96):
@@ -47,9 +55,10 @@ def real():
 
 
 @pytest.fixture(scope="session")
-def draft_bf16():
-    """CARD's default draft: the default model's own weights in bfloat16."""
-    return verify.load_model(verify.DEFAULT_MODEL, device="cpu", dtype="bfloat16")[0]
+def draft_bf16(real):
+    """CARD's CUDA default draft: the default model's own weights in bfloat16 (what load_model(dtype=
+    "bfloat16") gives: the same float32 checkpoint, rounded)."""
+    return copy.deepcopy(real[0]).to(torch.bfloat16)
 
 
 @pytest.fixture(scope="session")
@@ -60,6 +69,52 @@ def draft_int8(real):
     return card.int8_draft(real[0])
 
 
+# The CARD cache of the real-model tests: a DraftProcess drafts with one K, k, so they share one.
+CARD_REAL = dict(k=4, topk=2)
+
+
+@pytest.fixture(scope="session")
+def draft_process_bf16(draft_bf16):
+    """One draft process (parallel mode) for every real-model CARD test with CARD_REAL: starting one costs
+    a Python start-up and the imports."""
+    import card
+
+    with card.DraftProcess(draft_bf16, card.CardConfig(mode="parallel", **CARD_REAL)) as proc:
+        yield proc
+
+
+class Oracle:
+    """HF greedy generate on one model, run once per (prompt, EOS set) for the whole session.
+
+    Greedy decoding is prefix-closed: a run of n new tokens is the first n tokens of a run of N >= n (HF
+    makes the same forwards in the same order and stops at the same EOS), so the longest run asked for so
+    far serves every shorter request. A request for more tokens than that runs HF again."""
+
+    def __init__(self, model):
+        self.model, self.runs = model, {}
+
+    def __call__(self, prompt_ids, max_new_tokens: int, eos_ids) -> list[int]:
+        key = (tuple(prompt_ids), tuple(eos_ids))
+        asked, tokens = self.runs.get(key, (0, []))
+        if max_new_tokens > asked and len(tokens) == asked:  # longer than any run so far, none ended at EOS
+            asked = max(max_new_tokens, 64)
+            tokens = verify.hf_generate(self.model, prompt_ids, asked, eos_ids)
+            self.runs[key] = (asked, tokens)
+        return tokens[:max_new_tokens]
+
+
+@pytest.fixture(scope="session")
+def oracle(real):
+    """oracle(ids, n, eos) -> HF greedy's n new tokens on the real default model (memoized, see Oracle)."""
+    return Oracle(real[0])
+
+
+def encode(real, prompt: str, chat: bool = True):
+    """(prompt ids, EOS ids) of a prompt for the real default model."""
+    model, tok = real
+    return verify.encode_prompt(tok, prompt, chat=chat), verify.eos_ids_of(model, tok)
+
+
 def running(pid: int) -> bool:
     """Whether a process runs (Linux, /proc): a zombie that nobody has reaped yet counts as gone."""
     try:
@@ -67,6 +122,22 @@ def running(pid: int) -> bool:
             return f.read().rsplit(")", 1)[1].split()[0] != "Z"
     except FileNotFoundError:
         return False
+
+
+def run_main(module, argv) -> tuple[int, str, str]:
+    """A method's CLI in this process, as `python <module>.py ARGS` runs it: (exit status, stdout, stderr).
+    Cheaper than a subprocess (no second start-up and import); the subprocess tests in test_cli.py check
+    the scripts themselves. argparse's own exits (--help, a bad choice) become their status."""
+    import contextlib
+    import io
+
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            status = module.main(list(argv))
+        except SystemExit as e:
+            status = e.code if isinstance(e.code, int) else (0 if e.code is None else 2)
+    return status, out.getvalue(), err.getvalue()
 
 
 # A few real prompts, used by the lossless tests of every method.
@@ -79,6 +150,12 @@ REAL_PROMPTS = [
 ]
 
 
+def pytest_addoption(parser):
+    parser.addoption("--quantized-engine", default=None,
+                     help="torch.backends.quantized.engine for the int8 draft: one of "
+                          "torch.backends.quantized.supported_engines (default: torch's choice for this CPU)")
+
+
 def pytest_configure(config):
     config.addinivalue_line(
         "markers", "compat: the lossless tests the CI compatibility job re-runs with the oldest transformers"
@@ -86,3 +163,14 @@ def pytest_configure(config):
     config.addinivalue_line(
         "markers", "cuda: the GPU tier (tests/test_cuda.py): skipped without CUDA; run it with pytest -m cuda"
     )
+    engine = config.getoption("--quantized-engine")
+    if engine:
+        if engine not in torch.backends.quantized.supported_engines:
+            raise pytest.UsageError(f"--quantized-engine {engine}: this torch supports "
+                                    f"{', '.join(torch.backends.quantized.supported_engines)}")
+        torch.backends.quantized.engine = engine
+
+
+def pytest_report_header(config):
+    return (f"torch {torch.__version__}, {torch.get_num_threads()} thread(s), "
+            f"quantized engine {torch.backends.quantized.engine}")

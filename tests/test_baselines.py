@@ -3,16 +3,14 @@
 import pytest
 
 import verify
-from conftest import REAL_PROMPTS
+from conftest import REAL_PROMPTS, encode
 
 
 @pytest.mark.parametrize("prompt", REAL_PROMPTS[:3])
-def test_vanilla_is_token_identical_to_hf_generate(real, prompt):
-    model, tok = real
-    ids = verify.encode_prompt(tok, prompt)
-    eos = verify.eos_ids_of(model, tok)
-    want = verify.hf_generate(model, ids, 48, eos)
-    gen = verify.vanilla_generate(model, ids, 48, eos)
+def test_vanilla_is_token_identical_to_hf_generate(real, oracle, prompt):
+    ids, eos = encode(real, prompt)
+    want = oracle(ids, 48, eos)
+    gen = verify.vanilla_generate(real[0], ids, 48, eos)
     assert gen.tokens == want
     assert gen.target_forwards == len(want)  # one forward per token, prefill included
 

@@ -111,14 +111,15 @@ def test_every_method_knows_its_capacity(real, draft_bf16, monkeypatch):
     ids = verify.encode_prompt(tok, REAL_PROMPTS[4])
     eos = verify.eos_ids_of(model, tok)
     cost = {1: 1.0, 2: 1.6, 4: 1.8, 8: 2.0, 16: 2.2}
+    n = 24  # the capacity is prompt + n + the largest step: the last steps of any run test it
     runs = {
-        "vanilla": lambda: verify.vanilla_generate(model, ids, 40, eos),
-        "ngram": lambda: ngram_predictor.generate(model, ids, 40, eos, ngram_predictor.NgramConfig.paper()),
-        "cacheback": lambda: cacheback.generate(model, ids, 40, eos, cacheback.CachebackConfig.cpu(), cost=cost),
-        "card": lambda: card.generate(model, ids, 40, eos, card.CardConfig(k=4, topk=2, ratio=4, mode="lockstep"),
+        "vanilla": lambda: verify.vanilla_generate(model, ids, n, eos),
+        "ngram": lambda: ngram_predictor.generate(model, ids, n, eos, ngram_predictor.NgramConfig.paper()),
+        "cacheback": lambda: cacheback.generate(model, ids, n, eos, cacheback.CachebackConfig.cpu(), cost=cost),
+        "card": lambda: card.generate(model, ids, n, eos, card.CardConfig(k=4, topk=2, ratio=4, mode="lockstep"),
                                       draft=draft_bf16),
-        "fafo": lambda: fafo.generate(model, ids, 40, eos, fafo.FafoConfig.cpu()),
-        "lookahead": lambda: fafo.generate(model, ids, 40, eos, fafo.FafoConfig(n_guess=4, k=3, m=3, compress="none", lookback=1)),
+        "fafo": lambda: fafo.generate(model, ids, n, eos, fafo.FafoConfig.cpu()),
+        "lookahead": lambda: fafo.generate(model, ids, n, eos, fafo.FafoConfig(n_guess=4, k=3, m=3, compress="none", lookback=1)),
     }
     for name, run in runs.items():
         made = _record_caches(monkeypatch)

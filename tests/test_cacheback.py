@@ -9,7 +9,7 @@ import torch
 
 import cacheback as cb
 import verify
-from conftest import REAL_PROMPTS
+from conftest import REAL_PROMPTS, encode
 
 CPU_COST = {1: 1.0, 2: 1.65, 4: 1.8, 8: 1.85, 16: 2.2}  # a cost curve measured on the 2-core CPU
 
@@ -347,32 +347,36 @@ def test_loading_refuses_mismatches(tokenizer, tmp_path):
 # ---------------------------------------------------------------------------------------------- lossless
 
 
+@pytest.fixture(scope="module")
+def small_frozen(tokenizer):
+    """A frozen table from the first 100k tokens of the standard library (the full one: 2M, ~25 s)."""
+    return cb.build_frozen(tokenizer, 1, 3, lc=2**20, fc=128, max_tokens=100_000, progress=False)[0]
+
+
+REAL_CONFIGS = {
+    "tdl 16": cb.CachebackConfig(tdl=16, crt=4),
+    # the CPU defaults (LL = 2, cost-aware pruning with a fixed curve, so the run is deterministic)
+    "cpu": cb.CachebackConfig.cpu(),
+    "dual tables, pruned": cb.CachebackConfig(tdl=16, crt=4, frozen="stdlib", prune="cost"),
+}
+
+
 @pytest.mark.parametrize("prompt", REAL_PROMPTS)
-def test_lossless_on_real_prompts(real, prompt):
-    model, tok = real
-    ids = verify.encode_prompt(tok, prompt)
-    eos = verify.eos_ids_of(model, tok)
-    want = verify.hf_generate(model, ids, 64, eos)
-    gen = cb.generate(model, ids, 64, eos, cb.CachebackConfig(tdl=16, crt=4))
-    assert gen.tokens == want
+def test_lossless_on_real_prompts(real, oracle, small_frozen, prompt):
+    """Each prompt once, the configurations in turn."""
+    ids, eos = encode(real, prompt)
+    name = list(REAL_CONFIGS)[REAL_PROMPTS.index(prompt) % len(REAL_CONFIGS)]
+    cfg = REAL_CONFIGS[name]
+    gen = cb.generate(real[0], ids, 48, eos, cfg, cost=CPU_COST,
+                      frozen_table=small_frozen if cfg.frozen != "none" else None)
+    assert gen.tokens == oracle(ids, 48, eos), name
     assert sum(gen.accepted) > 0
-    # the CPU defaults (LL = 2, cost-aware pruning with a fixed curve, so the run is deterministic), and
-    # the dual tables with pruning
-    gen = cb.generate(model, ids, 64, eos, cb.CachebackConfig.cpu(), cost=CPU_COST)
-    assert gen.tokens == want
-    dual = cb.CachebackConfig(tdl=16, crt=4, frozen="stdlib", prune="cost")
-    frozen = cb.frozen_table_for(tok, dual)
-    gen = cb.generate(model, ids, 64, eos, dual, frozen_table=frozen, cost=CPU_COST)
-    assert gen.tokens == want
 
 
-def test_lossless_with_the_paper_defaults_and_eos_in_a_draft(real):
-    model, tok = real
-    ids = verify.encode_prompt(tok, "Repeat exactly: The cat sat on the mat.")
-    eos = verify.eos_ids_of(model, tok)
-    want = verify.hf_generate(model, ids, 40, eos)
-    gen = cb.generate(model, ids, 40, eos, cb.CachebackConfig())  # §4's values, without a frozen table
-    assert gen.tokens == want and gen.tokens[-1] in eos and gen.from_draft[-1]
+def test_lossless_with_the_paper_defaults_and_eos_in_a_draft(real, oracle):
+    ids, eos = encode(real, "Repeat exactly: The cat sat on the mat.")
+    gen = cb.generate(real[0], ids, 40, eos, cb.CachebackConfig())  # §4's values, without a frozen table
+    assert gen.tokens == oracle(ids, 40, eos) and gen.tokens[-1] in eos and gen.from_draft[-1]
 
 
 def test_max_new_tokens_inside_a_tree(tiny):

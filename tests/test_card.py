@@ -18,7 +18,7 @@ import torch
 
 import card
 import verify
-from conftest import REAL_PROMPTS, ROOT, make_tiny_llama, running
+from conftest import CARD_REAL, REAL_PROMPTS, ROOT, encode, make_tiny_llama, running
 
 # ---------------------------------------------------------------------------------------------- the cache
 
@@ -130,24 +130,23 @@ def test_lossless_on_a_tiny_pair_including_a_bad_draft(mode):
     target = make_tiny_llama(0)
     prompt = [1] + [5, 6, 7, 8, 9] * 6 + [11, 12]
     want = verify.hf_generate(target, prompt, 60, [95])
-    for draft in (make_tiny_llama(0).to(torch.bfloat16), make_tiny_llama(1)):
-        for correct in (True, False):
-            gen = card.generate(target, prompt, 60, [95], card.CardConfig(k=6, topk=3, ratio=4, mode=mode, correct=correct),
-                                draft=draft)
-            assert gen.tokens == want
+    # (draft, correct): a good draft (the target in bfloat16) and a bad one (other weights), with the cache
+    # corrected (§2.4) or not (Table 2's ablation). Parallel mode: two of the four (each is a process start).
+    good, bad = make_tiny_llama(0).to(torch.bfloat16), make_tiny_llama(1)
+    pairs = [(good, True), (good, False), (bad, True), (bad, False)]
+    for draft, correct in pairs if mode == "lockstep" else pairs[1:3]:
+        cfg = card.CardConfig(k=6, topk=3, ratio=4, mode=mode, correct=correct)
+        assert card.generate(target, prompt, 60, [95], cfg, draft=draft).tokens == want, (correct, draft.dtype)
 
 
-@pytest.mark.parametrize("mode", ["lockstep", "parallel"])
-@pytest.mark.parametrize("prompt", REAL_PROMPTS)
-def test_lossless_on_real_prompts(real, draft_bf16, prompt, mode):
-    model, tok = real
-    ids = verify.encode_prompt(tok, prompt)
-    eos = verify.eos_ids_of(model, tok)
-    want = verify.hf_generate(model, ids, 48, eos)
-    gen = card.generate(model, ids, 48, eos, card.CardConfig(k=4, topk=2, ratio=4, mode=mode), draft=draft_bf16)
-    assert gen.tokens == want
-    if mode == "lockstep":  # the bf16 copy agrees with its fp32 original nearly always (a broken cache: ~1)
-        assert len(gen.tokens) / gen.target_forwards > 2.0
+@pytest.mark.parametrize("prompt,mode", [(p, ("lockstep", "parallel")[i % 2]) for i, p in enumerate(REAL_PROMPTS)])
+def test_lossless_on_real_prompts(real, oracle, draft_bf16, draft_process_bf16, prompt, mode):
+    """Every prompt once, the two modes taking turns: the bf16 draft in this process, or in the shared draft
+    process."""
+    ids, eos = encode(real, prompt)
+    draft = draft_bf16 if mode == "lockstep" else draft_process_bf16
+    gen = card.generate(real[0], ids, 40, eos, card.CardConfig(ratio=4, mode=mode, **CARD_REAL), draft=draft)
+    assert gen.tokens == oracle(ids, 40, eos)
 
 
 def test_max_new_tokens_and_eos_boundaries():
@@ -188,10 +187,15 @@ def test_int8_draft_is_close_to_the_target_and_card_with_it_is_lossless():
     target = make_tiny_llama(0)
     draft = card.int8_draft(target)
     assert type(draft.model.layers[0].mlp.up_proj).__name__ == "Linear" and draft.model.layers[0].mlp.up_proj.weight().is_quantized
-    ids = torch.tensor([[1, 5, 6, 7, 8, 9]])
+    ids = torch.randint(3, 96, (1, 64), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
-        a, b = target(input_ids=ids).logits, draft(input_ids=ids).logits
-    assert (a.argmax(-1) == b.argmax(-1)).float().mean() > 0.8  # close, not equal: int8 rounds the weights
+        want = target(input_ids=ids).logits.argmax(-1)
+        agree = (draft(input_ids=ids).logits.argmax(-1) == want).float().mean()
+        unrelated = (make_tiny_llama(1)(input_ids=ids).logits.argmax(-1) == want).float().mean()
+    # Close, not equal: int8 rounds the weights and the activations, by how much depends on the CPU's int8
+    # kernels. So the reference is measured here: a model with other weights agrees with the target only by
+    # chance (about 1 position in 96), a working int8 copy on most positions whatever its kernels.
+    assert agree > unrelated + 0.5, (float(agree), float(unrelated))
     prompt = [1] + [5, 6, 7, 8, 9] * 6
     gen = card.generate(target, prompt, 30, [95], card.CardConfig(k=2, topk=2, ratio=3, mode="lockstep"), draft=draft)
     assert gen.tokens == verify.hf_generate(target, prompt, 30, [95])
@@ -200,28 +204,51 @@ def test_int8_draft_is_close_to_the_target_and_card_with_it_is_lossless():
 # ---------------------------------------------------------------------------------------------- parallel mode
 
 
-def test_parallel_equals_lockstep_on_the_real_model(real, draft_int8):
+def test_parallel_equals_lockstep_on_the_real_model(real, oracle, draft_int8):
     """The CPU default draft in its own process: the same tokens as lockstep and as the plain decoders,
-    greedy and sampled, on several prompts, whatever the timing."""
+    greedy and sampled, on several prompts, whatever the timing. And the int8 draft is often right."""
     model, tok = real
-    eos = verify.eos_ids_of(model, tok)
-    cfg = card.CardConfig.cpu()
+    cfg = card.CardConfig.cpu()  # K = k = 1: the cache is one chain, the draft's own greedy continuation
+    lockstep = dataclasses.replace(cfg, mode="lockstep")
+    r, int8_accepted, self_accepted = cfg.ratio, 0, 0
     with card.DraftProcess(draft_int8, cfg) as proc:
-        for i, prompt in enumerate(REAL_PROMPTS[:3]):
-            ids = verify.encode_prompt(tok, prompt)
-            lock = card.generate(model, ids, 40, eos, dataclasses.replace(cfg, mode="lockstep"), draft=draft_int8)
-            par = card.generate(model, ids, 40, eos, dataclasses.replace(cfg, mode="parallel"), draft=proc)
-            assert par.tokens == lock.tokens == verify.hf_generate(model, ids, 40, eos)
-            assert len(lock.tokens) / lock.target_forwards > 2.0  # the int8 draft is often right
-            s = verify.Sampling(0.8, top_p=0.95, seed=i)
-            lock = card.generate(model, ids, 24, eos, dataclasses.replace(cfg, mode="lockstep"), draft=draft_int8, sampling=s)
-            par = card.generate(model, ids, 24, eos, dataclasses.replace(cfg, mode="parallel", wait=0), draft=proc, sampling=s)
-            assert par.tokens == lock.tokens == verify.vanilla_generate(model, ids, 24, eos, s).tokens
+        for prompt in REAL_PROMPTS[:2]:
+            ids, eos = encode(real, prompt)
+            lock = card.generate(model, ids, 32, eos, lockstep, draft=draft_int8)
+            par = card.generate(model, ids, 32, eos, cfg, draft=proc)
+            assert par.tokens == lock.tokens == oracle(ids, 32, eos)
+            int8_accepted += sum(lock.accepted)
+            # An exact reference: the float32 target as its own draft makes that chain the target's own, so
+            # every step accepts all r tokens (the last one what max_new_tokens leaves). A cache that lost
+            # its KV or a correction that kept the wrong nodes would accept less.
+            own = card.generate(model, ids, 32, eos, lockstep, draft=model)
+            assert own.tokens == lock.tokens and own.accepted[:-1] == [r] * (len(own.accepted) - 1)
+            self_accepted += sum(own.accepted)
+        s = verify.Sampling(0.8, top_p=0.95, seed=1)
+        lock = card.generate(model, ids, 24, eos, lockstep, draft=draft_int8, sampling=s)
+        par = card.generate(model, ids, 24, eos, dataclasses.replace(cfg, wait=0), draft=proc, sampling=s)
+        assert par.tokens == lock.tokens == verify.vanilla_generate(model, ids, 24, eos, s).tokens
     assert draft_processes() == []
+    # How often the int8 draft is right depends on the CPU: torch picks its int8 kernels by instruction set
+    # (on AVX2 they saturate 16-bit sums), so the bound is stated against the self-draft on the same prompts.
+    # Every int8 engine we measured kept well over half of its accepted tokens (RESULTS.md, "The test
+    # suite"); a broken draft (wrong weights, a stale cache, a dead process) keeps next to none.
+    assert int8_accepted >= self_accepted / 3, (int8_accepted, self_accepted)
 
 
 def draft_processes():
-    return [p for p in multiprocessing.active_children() if p.name == "card-draft"]
+    """The draft processes this test started (not the session's shared one, conftest.draft_process_bf16)."""
+    return [p for p in multiprocessing.active_children() if p.name == "card-draft" and p.pid not in SHARED]
+
+
+SHARED: set[int] = set()
+
+
+@pytest.fixture(autouse=True)
+def _shared_draft_processes():
+    """Whatever draft processes run when a test starts belong to the session's fixtures."""
+    SHARED.clear()
+    SHARED.update(p.pid for p in multiprocessing.active_children() if p.name == "card-draft")
 
 
 class ExplodingDraft(torch.nn.Module):
@@ -241,6 +268,7 @@ class ExplodingDraft(torch.nn.Module):
 
 def test_no_draft_process_is_left_after_a_return_an_error_or_ctrl_c():
     target = make_tiny_llama(0)
+    threads = torch.get_num_threads()
     prompt = [1] + [5, 6, 7, 8, 9] * 6
     cfg = card.CardConfig(k=4, topk=2, ratio=4, mode="parallel")
     card.generate(target, prompt, 20, [95], cfg, draft=target)  # a model: generate() owns its process
@@ -256,7 +284,7 @@ def test_no_draft_process_is_left_after_a_return_an_error_or_ctrl_c():
     with pytest.raises(card.DraftProcessError, match="failed: ValueError: draft exploded"):
         card.generate(target, prompt, 20, [95], cfg, draft=ExplodingDraft(target))
     assert draft_processes() == []
-    assert torch.get_num_threads() >= 1
+    assert torch.get_num_threads() == threads  # the cores the draft process had are given back
 
     # a DraftProcess the caller passes is the caller's: it survives an error and serves the next call
     with card.DraftProcess(target, cfg) as proc:
@@ -285,20 +313,30 @@ def test_a_draft_with_hooks_crosses_to_its_process_as_parts():
 
 @pytest.mark.skipif(not os.path.isdir("/proc"), reason="reads /proc")
 def test_a_kept_draft_process_stops_drafting_when_generate_returns():
-    """Between two prompts the draft process must not take cores from whatever the caller runs next."""
+    """Between two prompts the draft process must not take cores from whatever the caller runs next. The
+    reference is the same process drafting freely (started, never told it is done) for as long: how many CPU
+    ticks that takes depends on the machine and its load, an idle process takes next to none on any."""
     def cpu_ticks(pid):
         with open(f"/proc/{pid}/stat") as f:
             fields = f.read().rsplit(")", 1)[1].split()
         return int(fields[11]) + int(fields[12])  # utime + stime
 
+    def ticks_over(pid, seconds=1.0):
+        before = cpu_ticks(pid)
+        time.sleep(seconds)
+        return cpu_ticks(pid) - before
+
     target = make_tiny_llama(0)
+    prompt = [1] + [5, 6, 7, 8, 9] * 6
     cfg = card.CardConfig(k=4, topk=2, ratio=4, mode="parallel", max_lead=10**6)  # would draft forever
     with card.DraftProcess(target, cfg) as proc:
-        card.generate(target, [1] + [5, 6, 7, 8, 9] * 6, 20, [95], cfg, draft=proc)
-        time.sleep(0.5)
-        before = cpu_ticks(proc.process.pid)
-        time.sleep(1.0)
-        assert cpu_ticks(proc.process.pid) - before < 20  # idle (drafting: ~100 ticks a second)
+        card.generate(target, prompt, 20, [95], cfg, draft=proc)
+        time.sleep(0.5)  # a layer already in flight when generate() returned may finish
+        idle = ticks_over(proc.process.pid)
+        proc.start(prompt, 256, cfg.ratio, cfg.max_lead, 0)  # the reference: drafting, nobody says done
+        busy = ticks_over(proc.process.pid)
+        proc.done()
+    assert idle * 4 < busy, (idle, busy)
 
 
 def test_a_dead_draft_process_is_a_one_line_error_not_a_hang():

@@ -1,18 +1,22 @@
 """The shared CLI contract (through verify.py's own vanilla entry point): --json, --help, and one-line
-errors for bad input. Each case runs the script in a subprocess, as a user would."""
+errors for bad input. Most cases call the script's main() in this process (conftest.run_main: the same
+code, without a second start-up); those that only a real process can show -- the scripts' own entry points,
+environment variables read at import, signals, a killed child -- run it in a subprocess, as a user would."""
 
+import importlib
 import json
 import os
 import signal
 import subprocess
 import sys
 import time
+import types
 
 import pytest
 import torch
 
 import verify
-from conftest import running
+from conftest import run_main, running
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 JSON_KEYS = {"method", "model", "device", "dtype", "prompt_tokens", "new_tokens", "target_forwards",
@@ -20,13 +24,18 @@ JSON_KEYS = {"method", "model", "device", "dtype", "prompt_tokens", "new_tokens"
              "token_ids"}
 
 
-def run(*args, env=None, script="verify.py", timeout=300):
-    return subprocess.run([sys.executable, script, *args], cwd=ROOT, capture_output=True, text=True,
-                          timeout=timeout, env={**os.environ, **(env or {})})
+def run(*args, script="verify.py", process=False, timeout=300):
+    """`python <script> ARGS`: in a subprocess if `process`, else its main() in this process."""
+    if process:
+        return subprocess.run([sys.executable, script, *args], cwd=ROOT, capture_output=True, text=True,
+                              timeout=timeout)
+    module = importlib.import_module(script.removesuffix(".py"))
+    status, out, err = run_main(module, args)
+    return types.SimpleNamespace(returncode=status, stdout=out, stderr=err)
 
 
 def test_json_contract_with_compare():
-    r = run("--prompt", "Name a color.", "--max-new-tokens", "6", "--json", "--compare")
+    r = run("--prompt", "Name a color.", "--max-new-tokens", "6", "--json", "--compare", process=True)
     assert r.returncode == 0, r.stderr
     lines = r.stdout.strip().splitlines()
     assert len(lines) == 1  # exactly one JSON object, nothing else on stdout
@@ -64,7 +73,7 @@ BAD_INPUTS = {
     "zero max tokens": (["--prompt", "hi", "--max-new-tokens", "0"], "--max-new-tokens must be positive"),
     "negative max tokens": (["--prompt", "hi", "--max-new-tokens", "-3"], "--max-new-tokens must be positive"),
     "prompt too long": (["--prompt", "word " * 9000], "exceeds the model's context"),
-    "unknown model path": (["--prompt", "hi", "--model", "./no/such/model"], "no such model"),
+    "unknown model path": (["--prompt", "hi", "--model", "./no/such/model"], "--model ./no/such/model: no such model"),
     "missing gguf": (["--prompt", "hi", "--model", "/tmp/nope.gguf"], "no such .gguf file"),
 }
 
@@ -117,7 +126,8 @@ def test_method_help_names_the_papers_parameters(script):
     ("card.py", ["--ratio", "0", "--mode", "lockstep"], "--ratio must be at least 1"),
     ("card.py", ["--ratio", "fast"], "--ratio must be a whole number or 'auto'"),
     ("cacheback.py", ["--frozen", "wiki"], "--frozen wiki"),
-    ("card.py", ["--draft", "./no/such/model"], "no such model"),
+    ("card.py", ["--draft", "./no/such/model"], "--draft ./no/such/model: no such model"),
+    ("card.py", ["--draft", "/nonexistent"], "--draft /nonexistent: no such model"),
     ("card.py", ["--draft", "layers:99"], "--draft layers:L needs 1 <= L <= 30"),
     ("card.py", ["--wait", "-1"], "--wait must be at least 0"),
     ("fafo.py", ["--k", "0"], "--k must be at least 1"),
@@ -129,15 +139,16 @@ def test_method_bad_input_gives_one_line_error(script, args, message):
     assert r.stderr.strip().count("\n") == 0 and message in r.stderr
 
 
-@pytest.mark.parametrize("script,args", [
+@pytest.mark.parametrize("script,args", [  # (card.py lockstep: test_card.py; its CLI is the same path)
     ("cacheback.py", []),
-    ("card.py", ["--mode", "lockstep"]),
     ("card.py", ["--mode", "parallel"]),
     ("fafo.py", ["--compress", "quest"]),
     ("fafo.py", ["--attn", "flex"]),
 ])
 def test_method_json_run_is_identical_to_hf_greedy(script, args):
-    r = run("--prompt", "Name three colors.", "--max-new-tokens", "12", "--json", "--compare", *args, script=script)
+    # cacheback.py in a subprocess: one method script through its own entry point (card.py: the Ctrl-C tests)
+    r = run("--prompt", "Name three colors.", "--max-new-tokens", "12", "--json", "--compare", *args, script=script,
+            process=script == "cacheback.py")
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout.strip().splitlines()[-1])
     assert out["identical"] is True and out["new_tokens"] == len(out["token_ids"])
@@ -209,12 +220,14 @@ def child_pids(pid: int) -> list[int]:
 
 def start_card_parallel():
     """card.py in parallel mode on a long answer (all 1000 tokens, so it outlasts the test's signal), returned
-    once it streams text (its draft process runs).
+    once it streams text (its draft process runs). The bf16 draft: what is tested is the processes' life,
+    and the int8 draft's quantization would add seconds to each start (test_method_json_run_... runs it).
     subtle: Ctrl-C as a terminal delivers it. A shell starts a background job (`make test &`) with SIGINT
     ignored, every child inherits that, and Python then installs no KeyboardInterrupt handler: the CLI ran
     to the end and exited 0. So the child gets SIGINT's default disposition back before it starts."""
     p = subprocess.Popen([sys.executable, "card.py", "--prompt", "Write a long story about a dragon who learns to bake bread.",
-                          "--mode", "parallel", "--max-new-tokens", "1000"], cwd=ROOT, stdout=subprocess.PIPE,
+                          "--mode", "parallel", "--draft", "self", "--max-new-tokens", "1000"], cwd=ROOT,
+                         stdout=subprocess.PIPE,
                          stderr=subprocess.PIPE, text=True, start_new_session=True,
                          preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     assert p.stdout.read(1)  # the first streamed character

@@ -10,7 +10,7 @@ import torch
 
 import fafo
 import verify
-from conftest import REAL_PROMPTS
+from conftest import REAL_PROMPTS, encode
 
 
 def cpu(**fields) -> fafo.FafoConfig:
@@ -437,41 +437,32 @@ def test_lossless_on_the_tiny_model_all_paths(tiny):
             assert gen.tokens == want, (compress, attn)
 
 
-@pytest.mark.parametrize("prompt", REAL_PROMPTS)
-def test_lossless_on_real_prompts(real, prompt):
-    model, tok = real
-    ids = verify.encode_prompt(tok, prompt)
-    eos = verify.eos_ids_of(model, tok)
-    want = verify.hf_generate(model, ids, 48, eos)
-    # small budgets, so that the compression really drops most of the cache on these short prompts
-    small = dict(n_guess=4, k=4, m=3, sink=2, recent=12, page_size=8, top_pages=2, window_size=8, max_capacity_prompt=16)
-    for compress in ("stream", "quest", "snapkv", "none"):
-        gen = fafo.generate(model, ids, 48, eos, cpu(compress=compress, **small))
-        assert gen.tokens == want, compress
-    gen = fafo.generate(model, ids, 48, eos, cpu(prompt_pool=True, **small))
-    assert gen.tokens == want, "prompt pool"
-    gen = fafo.generate(model, ids, 48, eos, cpu(compress="none", lookback=1, **small))  # Lookahead Decoding
-    assert gen.tokens == want, "lookahead"
+# Small budgets, so that the compression really drops most of the cache on these short prompts.
+SMALL = dict(n_guess=4, k=4, m=3, sink=2, recent=12, page_size=8, top_pages=2, window_size=8, max_capacity_prompt=16)
+REAL_CONFIGS = {  # on the CPU configuration's back-end, split, unless named
+    "stream": dict(compress="stream"),
+    "quest": dict(compress="quest"),
+    "snapkv": dict(compress="snapkv"),
+    "none": dict(compress="none"),
+    "prompt pool": dict(prompt_pool=True),
+    "lookahead": dict(compress="none", lookback=1),  # Lookahead Decoding: full-KV guesses, one-token keys
+    "quest dense": dict(compress="quest", attn="dense"),
+}
 
 
-def test_lossless_split_on_a_real_prompt(real):
-    model, tok = real
-    ids = verify.encode_prompt(tok, REAL_PROMPTS[2])
-    eos = verify.eos_ids_of(model, tok)
-    want = verify.hf_generate(model, ids, 32, eos)
-    for compress in ("stream", "quest", "none"):
-        gen = fafo.generate(model, ids, 32, eos, cpu(n_guess=4, k=3, m=3, sink=2, recent=12, page_size=8, top_pages=2,
-                                                    compress=compress, attn="split"))
-        assert gen.tokens == want, compress
+@pytest.mark.parametrize("name", REAL_CONFIGS)
+def test_lossless_on_real_prompts(real, oracle, name):
+    """Each configuration once, the prompts in turn."""
+    ids, eos = encode(real, REAL_PROMPTS[list(REAL_CONFIGS).index(name) % len(REAL_PROMPTS)])
+    gen = fafo.generate(real[0], ids, 40, eos, cpu(**SMALL, **REAL_CONFIGS[name]))
+    assert gen.tokens == oracle(ids, 40, eos)
 
 
-def test_lossless_flex_on_a_real_prompt(real):
-    model, tok = real
-    ids = verify.encode_prompt(tok, REAL_PROMPTS[3])
-    eos = verify.eos_ids_of(model, tok)
-    want = verify.hf_generate(model, ids, 24, eos)
-    gen = fafo.generate(model, ids, 24, eos, cpu(n_guess=3, k=3, m=2, sink=2, recent=12, attn="flex", block_size=16))
-    assert gen.tokens == want and gen.extra["slots_swapped_per_step"] > 0
+@pytest.mark.compat
+def test_lossless_flex_on_a_real_prompt(real, oracle):
+    ids, eos = encode(real, REAL_PROMPTS[3])
+    gen = fafo.generate(real[0], ids, 24, eos, cpu(n_guess=3, k=3, m=2, sink=2, recent=12, attn="flex", block_size=16))
+    assert gen.tokens == oracle(ids, 24, eos) and gen.extra["slots_swapped_per_step"] > 0
 
 
 def test_max_new_tokens_and_eos_inside_an_accepted_run(tiny):

@@ -10,7 +10,7 @@ import pytest
 
 import ngram_predictor as ng
 import verify
-from conftest import REAL_PROMPTS, ROOT
+from conftest import REAL_PROMPTS, ROOT, encode, run_main
 
 # ---------------------------------------------------------------------------------------------- hashing
 
@@ -184,46 +184,36 @@ def test_draft_never_runs_past_max_new_tokens(tiny):
 
 
 @pytest.mark.parametrize("prompt", REAL_PROMPTS)
-def test_lossless_on_real_prompts(real, prompt):
+def test_lossless_on_real_prompts(real, oracle, prompt):
     # draft_cost=1: the gate is off, every draft is verified (the most acceptance decisions to get right)
-    model, tok = real
-    ids_ = verify.encode_prompt(tok, prompt)
-    eos = verify.eos_ids_of(model, tok)
-    want = verify.hf_generate(model, ids_, 64, eos)
-    gen = ng.generate(model, ids_, 64, eos, ng.NgramConfig.paper())
-    assert gen.tokens == want
+    ids_, eos = encode(real, prompt)
+    gen = ng.generate(real[0], ids_, 48, eos, ng.NgramConfig.paper())
+    assert gen.tokens == oracle(ids_, 48, eos)
     assert sum(gen.drafted) > 0  # the predictor did draft on these prompts
 
 
 @pytest.mark.parametrize("prompt", REAL_PROMPTS[:2])
-def test_lossless_with_the_cost_gate(real, prompt):
-    model, tok = real
-    ids_ = verify.encode_prompt(tok, prompt)
-    eos = verify.eos_ids_of(model, tok)
-    gen = ng.generate(model, ids_, 64, eos, ng.NgramConfig(draft_cost=1.8))
-    assert gen.tokens == verify.hf_generate(model, ids_, 64, eos)
+def test_lossless_with_the_cost_gate(real, oracle, prompt):
+    ids_, eos = encode(real, prompt)
+    gen = ng.generate(real[0], ids_, 48, eos, ng.NgramConfig(draft_cost=1.8))
+    assert gen.tokens == oracle(ids_, 48, eos)
 
 
-def test_lossless_when_no_draft_is_ever_produced(real):
+def test_lossless_when_no_draft_is_ever_produced(real, oracle):
     # Raw text, no chat template, and a short generation of tokens that never repeat: the predictor never
     # finds a context, so every step is the no-draft fallback.
-    model, tok = real
-    ids_ = verify.encode_prompt(tok, "Once upon a time", chat=False)
-    eos = verify.eos_ids_of(model, tok)
-    want = verify.hf_generate(model, ids_, 8, eos)
-    gen = ng.generate(model, ids_, 8, eos, ng.NgramConfig.paper())
+    ids_, eos = encode(real, "Once upon a time", chat=False)
+    want = oracle(ids_, 8, eos)
+    gen = ng.generate(real[0], ids_, 8, eos, ng.NgramConfig.paper())
     assert gen.tokens == want and sum(gen.drafted) == 0 and gen.target_forwards == len(want)
 
 
-def test_lossless_when_eos_falls_inside_an_accepted_draft(real):
+def test_lossless_when_eos_falls_inside_an_accepted_draft(real, oracle):
     # The answer repeats the prompt's sentence, and in the prompt "." is followed by <|im_end|>: the
     # predictor drafts the EOS and the model accepts it inside the draft.
-    model, tok = real
-    ids_ = verify.encode_prompt(tok, "Repeat exactly: The cat sat on the mat.")
-    eos = verify.eos_ids_of(model, tok)
-    want = verify.hf_generate(model, ids_, 64, eos)
-    gen = ng.generate(model, ids_, 64, eos, ng.NgramConfig.paper())
-    assert gen.tokens == want
+    ids_, eos = encode(real, "Repeat exactly: The cat sat on the mat.")
+    gen = ng.generate(real[0], ids_, 64, eos, ng.NgramConfig.paper())
+    assert gen.tokens == oracle(ids_, 64, eos)
     assert gen.tokens[-1] in eos and gen.from_draft[-1]  # EOS came from an accepted draft
 
 
@@ -240,6 +230,5 @@ def test_cli_json_has_the_chapter_estimate():
 @pytest.mark.parametrize("flag,value,message", [("--max-order", "1", "--max-order"), ("--draft-count", "-1", "--draft-count"),
                                                 ("--max-batch", "0", "--max-batch")])
 def test_cli_rejects_bad_parameters(flag, value, message):
-    r = subprocess.run([sys.executable, "ngram_predictor.py", "--prompt", "hi", flag, value], cwd=ROOT,
-                       capture_output=True, text=True, timeout=120)
-    assert r.returncode == 2 and r.stderr.startswith("error: ") and message in r.stderr and "Traceback" not in r.stderr
+    status, _, err = run_main(ng, ["--prompt", "hi", flag, value])
+    assert status == 2 and err.startswith("error: ") and message in err and err.strip().count("\n") == 0
