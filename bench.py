@@ -42,10 +42,14 @@ import dataclasses
 import importlib
 import json
 import os
+import random
 import sys
 import time
 from collections import defaultdict
 from typing import Sequence
+
+import numpy as np
+import torch
 
 import verify
 
@@ -129,6 +133,22 @@ class FirstToken:
         pass
 
 
+@torch.no_grad()
+def hf_sample(model, prompt_ids, max_new_tokens: int, eos_ids, sampling: verify.Sampling, **gen_kwargs) -> list[int]:
+    """transformers' own sampler with the same temperature / top-k / top-p: the speed baseline of sampled runs
+    (its random stream is not our keyed noise, so identity is checked against vanilla's plain sampler)."""
+    from transformers import GenerationConfig
+
+    eos = list(eos_ids)
+    config = GenerationConfig(do_sample=True, temperature=sampling.temperature, top_k=sampling.top_k,
+                              top_p=sampling.top_p, max_new_tokens=max_new_tokens, eos_token_id=eos,
+                              pad_token_id=eos[0])
+    torch.manual_seed(sampling.seed)
+    ids = torch.tensor([list(prompt_ids)], device=model.device)
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=config, **gen_kwargs)
+    return out[0, ids.shape[1] :].tolist()
+
+
 def make_runner(spec: str, model, tok, args, sampled: bool = False):
     """Returns run(prompt_ids, max_new_tokens, eos_ids, sampling, first) -> (token ids, Generation or None);
     `first` is a FirstToken."""
@@ -140,7 +160,7 @@ def make_runner(spec: str, model, tok, args, sampled: bool = False):
     if name == "hf-sample":  # transformers' own sampler: the speed baseline of sampled runs
         if not sampled:
             raise verify.UserError("--methods hf-sample: needs --temperature > 0")
-        return lambda ids, n, eos, s, first: (verify.hf_sample(model, ids, n, eos, s, streamer=first), None)
+        return lambda ids, n, eos, s, first: (hf_sample(model, ids, n, eos, s, streamer=first), None)
     if sampled and name in ("hf-pld", "hf-assisted"):
         raise verify.UserError(f"--methods {name}: compared greedy only here (drop it, or use --temperature 0)")
     if name == "hf-pld":
@@ -163,6 +183,10 @@ def make_runner(spec: str, model, tok, args, sampled: bool = False):
         cfg.check()
         # What needs the model (a draft model, a frozen table, a measured cost): the method's prepare(), the
         # same hook its own CLI uses, run once before timing.
+        if module_name == "cacheback" and cfg.frozen in module.FROZEN_CORPORA:  # a set-up step: build once
+            import tools.build_frozen
+
+            tools.build_frozen.ensure_table(tok, cfg, model, args.model)
         cfg, extra = module.prepare(model, tok, cfg, args.model) if hasattr(module, "prepare") else (cfg, {})
         return lambda ids, n, eos, s, first: _gen(module.generate(model, ids, n, eos, cfg, sampling=s, on_emit=first,
                                                                   **extra))
@@ -171,6 +195,58 @@ def make_runner(spec: str, model, tok, args, sampled: bool = False):
 
 def _gen(gen):
     return gen.tokens, gen
+
+
+@torch.no_grad()
+def fafo_step_times(fafo, model, context: int, backends: Sequence[str] = ("dense", "split", "flex-compiled"), repeats: int = 10,
+               block_size: int = 128, **params) -> dict:
+    """§4.4's claim, measured: one FAFO step after `context` cached tokens on each back-end (same rows, same
+    StreamingLLM selection), and Lookahead's step (C = none: the guess rows see the whole cache) on the dense
+    and split back-ends. Returns ms per step (median of `repeats`, after two warm-up calls) as
+    `<backend>_ms` and `lookahead_<backend>_ms`. `--fafo-steps` prints them (RESULTS.md)."""
+    d = dataclasses.replace(fafo.FafoConfig.for_device(model.device), **params)
+    lay = fafo.StepLayout(d.n_guess, d.k, d.m)
+    comp = fafo.StreamingLLM(d.sink, d.recent)
+    rng = random.Random(0)
+    vocab = model.config.vocab_size
+    ids = [rng.randrange(vocab) for _ in range(context)]
+    cache = verify.new_cache(model, context + lay.rows)
+    verify.prefill(model, cache, ids)
+    windows = [[rng.randrange(vocab) for _ in range(lay.k)] for _ in range(lay.n)]
+    cands = [tuple(rng.randrange(vocab) for _ in range(lay.k)) for _ in range(lay.m)]
+    tokens, positions = lay.inputs(ids[-1], context, windows, cands)
+    read = lay.read_rows()  # the head runs on these rows only, as in generate()
+
+    def timed(step) -> float:
+        ts = []
+        for i in range(repeats + 2):
+            verify.sync(model)
+            t0 = time.perf_counter()
+            step()
+            verify.sync(model)
+            ts.append(time.perf_counter() - t0)
+        return 1000 * float(np.median(ts[2:]))  # the first two calls are warm-up (and compilation)
+
+    def on_dynamic_cache(kv):  # dense and split append to the cache: roll it back after each step
+        def step():
+            kv.forward(tokens, positions, rows=read)
+            verify.rollback(cache, context)
+        return step
+
+    out = {"context": context, "rows": lay.rows, "guess_rows": lay.n * lay.k, "selected": len(comp.select(context))}
+    for backend in backends:
+        if backend.startswith("flex"):
+            flex = fafo.FlexKV(model, cache, lay, comp.budget, context + 1, block_size, compiled=backend == "flex-compiled")
+            flex.select(comp.select(context))
+            flex_ms = timed(lambda: flex.forward(tokens, positions, rows=read))
+            out.update(flex_backend=backend, block=block_size, flex_ms=flex_ms)
+            continue
+        kv = {"dense": fafo.DenseKV, "split": fafo.SplitKV}[backend](model, cache, lay)
+        kv.select(comp.select(context))
+        out[f"{backend}_ms"] = timed(on_dynamic_cache(kv))
+        kv.select(range(context))  # Lookahead: the guess rows see every cached position
+        out[f"lookahead_{backend}_ms"] = timed(on_dynamic_cache(kv))
+    return out
 
 
 def split_of(question_id: int) -> str:
@@ -454,7 +530,7 @@ def main(argv=None) -> int:
     p.add_argument("--pld-tokens", type=int, default=10, help="hf-pld: prompt_lookup_num_tokens (default: 10)")
     p.add_argument("--fafo-steps", metavar="CONTEXTS",
                    help="instead of the prompt set: time one FAFO step and one Lookahead step on each attention "
-                        "back-end after each of these cached-context lengths, e.g. 1024,4096,7168 (fafo.step_times)")
+                        "back-end after each of these cached-context lengths, e.g. 1024,4096,7168 (fafo_step_times)")
     p.add_argument("--cost-curve", metavar="SIZES",
                    help="instead of a benchmark: time one verification forward over each of these numbers of new "
                         "tokens after 300 cached ones (TUTORIAL.md §1.1), e.g. 1,2,4,8,16,32,64,96")
@@ -519,7 +595,7 @@ def run_fafo_steps(args) -> int:
     lines = [head, "|---" * (head.count("|") - 1) + "|"]
     rows = []
     for c in tqdm(contexts, desc="fafo steps", unit="context", file=sys.stderr):
-        r = fafo.step_times(model, c, backends=backends)
+        r = fafo_step_times(fafo, model, c, backends=backends)
         r.update(device=device_name(model), dtype=str(model.dtype))  # every row says what it was measured on
         rows.append(r)
         line = f"| {c} | {r['rows']} | " + "".join(f"{r[b + '_ms']:.1f} | " for b in cols)
@@ -586,7 +662,7 @@ def run(args) -> int:
         raise verify.UserError("--limit must be positive")
     prompts = load_prompts(args.prompts, args.limit, args.split,
                            args.categories.split(",") if args.categories else None)
-    verify.set_seed(0)
+    random.seed(0), np.random.seed(0), torch.manual_seed(0)
     model, tok = verify.load_model(args.model, args.device, args.dtype)
     eos = verify.eos_ids_of(model, tok)
     runners = {m: make_runner(m, model, tok, args, sampled=not sampling.greedy) for m in methods}

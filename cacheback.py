@@ -9,16 +9,9 @@ arXiv:2511.21699.
     ACCEPT  the longest branch the model agrees with, plus the bonus token
     UPDATE  slide a window of LL + FL tokens over the newly accepted tokens into the dynamic table (§3.2)
 
-File layout, in the paper's order:
-
-    0. Configuration    the paper's parameters under its names: LL, FL, LC, FC, TDL, CRT (§3, §4)
-    1. CacheTable       the two-level LRU of §3.1 (Figure 1)
-    2. Dual tables      sliding-window updates of the dynamic table (§3.2, §3.3)
-    3. Draft tree       BFS growth under TDL and CRT, prefixes merged into a trie (§3.2, Figure 2)
-    4. Cost pruning     our deviation for CPUs, a separate pass: verify only the part worth its cost
-    5. Decode loop      draft, verify with tree attention, accept, compact the KV, update (verify.py)
-    6. CLI
-    7. Frozen table     built offline from a corpus (§3.3, §4): the Python stdlib, or the model's own answers
+The paper, in its order: 0 its parameters LL, FL, LC, FC, TDL, CRT (§3, §4), 1 the two-level LRU table (§3.1),
+2 dual tables (§3.2, §3.3), 3 the draft tree (§3.2, Figure 2), 4 the decode loop. Beyond the paper: 5 our
+cost-aware pruning for CPUs, 6 frozen-table files (built offline by tools/build_frozen.py), 7 the CLI.
 
     python cacheback.py --prompt "Summarize: ..." --compare
 
@@ -28,11 +21,8 @@ File layout, in the paper's order:
 Where this file differs from the published reference code (TUTORIAL.md §3): accepted tokens keep their KV
 (compaction) instead of being fed again, shared prefixes are merged so no token is verified twice,
 speculative lookups inside the tree do not refresh recency, and the frozen table fills only the budget the
-dynamic tree leaves. On a CPU the defaults differ from the paper's (CachebackConfig.cpu: LL = 2, TDL = 16,
-no frozen table, cost-aware pruning; measured in TUTORIAL.md §3.5).
-
-Greedy and float32: the output is identical to model.generate(do_sample=False), except at exact ties within
-rounding (see verify.py); measured on every prompt we run (tests/test_cacheback.py).
+dynamic tree leaves. On a CPU the defaults differ from the paper's (CachebackConfig.cpu). Greedy and float32,
+the output is model.generate(do_sample=False)'s (tests/test_cacheback.py).
 """
 
 from __future__ import annotations
@@ -49,14 +39,10 @@ import torch
 import verify
 from verify import Generation, Tree
 
-CORPUS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "corpus")  # section 7's corpora
+CORPUS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "corpus")  # the shipped frozen tables
 FROZEN_CORPORA = ("stdlib", "selfchat")
 
-
-# ----------------------------------------------------------------------------------------------------------
-# 0. Configuration (§3, §4)
-# ----------------------------------------------------------------------------------------------------------
-
+# ---- 0. Configuration (§3, §4) -----------------------------------------------------------------------------
 
 @dataclass
 class CachebackConfig:
@@ -73,29 +59,29 @@ class CachebackConfig:
     fc: int = 128  # FC, follower capacity per leader (LRU)
     tdl: int = 96  # TDL, total draft length: tree tokens not yet in the KV cache, root included
     crt: int = 16  # CRT, chaining-reserved tokens: TDL budget kept for tree levels 2 and deeper
-    frozen: str = "none"  # the frozen table (§3.3): 'none', 'stdlib', 'selfchat' (section 7) or a file
-    prune: str = "none"  # 'none' verifies whole trees (the paper); 'cost' = our pruning pass (section 4)
+    frozen: str = "none"  # the frozen table (§3.3): 'none', 'stdlib', 'selfchat' (section 6) or a file
+    prune: str = "none"  # 'none' verifies whole trees (the paper); 'cost' = our pruning pass (section 5)
     dynamic_table: bool = True  # False leaves the dynamic table empty: Table 1's "only frozen" row
 
     @classmethod
     def paper(cls) -> "CachebackConfig":
         """§4's values, whole trees, and a frozen table. The paper's corpus (1% of OpenWebText) is not
-        available offline; 'selfchat' is our stand-in with the most accepted tokens (TUTORIAL.md §3.5)."""
+        available offline; 'selfchat' is our stand-in with the most accepted tokens (RESULTS.md)."""
         return cls(frozen="selfchat")
 
     @classmethod
     def cpu(cls) -> "CachebackConfig":
-        """Measured on the tuning half of the shipped prompts (TUTORIAL.md §3.5): a verification forward is
-        far from free on a CPU, so a small tree, cost pruning, a longer leader and no frozen table."""
+        """Chosen on the tuning half of the shipped prompts (RESULTS.md, "Cacheback on a CPU"): a forward over
+        many tokens is far from free on a CPU: small trees, cost pruning, a longer leader, no frozen table."""
         return cls(ll=2, tdl=16, crt=4, frozen="none", prune="cost")
 
     @classmethod
     def for_device(cls, device) -> "CachebackConfig":
-        """The paper's configuration on CUDA, the measured one elsewhere. note: 'selfchat' needs corpus/
-        beside this file; someone who copied only cacheback.py and verify.py gets 'stdlib' instead."""
+        """The paper's configuration on CUDA, the CPU one elsewhere. note: the shipped tables live in corpus/;
+        a copy of only cacheback.py and verify.py runs without a frozen table."""
         if torch.device(device).type != "cuda":
             return cls.cpu()
-        return cls.paper() if os.path.isdir(CORPUS_DIR) else cls(frozen="stdlib")
+        return cls.paper() if os.path.isdir(CORPUS_DIR) else cls()
 
     def check(self) -> None:
         """Raise verify.UserError (a ValueError) for an impossible value."""
@@ -110,10 +96,7 @@ class CachebackConfig:
             raise verify.UserError(f"--frozen {self.frozen}: expected none, {', '.join(FROZEN_CORPORA)} "
                                    "or a table file")
 
-
-# ----------------------------------------------------------------------------------------------------------
-# 1. The cache table (§3.1)
-# ----------------------------------------------------------------------------------------------------------
+# ---- 1. The cache table (§3.1) -----------------------------------------------------------------------------
 #
 #   leaders (LRU over at most LC leaders)          followers (one LRU per leader, at most FC each)
 #   ('the',)  -> [('cat','sat','on'), ('dog','ran','to'), ...]     oldest ... most recent
@@ -130,7 +113,6 @@ class CachebackConfig:
 #     refreshes l; then appends follower f (evicting l's LRU follower if it has FC), or refreshes f.
 #   - query(l) refreshes l. It never refreshes a follower: "the table updates a follower's recency only
 #     upon insertion", and a follower competes only with the followers of the same leader.
-
 
 class CacheTable:
     def __init__(self, ll: int, fl: int, lc: int, fc: int, frozen: bool = False):
@@ -170,10 +152,7 @@ class CacheTable:
             self.leaders.move_to_end(leader)  # querying refreshes the leader
         return reversed(followers)  # a view: O(1) to create, yields lazily
 
-
-# ----------------------------------------------------------------------------------------------------------
-# 2. Dual tables: the dynamic table learns from the text, the frozen one is read-only (§3.3)
-# ----------------------------------------------------------------------------------------------------------
+# ---- 2. Dual tables: the dynamic table learns from the text, the frozen one is read-only (§3.3) ------------
 #
 # The dynamic table sees every window of LL + FL consecutive tokens of the text: the leader is its first
 # LL tokens, the follower the last FL. At the start it is filled by sliding the window over the whole
@@ -184,7 +163,6 @@ class CacheTable:
 #       new windows ending at "ran":  (the,) -> (fox, ran)
 #       new windows ending at "fast": (fox,) -> (ran, fast)
 
-
 def windows(tokens: Sequence[int], ll: int, fl: int, first_end: int = 0) -> Iterator[tuple[tuple, tuple]]:
     """(leader, follower) for every window of ll + fl tokens whose LAST token has index >= first_end."""
     n = ll + fl
@@ -192,16 +170,12 @@ def windows(tokens: Sequence[int], ll: int, fl: int, first_end: int = 0) -> Iter
         window = tuple(tokens[end - n + 1 : end + 1])
         yield window[:ll], window[ll:]
 
-
 def update_table(table: CacheTable, tokens: Sequence[int], first_new: int) -> None:
     """Insert the windows that end at tokens[first_new:], i.e. at the tokens emitted by the last step."""
     for leader, follower in windows(tokens, table.ll, table.fl, first_new):
         table.insert(leader, follower)
 
-
-# ----------------------------------------------------------------------------------------------------------
-# 3. The draft tree (§3.2): breadth-first growth under TDL and CRT
-# ----------------------------------------------------------------------------------------------------------
+# ---- 3. The draft tree (§3.2): breadth-first growth under TDL and CRT --------------------------------------
 #
 # TDL (total draft length) bounds the tree: draft tokens + tokens not yet in the KV cache <= TDL. With KV
 # compaction only the root (the last emitted token) is not cached, so the tree gets TDL - 1 draft tokens.
@@ -230,7 +204,6 @@ def update_table(table: CacheTable, tokens: Sequence[int], first_new: int) -> No
 # appear in the text; letting them promote leaders would let guesses evict what the text actually
 # contained. The reference code refreshes on every lookup.
 
-
 @dataclass
 class DraftTree(Tree):
     """A verify.Tree that also remembers where each node's token came from: origins[i] = (table, rank, pos,
@@ -246,7 +219,8 @@ class DraftTree(Tree):
         tree.origins.append(None)
         return tree
 
-    def add_follower(self, parent: int, follower: Sequence[int], table: int, rank: int, fanout: int) -> list[int]:
+    def add_follower(self, parent: int, follower: Sequence[int], table: int, rank: int,
+                     fanout: int) -> list[int]:
         """Hang a follower below `parent` (merged into the trie); returns its node indices."""
         nodes = self.add_branch(follower, parent=parent)
         for pos, n in enumerate(nodes):
@@ -263,7 +237,6 @@ class DraftTree(Tree):
                 remap[i] = out.add(remap[self.parents[i]], self.tokens[i])
                 out.origins.append(self.origins[i])
         return out
-
 
 def grow_tree(root: int, context: Sequence[int], dynamic: CacheTable, frozen: CacheTable | None, tdl: int,
               crt: int) -> DraftTree:
@@ -300,7 +273,6 @@ def grow_tree(root: int, context: Sequence[int], dynamic: CacheTable, frozen: Ca
             level += 1
     return tree
 
-
 def _add_followers(tree: DraftTree, node: int, leader: tuple, tables: list[CacheTable], limit: int,
                    refresh: bool, out: dict[int, tuple]) -> None:
     """Hang the followers of `leader` below `node`: the dynamic table's first, then the frozen table's, each
@@ -319,7 +291,6 @@ def _add_followers(tree: DraftTree, node: int, leader: tuple, tables: list[Cache
             nodes = tree.add_follower(node, follower, source, rank, fanout)
             out.setdefault(nodes[-1], (leader + follower)[-ll:])  # the last LL tokens of its text
 
-
 def _new_tokens(tree: Tree, node: int, follower: Sequence[int]) -> int:
     """How many nodes adding `follower` below `node` would create (the rest is a shared prefix)."""
     for i, t in enumerate(follower):
@@ -329,15 +300,74 @@ def _new_tokens(tree: Tree, node: int, follower: Sequence[int]) -> int:
         node = child
     return 0
 
+# ---- 4. The decode loop ------------------------------------------------------------------------------------
 
+@torch.no_grad()
+def generate(model, prompt_ids: Sequence[int], max_new_tokens: int, eos_ids: Sequence[int],
+             cfg: CachebackConfig, *, frozen_table: CacheTable | None = None,
+             cost: dict[int, float] | None = None, sampling: verify.Sampling = verify.GREEDY,
+             on_emit=None, on_step=None) -> Generation:
+    """Cacheback decoding. A fresh dynamic table per call (stateful methods start from scratch for every
+    prompt, as in the paper's SpecBench runs). frozen_table: the table cfg.frozen names (`frozen_table_for`;
+    `prepare` loads it once per process), shared and never modified. cost: the pruning's curve {n: t(n)/t(1)}
+    (measured now if not given). `sampling`: greedy by default; sampled, the plain sampler's tokens."""
+    cfg.check()
+    check_frozen(cfg, frozen_table)
+    pruner = CostPruner(cost or measure_cost(model, cfg.tdl)) if cfg.prune == "cost" else None  # section 5
+    gen = Generation(max_new_tokens, eos_ids, on_emit=on_emit, on_step=on_step)
+    gen.extra.update(grown=0, pruned=0)  # draft tokens grown / removed by the pruning, over all steps
+    dynamic = CacheTable(cfg.ll, cfg.fl, cfg.lc, cfg.fc)
+    learn = update_table if cfg.dynamic_table else (lambda *a: None)
+    text = list(prompt_ids)  # prompt + emitted tokens: the context the tables are queried with
+    learn(dynamic, text, 0)  # §3.3: initialise the dynamic table with a sliding window over the prompt
 
-# ----------------------------------------------------------------------------------------------------------
-# 4. Cost-aware pruning: a separate pass after the tree is built (our deviation, for CPUs)
-# ----------------------------------------------------------------------------------------------------------
+    # the cache's capacity: prompt + output + the largest step (the root and up to TDL tree tokens)
+    cache = verify.new_cache(model, len(prompt_ids) + max_new_tokens + cfg.tdl + 1)
+    pending = verify.first_token(verify.prefill(model, cache, prompt_ids), len(prompt_ids), sampling)
+    text.append(pending)
+    learn(dynamic, text, len(text) - 1)
+    if gen.finish_prefill(pending):
+        return gen
+
+    while True:
+        # -- DRAFT (§3.2): a tree below the pending token, at most TDL tokens including it
+        t0 = time.perf_counter()
+        tree = grow_tree(pending, text, dynamic, frozen_table, cfg.tdl, cfg.crt)
+        grown = len(tree) - 1
+        room = max_new_tokens - len(gen.tokens)  # a step emits at most depth + 1 tokens; deeper is wasted
+        if max(tree.depths) >= room:
+            depths = tree.depths
+            tree = tree.subtree(lambda i: depths[i] < room)
+        if pruner is not None:  # our deviation (section 5): keep what is worth its cost on this device
+            tree = prune(tree, pruner)
+        gen.extra["grown"] += grown
+        gen.extra["pruned"] += grown - (len(tree) - 1)
+        draft_s = time.perf_counter() - t0
+
+        # -- VERIFY with tree attention, ACCEPT the longest agreeing branch + bonus, COMPACT the KV
+        prefix_len = verify.cache_len(cache)
+        logits = verify.tree_forward(model, cache, tree)  # [N, V]
+        path, bonus = verify.accept(tree, logits, prefix_len, sampling)
+        verify.compact_kv(cache, prefix_len, path)
+        if pruner is not None:
+            pruner.update(tree, path)
+
+        n_before = len(gen.tokens)
+        done = gen.finish_step(tree, path, bonus, draft_s)
+        # -- UPDATE the dynamic table with the windows ending at the newly emitted tokens (§3.2)
+        first_new = len(text)
+        text += gen.tokens[n_before:]
+        learn(dynamic, text, first_new)
+        if done:
+            return gen
+        pending = bonus
+
+# ---- Beyond the paper --------------------------------------------------------------------------------------
+# ---- 5. Cost-aware pruning: a separate pass after the tree is built (our deviation, for CPUs) --------------
 #
 # The paper verifies the whole tree every step: on a GPU a 96-token forward costs about what a 1-token one
-# does. On a 2-core CPU it does not (TUTORIAL.md §1.1): with the default model t(2) ~ 1.65 t(1), t(16) ~
-# 2.2 t(1), t(96) ~ 5.4 t(1). A tree that is mostly rejected then makes the step slower than plain decoding.
+# does. On a small CPU it costs several times more (RESULTS.md, "What a forward costs"), and a tree that is
+# mostly rejected makes the step slower than plain decoding.
 # So before verifying we keep only the part of the tree that is worth its cost -- the per-step rule of
 # ngram_predictor.py's cost gate, applied per node:
 #
@@ -354,11 +384,10 @@ def _new_tokens(tree: Tree, node: int, follower: Sequence[int]) -> int:
 # (verify.measure_cost_curve). k = 0 is a plain one-token step: 1 token for 1 unit of cost.
 #
 #   q: dynamic rank 0 pos 0 = 0.5, pos 1 = 0.8;  cost(1)=1, cost(2)=1.65, cost(3)=1.7
-#   tree  root -> a (P .5) -> b (P .4):  k=0: 1/1 = 1.00   k=1: 1.5/1.65 = 0.91   k=2: 1.9/1.7 = 1.12  -> keep both
+#   tree root -> a (P .5) -> b (P .4):  k=0: 1/1 = 1.00  k=1: 1.5/1.65 = 0.91  k=2: 1.9/1.7 = 1.12: keep both
 #
 # subtle: as in the n-gram gate the prior must be optimistic (q = 3/4 until measured): a node that is never
 # verified teaches nothing, so a pessimistic prior would prune every tree forever.
-
 
 class CostPruner:
     def __init__(self, cost: dict[int, float], prior_hits: float = 0.75, prior_trials: float = 1.0):
@@ -412,144 +441,18 @@ class CostPruner:
                 self.trials[o] = self.trials.get(o, 0) + 1
                 self.hits[o] = self.hits.get(o, 0) + (i in on_path)
 
-
 def prune(tree: DraftTree, pruner: CostPruner) -> DraftTree:
     """The pruning pass: the part of the tree worth verifying on this device."""
     if len(tree) == 1:
         return tree
     return tree.subtree(pruner.choose(tree).__contains__)
 
-
-# ----------------------------------------------------------------------------------------------------------
-# 5. The decode loop
-# ----------------------------------------------------------------------------------------------------------
-
-
-@torch.no_grad()
-def generate(model, prompt_ids: Sequence[int], max_new_tokens: int, eos_ids: Sequence[int], cfg: CachebackConfig,
-             *, frozen_table: CacheTable | None = None, cost: dict[int, float] | None = None,
-             sampling: verify.Sampling = verify.GREEDY, on_emit=None, on_step=None) -> Generation:
-    """Cacheback decoding. A fresh dynamic table per call (stateful methods start from scratch for every
-    prompt, as in the paper's SpecBench runs). frozen_table: the table cfg.frozen names (`frozen_table_for`
-    builds or loads it; `prepare` does both once per process); it is shared and never modified. cost: the
-    measured curve {n: t(n)/t(1)} for cfg.prune == 'cost', measured now if not given. `sampling`: greedy by
-    default; sampled, the output is exactly the plain sampler's for the same seed (verify.py section 4b)."""
-    cfg.check()
-    if cfg.frozen != "none" and frozen_table is None:
-        raise verify.UserError(f"cfg.frozen = {cfg.frozen!r}: pass frozen_table=frozen_table_for(tok, cfg, model)")
-    if frozen_table is not None and (frozen_table.ll, frozen_table.fl) != (cfg.ll, cfg.fl):
-        raise verify.UserError(f"frozen table has LL={frozen_table.ll}, FL={frozen_table.fl}; "
-                               f"this run uses LL={cfg.ll}, FL={cfg.fl}")
-    pruner = None
-    if cfg.prune == "cost":
-        pruner = CostPruner(cost if cost is not None else measure_cost(model, cfg.tdl))
-    gen = Generation(max_new_tokens, eos_ids, on_emit=on_emit, on_step=on_step)
-    gen.extra.update(grown=0, pruned=0)  # draft tokens grown / removed by the pruning, over all steps
-    dynamic = CacheTable(cfg.ll, cfg.fl, cfg.lc, cfg.fc)
-    learn = update_table if cfg.dynamic_table else (lambda *a: None)
-    text = list(prompt_ids)  # prompt + emitted tokens: the context the tables are queried with
-    learn(dynamic, text, 0)  # §3.3: initialise the dynamic table with a sliding window over the prompt
-
-    # the cache's capacity: prompt + output + the largest step (the root and up to TDL tree tokens)
-    cache = verify.new_cache(model, len(prompt_ids) + max_new_tokens + cfg.tdl + 1)
-    pending = verify.first_token(verify.prefill(model, cache, prompt_ids), len(prompt_ids), sampling)
-    text.append(pending)
-    learn(dynamic, text, len(text) - 1)
-    if gen.finish_prefill(pending):
-        return gen
-
-    while True:
-        # -- DRAFT (§3.2): a tree below the pending token, at most TDL tokens including it
-        t0 = time.perf_counter()
-        tree = grow_tree(pending, text, dynamic, frozen_table, cfg.tdl, cfg.crt)
-        grown = len(tree) - 1
-        room = max_new_tokens - len(gen.tokens)  # a step emits at most depth + 1 tokens; deeper is wasted
-        if max(tree.depths) >= room:
-            depths = tree.depths
-            tree = tree.subtree(lambda i: depths[i] < room)
-        if pruner is not None:  # our deviation (section 4): keep what is worth its cost on this device
-            tree = prune(tree, pruner)
-        gen.extra["grown"] += grown
-        gen.extra["pruned"] += grown - (len(tree) - 1)
-        draft_s = time.perf_counter() - t0
-
-        # -- VERIFY with tree attention, ACCEPT the longest agreeing branch + bonus, COMPACT the KV
-        prefix_len = verify.cache_len(cache)
-        logits = verify.tree_forward(model, cache, tree)  # [N, V]
-        path, bonus = verify.accept(tree, logits, prefix_len, sampling)
-        verify.compact_kv(cache, prefix_len, path)
-        if pruner is not None:
-            pruner.update(tree, path)
-
-        n_before = len(gen.tokens)
-        done = gen.finish_step(tree, path, bonus, draft_s)
-        # -- UPDATE the dynamic table with the windows ending at the newly emitted tokens (§3.2)
-        first_new = len(text)
-        text += gen.tokens[n_before:]
-        learn(dynamic, text, first_new)
-        if done:
-            return gen
-        pending = bonus
-
-
 def measure_cost(model, tdl: int) -> dict[int, float]:
     """The pruning's cost curve: t(n)/t(1) at powers of two up to TDL (a few seconds on a CPU)."""
     sizes = sorted({min(2**i, tdl) for i in range(tdl.bit_length() + 1)} | {tdl})
     return verify.measure_cost_curve(model, sizes, repeats=3)
 
-
-# ----------------------------------------------------------------------------------------------------------
-# 6. CLI
-# ----------------------------------------------------------------------------------------------------------
-
-
-def prepare(model, tok, cfg: CachebackConfig, name: str = verify.DEFAULT_MODEL) -> tuple[CachebackConfig, dict]:
-    """Once per process, before timing: the frozen table cfg.frozen names and the pruning's cost curve.
-    `name` (the --model given) identifies the model's shipped or cached selfchat answers."""
-    extra = {}
-    if cfg.frozen != "none":
-        extra["frozen_table"] = frozen_table_for(tok, cfg, model, name)
-    if cfg.prune == "cost":
-        extra["cost"] = measure_cost(model, cfg.tdl)
-    return cfg, extra
-
-
-def main(argv=None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] == ["build-frozen"]:
-        return build_frozen_main(argv[1:])
-    about = __doc__.split("\n\n")[0].strip()
-    parser = verify.common_parser(about + "\n\nAlso: python cacheback.py build-frozen --out FILE")
-    def default(name):
-        return verify.defaults_help(CachebackConfig, name)
-
-    g = parser.add_argument_group("Cacheback (the paper's names; CUDA defaults: §4's; CPU: TUTORIAL.md §3.5)")
-    g.add_argument("--ll", type=int, help="LL, leader length: tokens a lookup is keyed by" + default("ll"))
-    g.add_argument("--fl", type=int, help="FL, follower length: tokens per follower / tree branch" + default("fl"))
-    g.add_argument("--lc", type=int, help="LC, leader capacity of a table" + default("lc"))
-    g.add_argument("--fc", type=int, help="FC, follower capacity per leader" + default("fc"))
-    g.add_argument("--tdl", type=int,
-                   help="TDL, total draft length: tree tokens not in the KV cache" + default("tdl"))
-    g.add_argument("--crt", type=int,
-                   help="CRT, chaining-reserved tokens: TDL kept for tree levels 2+" + default("crt"))
-    g.add_argument("--frozen",
-                   help="frozen table (§3.3): none, stdlib, selfchat, or a build-frozen file" + default("frozen"))
-    g.add_argument("--prune", choices=["cost", "none"],
-                   help="ours: cost = verify only what is worth its measured cost" + default("prune"))
-    config = lambda args, device: verify.config_from_args(CachebackConfig.for_device(device), args)
-    return verify.run_cli(parser, "cacheback", generate, config, prepare, argv=argv)
-
-
-# ----------------------------------------------------------------------------------------------------------
-# 7. The frozen table: built offline from a corpus (§3.3, §4)
-# ----------------------------------------------------------------------------------------------------------
-#
-# §4: "The building procedure first picks the most frequent LC n-grams of length LL as the leaders in the
-# table. Then, for each leader, it selects the most frequent FC n-grams of length FL that appear after the
-# leader." The paper samples 1% of OpenWebText. Nothing like that is available offline here, so the corpus
-# is one every Python install carries: the standard library's own source (English docstrings and comments,
-# the reference-manual text in pydoc_data/topics.py, and code), under the PSF licence. Files are sampled in a
-# seeded order until `max_tokens`, so a build is deterministic. Ties in the counts are broken by token ids.
+# ---- 6. The frozen table's file (§3.3, §4; tools/build_frozen.py builds it) --------------------------------
 #
 # File format: gzipped JSON, no pickled classes --
 #   {"format": "cacheback-frozen/1", "tokenizer": {"vocab_size": V, "vocab_sha1": "..."}, "ll", "fl", "lc",
@@ -559,7 +462,6 @@ def main(argv=None) -> int:
 
 FROZEN_FORMAT = "cacheback-frozen/1"
 
-
 def tokenizer_identity(tok) -> dict:
     """What must match between the tokenizer that built a frozen table and the one that uses it."""
     import hashlib
@@ -567,125 +469,6 @@ def tokenizer_identity(tok) -> dict:
 
     vocab = json.dumps(sorted(tok.get_vocab().items()), ensure_ascii=False).encode()
     return {"vocab_size": len(tok.get_vocab()), "vocab_sha1": hashlib.sha1(vocab).hexdigest()}
-
-
-def stdlib_corpus(seed: int) -> list[str]:
-    """The standard library's .py files (tests and site-packages excluded), in a seeded random order."""
-    import glob
-    import os
-    import random
-    import sysconfig
-
-    root = sysconfig.get_paths()["stdlib"]
-    files = sorted(
-        f for f in glob.glob(os.path.join(root, "**", "*.py"), recursive=True)
-        if not any(part in f for part in ("site-packages", os.sep + "test", "idlelib"))
-    )
-    random.Random(seed).shuffle(files)
-    return files
-
-
-def build_frozen(tok, ll: int, fl: int, lc: int, fc: int, max_tokens: int = 2_000_000, seed: int = 0,
-                 progress: bool = True, sequences=None, corpus: str = "python-stdlib") -> tuple[CacheTable, dict]:
-    """Count leaders and their followers over the corpus; keep the top LC leaders and their top FC followers.
-
-    The corpus is `sequences` (token-id lists; `selfchat_sequences` gives the model's own answers) or, by
-    default, the Python standard library's source, tokenized with `tok`, up to max_tokens tokens."""
-    from collections import Counter, defaultdict
-
-    from tqdm import tqdm
-
-    leader_counts: Counter = Counter()
-    follower_counts: dict[tuple, Counter] = defaultdict(Counter)
-    used = 0
-    if sequences is None:
-        def read(path):
-            with open(path, encoding="utf-8", errors="replace") as f:
-                return tok(f.read(), add_special_tokens=False).input_ids
-
-        sequences = (read(path) for path in stdlib_corpus(seed))
-    bar = tqdm(total=max_tokens, desc="frozen table: counting n-grams", unit="tok", disable=not progress, file=sys.stderr)
-    for ids in sequences:
-        ids = list(ids)[: max_tokens - used]
-        for leader, follower in windows(ids, ll, fl):
-            leader_counts[leader] += 1
-            follower_counts[leader][follower] += 1
-        used += len(ids)
-        bar.update(len(ids))
-        if used >= max_tokens:
-            break
-    bar.close()
-
-    table = CacheTable(ll, fl, lc, fc)
-    # the top-LC leaders, least frequent inserted first (so the most frequent ends most recent)
-    top = sorted(leader_counts, key=lambda l: (-leader_counts[l], l))[:lc]
-    for leader in reversed(top):
-        best = sorted(follower_counts[leader].items(), key=lambda kv: (-kv[1], kv[0]))[:fc]
-        for follower, _ in reversed(best):
-            table.insert(leader, follower)
-    table.frozen = True
-    meta = {"corpus": corpus, "seed": seed, "tokens": used}
-    return table, meta
-
-
-# A second corpus, for chat text: the target model's OWN greedy answers to a shipped instruction set
-# (corpus/instructions.jsonl, 247 instructions written for this project, disjoint from the benchmark
-# prompts). Still training-free: nothing is learned, the table caches the model's habitual phrasing ("Here
-# are some tips for", "In summary,", the chat template's own tokens), which the Python source cannot.
-# The answers of the default model are shipped (corpus/selfchat-<model>.jsonl); for another model they are
-# generated once (batched greedy, a few minutes on a CPU) and cached.
-
-INSTRUCTIONS = os.path.join(CORPUS_DIR, "instructions.jsonl")
-SELFCHAT_TOKENS = 192  # answer length: most answers of the default model end before it
-
-
-def selfchat_answers(model, tok, model_name: str, progress: bool = True, batch: int = 16) -> list[dict]:
-    """[{id, instruction, answer}]: the model's greedy answers, from the shipped file if it is this model's,
-    else generated now and cached. Deterministic: greedy decoding of fixed batches in a fixed order."""
-    import json
-
-    from tqdm import tqdm
-
-    safe = os.path.basename(str(model_name).rstrip("/")).replace(os.sep, "_")
-    shipped = os.path.join(CORPUS_DIR, f"selfchat-{safe}.jsonl")
-    cached = os.path.join(verify.cache_root(), f"selfchat-{safe}.jsonl")
-    for path in (shipped, cached):
-        if os.path.exists(path):
-            with open(path, encoding="utf-8") as f:
-                return [json.loads(line) for line in f]
-    if not os.path.exists(INSTRUCTIONS):
-        raise verify.UserError(f"--frozen selfchat: {INSTRUCTIONS} is missing (copy the corpus/ folder beside "
-                               "cacheback.py, or use --frozen stdlib)")
-    with open(INSTRUCTIONS, encoding="utf-8") as f:
-        rows = [json.loads(line) for line in f]
-    eos = verify.eos_ids_of(model, tok)
-    side, tok.padding_side = tok.padding_side, "left"  # batched decoding pads on the left
-    out = []
-    try:
-        for i in tqdm(range(0, len(rows), batch), desc="selfchat: the model answers", unit="batch",
-                      disable=not progress, file=sys.stderr):
-            texts = [tok.apply_chat_template([{"role": "user", "content": r["instruction"]}],
-                                             add_generation_prompt=True, tokenize=False) for r in rows[i : i + batch]]
-            enc = tok(texts, add_special_tokens=False, return_tensors="pt", padding=True).to(model.device)
-            with torch.no_grad():
-                ids = model.generate(**enc, do_sample=False, max_new_tokens=SELFCHAT_TOKENS, eos_token_id=eos,
-                                     pad_token_id=eos[0], temperature=None, top_p=None, top_k=None)
-            for r, row in zip(rows[i : i + batch], ids[:, enc.input_ids.shape[1] :].tolist()):
-                out.append({**r, "answer": tok.decode(row, skip_special_tokens=True)})
-    finally:
-        tok.padding_side = side
-    os.makedirs(os.path.dirname(cached), exist_ok=True)
-    with open(cached, "w", encoding="utf-8") as f:
-        for r in out:
-            f.write(json.dumps(r, ensure_ascii=False) + "\n")
-    return out
-
-
-def selfchat_sequences(tok, answers: list[dict]) -> list[list[int]]:
-    """Each instruction in the chat template, followed by the model's answer: token ids as the model sees them."""
-    return [verify.encode_prompt(tok, r["instruction"]) + tok(r["answer"], add_special_tokens=False).input_ids
-            for r in answers]
-
 
 def save_frozen(table: CacheTable, path: str, tok, meta: dict) -> None:
     import gzip
@@ -696,7 +479,6 @@ def save_frozen(table: CacheTable, path: str, tok, meta: dict) -> None:
            "leaders": [[list(l), [list(f) for f in fs]] for l, fs in table.leaders.items()]}
     with gzip.open(path, "wt", encoding="utf-8") as f:
         json.dump(doc, f, separators=(",", ":"))
-
 
 def load_frozen(path: str, tok, ll: int, fl: int) -> CacheTable:
     """Load a frozen table, refusing one built for another tokenizer or another LL/FL."""
@@ -713,7 +495,8 @@ def load_frozen(path: str, tok, ll: int, fl: int) -> CacheTable:
     if doc["tokenizer"] != tokenizer_identity(tok):
         raise verify.UserError(f"--frozen {path}: built with a different tokenizer than this model's")
     if (doc["ll"], doc["fl"]) != (ll, fl):
-        raise verify.UserError(f"--frozen {path}: built with LL={doc['ll']}, FL={doc['fl']}; this run uses LL={ll}, FL={fl}")
+        raise verify.UserError(f"--frozen {path}: built with LL={doc['ll']}, FL={doc['fl']}; this run uses "
+                               f"LL={ll}, FL={fl}")
     table = CacheTable(ll, fl, doc["lc"], doc["fc"])
     for leader, followers in doc["leaders"]:
         for follower in followers:
@@ -721,84 +504,68 @@ def load_frozen(path: str, tok, ll: int, fl: int) -> CacheTable:
     table.frozen = True
     return table
 
+def check_frozen(cfg: CachebackConfig, frozen_table: CacheTable | None) -> None:
+    if cfg.frozen != "none" and frozen_table is None:
+        raise verify.UserError(f"cfg.frozen = {cfg.frozen!r}: pass frozen_table=frozen_table_for(tok, cfg)")
+    if frozen_table is not None and (frozen_table.ll, frozen_table.fl) != (cfg.ll, cfg.fl):
+        raise verify.UserError(f"frozen table has LL={frozen_table.ll}, FL={frozen_table.fl}; "
+                               f"this run uses LL={cfg.ll}, FL={cfg.fl}")
 
-def build_corpus_table(tok, corpus: str, ll: int, fl: int, lc: int, fc: int, model=None,
-                       model_name: str = verify.DEFAULT_MODEL, max_tokens: int = 2_000_000, seed: int = 0):
-    """build_frozen over one of FROZEN_CORPORA: (table, meta). selfchat needs the model for its answers
-    unless they are shipped or cached."""
-    if corpus == "selfchat":
-        seqs = selfchat_sequences(tok, selfchat_answers(model, tok, model_name))
-        return build_frozen(tok, ll, fl, lc, fc, max_tokens=max_tokens, sequences=seqs, corpus="selfchat")
-    return build_frozen(tok, ll, fl, lc, fc, max_tokens=max_tokens, seed=seed)
-
-
-def frozen_table_for(tok, cfg: CachebackConfig, model=None, model_name: str = verify.DEFAULT_MODEL) -> CacheTable:
-    """The frozen table cfg.frozen names, for cfg.ll / cfg.fl: a file from `build-frozen`, or one of the
-    corpora, built once and cached beside the converted model: 'stdlib' = the Python standard library's
-    source (~25 s), 'selfchat' = the model's own answers to the shipped instructions (needs `model`; seconds
-    with the shipped answers, minutes to generate them)."""
-    corpus, ll, fl, lc, fc = cfg.frozen, cfg.ll, cfg.fl, cfg.lc, cfg.fc
-    if corpus not in FROZEN_CORPORA:
-        if not os.path.isfile(corpus):
-            raise verify.UserError(f"--frozen {corpus}: expected none, {', '.join(FROZEN_CORPORA)} or a table file")
-        return load_frozen(corpus, tok, ll, fl)
+def frozen_path(tok, cfg: CachebackConfig, model_name: str = verify.DEFAULT_MODEL, built: bool = False):
+    """Where the table of corpus cfg.frozen for this tokenizer and LL, FL, LC, FC lies: shipped in corpus/,
+    else built by tools/build_frozen.py into the cache folder; None if neither (built=True: the latter)."""
     ident = tokenizer_identity(tok)["vocab_sha1"][:10]
-    if corpus == "selfchat":  # the answers are this model's: the key names it
+    if cfg.frozen == "selfchat":  # the answers are this model's: the name says whose
         ident += "-" + os.path.basename(str(model_name).rstrip("/"))
-    path = os.path.join(verify.cache_root(), f"cacheback-frozen-{corpus}-{ident}-ll{ll}-fl{fl}-lc{lc}-fc{fc}.json.gz")
-    if not os.path.exists(path):
-        table, meta = build_corpus_table(tok, corpus, ll, fl, lc, fc, model=model, model_name=model_name)
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        tmp = f"{path}.tmp{os.getpid()}"
-        save_frozen(table, tmp, tok, meta)
-        os.replace(tmp, path)
-    return load_frozen(path, tok, ll, fl)
+    name = f"cacheback-frozen-{cfg.frozen}-{ident}-ll{cfg.ll}-fl{cfg.fl}-lc{cfg.lc}-fc{cfg.fc}.json.gz"
+    cached = os.path.join(os.path.dirname(verify.converted_dir()), name)
+    if built:
+        return cached
+    return next((p for p in (os.path.join(CORPUS_DIR, name), cached) if os.path.exists(p)), None)
 
+def frozen_table_for(tok, cfg: CachebackConfig, model_name: str = verify.DEFAULT_MODEL) -> CacheTable:
+    """The frozen table cfg.frozen names: a table file, or a corpus ('stdlib': the Python standard library's
+    source; 'selfchat': the model's own answers), shipped for the default model or built by the tool."""
+    if cfg.frozen not in FROZEN_CORPORA:
+        return load_frozen(cfg.frozen, tok, cfg.ll, cfg.fl)
+    path = frozen_path(tok, cfg, model_name)
+    if path is None:
+        raise verify.UserError(
+            f"--frozen {cfg.frozen}: no table for this model with LL={cfg.ll} FL={cfg.fl} LC={cfg.lc} "
+            f"FC={cfg.fc}; build it: python tools/build_frozen.py --corpus {cfg.frozen} --model {model_name} "
+            f"--ll {cfg.ll} --fl {cfg.fl} --lc {cfg.lc} --fc {cfg.fc}")
+    return load_frozen(path, tok, cfg.ll, cfg.fl)
+# ---- 7. CLI ------------------------------------------------------------------------------------------------
 
-def build_frozen_main(argv) -> int:
-    import argparse
+def prepare(model, tok, cfg: CachebackConfig, name: str = verify.DEFAULT_MODEL):
+    """Once per process, before timing: the frozen table cfg.frozen names (`name`, the --model given, says
+    whose selfchat table) and the pruning's cost curve."""
+    extra = {}
+    if cfg.frozen != "none":
+        extra["frozen_table"] = frozen_table_for(tok, cfg, name)
+    if cfg.prune == "cost":
+        extra["cost"] = measure_cost(model, cfg.tdl)
+    return cfg, extra
 
-    p = argparse.ArgumentParser(prog="cacheback.py build-frozen",
-                                description="Build a frozen Cacheback table (§3.3, §4): from the Python standard "
-                                            "library's source (--corpus stdlib) or from the model's own greedy answers "
-                                            "to corpus/instructions.jsonl (--corpus selfchat).")
-    p.add_argument("--out", required=True, help="output file (.json.gz)")
-    p.add_argument("--corpus", default="stdlib", choices=list(FROZEN_CORPORA),
-                   help="stdlib = Python source; selfchat = the model's answers (shipped for the default model, "
-                        "else generated: minutes on a CPU). Default: stdlib")
-    p.add_argument("--model", default=verify.DEFAULT_MODEL, help="whose tokenizer (and, for selfchat, answers) to use")
-    d = CachebackConfig.paper()
-    p.add_argument("--ll", type=int, default=d.ll, help=f"LL, leader length (default: {d.ll})")
-    p.add_argument("--fl", type=int, default=d.fl, help=f"FL, follower length (default: {d.fl})")
-    p.add_argument("--lc", type=int, default=d.lc, help=f"LC: keep the LC most frequent leaders (default: {d.lc})")
-    p.add_argument("--fc", type=int, default=d.fc, help=f"FC: keep each leader's FC most frequent followers (default: {d.fc})")
-    p.add_argument("--max-tokens", type=int, default=2_000_000, help="corpus size in tokens (default: 2,000,000)")
-    p.add_argument("--seed", type=int, default=0, help="stdlib: order in which corpus files are sampled (default: 0)")
-    args = p.parse_args(argv)
-    try:
-        if min(args.ll, args.fl, args.lc, args.fc, args.max_tokens) < 1:
-            raise verify.UserError("--ll, --fl, --lc, --fc and --max-tokens must be positive")
-        t0 = time.perf_counter()
-        if args.corpus == "selfchat":  # the model itself writes this corpus
-            model, tok = verify.load_model(args.model)
-        else:
-            from transformers import AutoTokenizer
-
-            model, tok = None, AutoTokenizer.from_pretrained(verify.resolve_model(args.model))
-        table, meta = build_corpus_table(tok, args.corpus, args.ll, args.fl, args.lc, args.fc, model=model,
-                                         model_name=args.model, max_tokens=args.max_tokens, seed=args.seed)
-        save_frozen(table, args.out, tok, meta)
-    except verify.UserError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    except OSError as e:
-        print(f"error: cannot write {args.out}: {e.strerror}", file=sys.stderr)
-        return 2
-    n = sum(len(f) for f in table.leaders.values())
-    print(f"wrote {args.out}: {len(table)} leaders, {n} followers from {meta['tokens']} tokens ({meta['corpus']}) in "
-          f"{time.perf_counter() - t0:.1f} s, {os.path.getsize(args.out) / 1e6:.2f} MB")
-    return 0
-
+def main(argv=None) -> int:
+    parser = verify.common_parser(__doc__.split("\n\n")[0].strip() + "\n\nFrozen tables of other corpora, "
+                                  "models or LL/FL/LC/FC: python tools/build_frozen.py --help")
+    default = lambda name: verify.defaults_help(CachebackConfig, name)
+    g = parser.add_argument_group("Cacheback (the paper's names; CUDA defaults: §4's; CPU: RESULTS.md)")
+    g.add_argument("--ll", type=int, help="LL, leader length: tokens a lookup is keyed by" + default("ll"))
+    g.add_argument("--fl", type=int, help="FL, follower length: tokens per follower / branch" + default("fl"))
+    g.add_argument("--lc", type=int, help="LC, leader capacity of a table" + default("lc"))
+    g.add_argument("--fc", type=int, help="FC, follower capacity per leader" + default("fc"))
+    g.add_argument("--tdl", type=int,
+                   help="TDL, total draft length: tree tokens not in the KV cache" + default("tdl"))
+    g.add_argument("--crt", type=int,
+                   help="CRT, chaining-reserved tokens: TDL kept for tree levels 2+" + default("crt"))
+    g.add_argument("--frozen", help="frozen table (§3.3): none, stdlib, selfchat, or a file from "
+                   "tools/build_frozen.py" + default("frozen"))
+    g.add_argument("--prune", choices=["cost", "none"],
+                   help="ours: cost = verify only what is worth its measured cost" + default("prune"))
+    config = lambda args, device: verify.config_from_args(CachebackConfig.for_device(device), args)
+    return verify.run_cli(parser, "cacheback", generate, config, prepare, argv=argv)
 
 if __name__ == "__main__":
     sys.exit(main())

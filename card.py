@@ -4,49 +4,26 @@ Enyu Zhou, Kai Sheng, Hao Chen & Xin He, "CARD: A Cache-Assisted Parallel Specul
 Query-and-Correct Paradigm for Accelerating LLM Inference", 2025, arXiv:2508.04462.
 
 Classic speculative decoding is draft-THEN-verify: the target waits while the draft drafts, the draft waits
-while the target verifies. CARD lets both run at the same time:
+while the target verifies. CARD runs both at once: the draft keeps growing a scored tree of candidate
+continuations, "the cache" (§2.2); the target QUERIES its best path of up to r tokens (r, the communication
+ratio ~ t(target step) / t(draft step), §3.1), VERIFIES that chain in one forward, then CORRECTS the cache to
+the subtree that continues the accepted text, or restarts it on a miss (§2.4).
 
-    DRAFT   (the draft model, all the time) grows a scored tree of candidate continuations -- "the cache" -- one
-            layer of at most K nodes per draft forward: the top-k children of every node of the newest
-            layer, scored parent's cumulative probability x child probability, globally top-K'd
-                                                                          (§2.2, Eq. 1-9; its mask: §2.3)
-    QUERY   (the target) takes the highest-scoring path of up to r tokens below the verified text  (§2)
-    VERIFY  one target forward over that CHAIN (not a tree: the target's work stays small); greedy
-            acceptance plus the bonus token
-    CORRECT prune the cache to the subtree that continues the accepted text (a hit) or restart it from the
-            target's token (a miss), and compact the draft's KV cache to match                     (§2.4)
-
-r, the communication ratio, is ~ t(target step) / t(draft step): how many tree layers the draft can add
-while the target verifies once (§3.1).
-
-File layout, in the paper's order:
-
-    0. Configuration         K, k, r and the mode, under the paper's names            (§2, §3.1)
-    1. The candidate cache   primary layers + secondary (token, score, parent) cache   (§2.2, Figure 3)
-    2. The drafter           draft forwards over a layer with the §2.3 mask; correction (§2.3, §2.4)
-    2b. Ablation             Table 2's "cache only": query without correcting
-    3. The decode loop       lockstep (r layers per target step, one process) and parallel (the draft in its
-                             own process, messages of token ids)
-    3b. The cost model       the speedup that r, the acceptance and the hit rate predict
-    4. Drafts and CLI        offline drafts derived from the target (int8, first L layers, bfloat16)
+The paper, in its order: 0 K, k, r and the mode (§2, §3.1), 1 the candidate cache (§2.2, Figure 3), 2 the
+drafter with the §2.3 mask and correction (§2.4), Table 2's "cache only" ablation, 3 the decode loop. Beyond
+the paper: 4 the draft in its own process, 5 a cost model that predicts the speedup, 6 drafts derived from
+the target (no second model can be downloaded here: int8 on a CPU, bfloat16 on CUDA), 7 the CLI.
 
     python card.py --prompt "Explain what a hash map is." --compare
+    python card.py --prompt "..." --draft HuggingFaceTB/SmolLM2-135M-Instruct --target DIR_OF_A_1.7B_MODEL
 
     from card import CardConfig, generate, load_draft      # as a library (draft: same tokenizer)
     cfg = CardConfig.cpu()
     gen = generate(target, prompt_ids, 128, eos_ids, cfg, draft=load_draft(target, tok, cfg))
 
-No second model can be downloaded here, so the drafts are derived from the target (section 4). On a CPU the
-default is the target with its linear layers in int8 (~3x cheaper per step); on CUDA the target's weights in
-bfloat16, which only stands in for a real small/large pair there (a GPU step of a small model costs the same
-in any dtype), e.g. --draft HuggingFaceTB/SmolLM2-135M-Instruct --target HuggingFaceTB/SmolLM2-1.7B-Instruct
-(hub ids need network access or a local copy).
-
-Greedy decoding, float32 target: the output is identical to the target's model.generate(do_sample=False) in
-both modes, except at exact ties within rounding (see verify.py); measured on every prompt we run
-(tests/test_card.py). Sampled (--temperature), the output is exactly the plain sampler's for the same seed
-(verify.py section 4b; TUTORIAL.md §1.8 measures what drafting deterministically gives up). In parallel mode
-the timing decides only how long the drafts are, never which tokens are emitted: the target decides every one.
+Greedy, float32 target: the output is the target's model.generate(do_sample=False)'s in both modes; sampled,
+the plain sampler's for the same seed (tests/test_card.py). In parallel mode the timing decides only how long
+the drafts are, never which tokens are emitted: the target decides every one.
 """
 
 from __future__ import annotations
@@ -56,7 +33,6 @@ import copy
 import dataclasses
 import functools
 import math
-import re
 import signal
 import sys
 import time
@@ -71,10 +47,7 @@ import torch
 import verify
 from verify import Generation, Tree
 
-# ----------------------------------------------------------------------------------------------------------
-# 0. Configuration (§2, §3.1)
-# ----------------------------------------------------------------------------------------------------------
-
+# ---- 0. Configuration (§2, §3.1) ---------------------------------------------------------------------------
 
 @dataclass
 class CardConfig:
@@ -87,11 +60,11 @@ class CardConfig:
     k: int = 100  # K, the primary cache size: candidate sequences kept per tree layer (Eq. 7)
     topk: int = 100  # k, children proposed per node from the draft's top-k (Eq. 2)
     ratio: int | str = 7  # r, the communication ratio ~ t(target step) / t(draft layer); "auto" = measured
-    mode: str = "parallel"  # "parallel": the draft in its own process; "lockstep": r layers, then one target step
-    correct: bool = True  # False = Table 2's "cache only" ablation (section 2b)
-    max_lead: int | None = None  # layers the cache may run ahead of the verified text (None: 2r, as the reference)
+    mode: str = "parallel"  # "parallel": the draft in its own process; "lockstep": r layers, then verify
+    correct: bool = True  # False = Table 2's "cache only" ablation (CacheOnlyDrafter)
+    max_lead: int | None = None  # layers the cache may lead the verified text by (None: 2r, the reference's)
     wait: int | None = None  # parallel: layers the cache must lead by before a query is answered (None: r)
-    draft: str = "self"  # the draft prepare() builds: int8, layers:L, self or a model name (section 4)
+    draft: str = "self"  # the draft prepare() builds: int8, self or a model name (section 6)
     draft_dtype: str = "bfloat16"  # the dtype of draft "self" or a named draft
     draft_threads: int | None = None  # CPU, parallel mode: the draft process's threads (None: half the cores)
     target_threads: int | None = None  # CPU, parallel mode: the target's threads (None: the rest)
@@ -104,9 +77,8 @@ class CardConfig:
 
     @classmethod
     def cpu(cls) -> "CardConfig":
-        """Measured on the tuning half of the shipped prompts (TUTORIAL.md §4.6): the int8 draft in its own
-        process, a one-node-wide cache, r = 5, answering a query once 3 layers are ready. K = 1 keeps CARD's
-        loop (query, verify, correct) but not its width."""
+        """Chosen on the tuning half of the shipped prompts (RESULTS.md, "CARD on a CPU"): the int8 draft in
+        its own process, a one-node-wide cache (CARD's loop, not its width), r = 5, a query waits 3 layers."""
         return cls(k=1, topk=1, ratio=5, mode="parallel", wait=3, draft="int8")
 
     @classmethod
@@ -119,7 +91,8 @@ class CardConfig:
             try:
                 self.ratio = int(self.ratio)
             except ValueError:
-                raise verify.UserError(f"--ratio must be a whole number or 'auto' (got {self.ratio!r})") from None
+                raise verify.UserError(f"--ratio must be a whole number or 'auto' (got {self.ratio!r})") \
+                    from None
         for name in ("k", "topk", "ratio"):
             v = getattr(self, name)
             if v != "auto" and v < 1:
@@ -131,10 +104,7 @@ class CardConfig:
         if self.mode not in ("lockstep", "parallel"):
             raise verify.UserError(f"--mode must be lockstep or parallel (got {self.mode!r})")
 
-
-# ----------------------------------------------------------------------------------------------------------
-# 1. The candidate cache (§2.2)
-# ----------------------------------------------------------------------------------------------------------
+# ---- 1. The candidate cache (§2.2) -------------------------------------------------------------------------
 #
 # A tree rooted at the newest verified token (the one the target has not fed yet). Layer l holds at most K
 # nodes: the primary cache C^(l). Each node stores
@@ -152,7 +122,6 @@ class CardConfig:
 #
 # Only the newest layer can be unfed ("the frontier"); every older layer has been fed.
 
-
 @dataclass
 class Node:
     token: int
@@ -162,7 +131,6 @@ class Node:
     slot: int | None = None  # draft KV cache slot once fed
     cands: list | None = None  # [(token, p)] top-k next tokens once fed
     children: dict = field(default_factory=dict)  # token -> node id (materialized children)
-
 
 class CandidateCache:
     def __init__(self, k: int, topk: int):
@@ -230,10 +198,7 @@ class CandidateCache:
         best = max(self.layers[d], key=lambda i: self.nodes[i].sigma)
         return self.path_to(best)
 
-
-# ----------------------------------------------------------------------------------------------------------
-# 2. The drafter: draft forwards (§2.2, §2.3) and correction (§2.4)
-# ----------------------------------------------------------------------------------------------------------
+# ---- 2. The drafter: draft forwards (§2.2, §2.3) and correction (§2.4) -------------------------------------
 #
 # The draft's KV cache holds  [ verified text[:dp] | fed tree nodes, layer by layer ].
 # Feeding a layer = one draft forward over its (at most K) tokens, with the §2.3 mask:
@@ -250,7 +215,6 @@ class CandidateCache:
 #          c:  1 1 1 1 1 0 | 1 0
 #          d:  1 1 1 1 0 1 | 0 1
 
-
 def draft_mask(tree: CandidateCache, front: Sequence[int], dp: int, cache_len: int) -> np.ndarray:
     """The §2.3 mask, bool [n, cache_len + n], for feeding the nodes `front` after `cache_len` cached
     entries of which the first `dp` are the verified prefix."""
@@ -265,7 +229,6 @@ def draft_mask(tree: CandidateCache, front: Sequence[int], dp: int, cache_len: i
         allowed[row, cache_len + row] = True  # intra-step independence: among its peers, itself only
     return allowed
 
-
 class Drafter:
     def __init__(self, model, k: int, topk: int):
         self.model = model
@@ -274,8 +237,8 @@ class Drafter:
         self.layers_fed = 0  # draft forwards done (one per layer)
 
     def start(self, text: Sequence[int], capacity: int = 256) -> None:
-        """text = the verified tokens, its last one the (unfed) root; capacity: the most KV positions the draft
-        cache will hold (verify.new_cache)."""
+        """text = the verified tokens, its last one the (unfed) root; capacity: the most KV positions the
+        draft cache will hold (verify.new_cache)."""
         self.text = list(text)
         self.cache = verify.new_cache(self.model, capacity)
         self.dp = 0  # verified tokens whose KV is in the draft cache (text[:dp])
@@ -297,7 +260,8 @@ class Drafter:
             # Catch up: feed the verified tokens the draft has not seen, ending with the root (causal).
             assert verify.cache_len(self.cache) == self.dp
             ids = torch.tensor([self.text[self.dp :]], device=model.device)
-            out = model(input_ids=ids, past_key_values=self.cache, use_cache=True, **verify.last_logits_only(model))
+            out = model(input_ids=ids, past_key_values=self.cache, use_cache=True,
+                        **verify.last_logits_only(model))
             self.dp = len(self.text) - 1
             root.slot, root.cands = self.dp, self._topk(out.logits[0, -1:])[0]
         else:
@@ -306,8 +270,9 @@ class Drafter:
             allowed = draft_mask(tree, front, self.dp, c)  # [n, c+n]
             mask = verify.additive_mask(allowed, model.dtype, model.device)  # [1, 1, n, c+n]
             ids = torch.tensor([[tree.nodes[i].token for i in front]], device=model.device)  # [1, n]
-            pos = torch.tensor([[self.root_pos + tree.nodes[i].depth for i in front]], device=model.device)  # [1, n]
-            out = model(input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=self.cache, use_cache=True)
+            pos = torch.tensor([[self.root_pos + tree.nodes[i].depth for i in front]], device=model.device)
+            out = model(input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=self.cache,
+                        use_cache=True)
             for row, (i, cands) in enumerate(zip(front, self._topk(out.logits[0]))):
                 tree.nodes[i].slot, tree.nodes[i].cands = c + row, cands
         self.layers_fed += 1
@@ -337,7 +302,8 @@ class Drafter:
             walked.append(node)
         x = tree.nodes[node].children.get(int(bonus))
         # Verified nodes that are fed become the new verified prefix of the draft cache.
-        verified = [n for n in [tree.root] + self._path_from_root(start) + walked if tree.nodes[n].slot is not None]
+        verified = [n for n in [tree.root, *self._path_from_root(start), *walked] 
+                    if tree.nodes[n].slot is not None]
         keep = [n for n in self._subtree(x) if tree.nodes[n].slot is not None] if x is not None else []
         keep.sort(key=lambda n: tree.nodes[n].slot)  # slot order (BFS order can differ within a layer)
         slots = [tree.nodes[n].slot for n in verified + keep]
@@ -390,16 +356,12 @@ class Drafter:
                     del new.nodes[i]
             new.grow()
 
-
-# ----------------------------------------------------------------------------------------------------------
-# 2b. Ablation: "cache only" (Table 2) -- query, but do not correct
-# ----------------------------------------------------------------------------------------------------------
+# ---- Ablation: "cache only" (Table 2) -- query, but do not correct -----------------------------------------
 #
 # The only place the ablation lives. On a hit the verified text is followed down the cache (to `qroot`) and
 # nothing is pruned or compacted: the draft keeps growing every branch, including the ones the text has
 # left. Only on a miss, when the text has left the cache altogether, is the cache corrected (restarted from
 # the target's token), as the full method does.
-
 
 class CacheOnlyDrafter(Drafter):
     def start(self, text: Sequence[int], capacity: int = 256) -> None:
@@ -437,46 +399,89 @@ class CacheOnlyDrafter(Drafter):
         self.qroot = None  # a miss: correct from where the text was, i.e. restart the cache
         return self._correct(start, accepted, bonus)
 
-
-# ----------------------------------------------------------------------------------------------------------
-# 3. The decode loop: lockstep (one process) and parallel (the draft in its own process)
-# ----------------------------------------------------------------------------------------------------------
+# ---- 3. The decode loop ------------------------------------------------------------------------------------
 #
-# Both modes put the draft behind the same two calls, so the target's loop below is one loop:
-#   start(text, capacity, r, max_lead, wait)
-#                             a new prompt: the verified text so far, its last token the tree's root
-#   query(accepted, bonus)    CORRECT the cache with the target's last step (None the first time), then QUERY
-#                             it: -> (chain, hit), the best path of up to r tokens below the verified text
-#
-# lockstep  LockstepDraft: the draft lives in this process and does exactly r layers per query, then answers:
-#           deterministic, what the released code effectively does, and the path the tests pin down.
-# parallel  DraftProcess: the draft lives in a second process with its own Drafter, KV cache and candidate
-#           cache. It feeds layers whenever the cache leads the verified text by < max_lead layers, and
-#           between two layers it answers the target's messages. While the target verifies a chain, the
-#           draft keeps drafting below it, so after a hit the next chain is (partly) ready:
+# Both modes put the draft behind the same two calls, so the target's loop is one loop:
+#   start(text, capacity, r, max_lead, wait)   a new prompt: the verified text, its last token the root
+#   query(accepted, bonus)                     CORRECT the cache with the target's last step (None the first
+#                                              time), then QUERY it: -> (chain, hit), up to r tokens
+# lockstep  the draft does exactly r layers per query, then answers, in this process: deterministic, what the
+#           released code effectively does, and what the tests pin down.
+# parallel  the draft lives in its own process (section 4) and drafts whenever it leads the verified text by
+#           fewer than max_lead layers. While the target verifies a chain the draft keeps drafting below
+#           it, so after a hit the next chain is (partly) ready:
 #
 #     target:  query ─> verify the chain (r + 1 rows) ─────────────> correct+query ─> verify ...
 #     draft:   answer   layer  layer  layer  layer (below the chain)  answer          layer ...
+
+@torch.no_grad()
+def generate(model, prompt_ids: Sequence[int], max_new_tokens: int, eos_ids: Sequence[int], cfg: CardConfig,
+             *, draft, sampling: verify.Sampling = verify.GREEDY, costs: dict | None = None, on_emit=None,
+             on_step=None) -> Generation:
+    """CARD decoding. `model` is the target, `draft` the draft model (same tokenizer; `load_draft` builds the
+    one cfg names) or a running DraftProcess. Both modes emit the same tokens: the target decides every one.
+    `sampling`: the target samples with keyed noise (verify.py §7) and accepts the queried chain where it
+    equals those samples. `costs` (prepare() measures them): the cost model's step times (section 5)."""
+    cfg.check()
+    if draft is None or cfg.ratio == "auto":
+        raise verify.UserError("CARD needs a draft model (draft=...) and a whole r (prepare() measures auto)")
+    ratio = cfg.ratio
+    max_lead = 2 * ratio if cfg.max_lead is None else cfg.max_lead  # the reference's 2r
+    wait = ratio if cfg.wait is None else cfg.wait  # parallel: a query waits until the cache leads by this
+    gen = Generation(max_new_tokens, eos_ids, on_emit=on_emit, on_step=on_step)
+    gen.extra.update(hits=0, misses=0, verified=0, hit_tokens=0)
+    # the target's cache: prompt + output + the largest step (the pending token and a chain of r)
+    cache = verify.new_cache(model, len(prompt_ids) + max_new_tokens + ratio + 1)
+    pending = verify.first_token(verify.prefill(model, cache, prompt_ids), len(prompt_ids), sampling)
+    if gen.finish_prefill(pending):
+        return gen
+    budget = lambda: max(max_new_tokens - len(gen.tokens) - 1, 0)  # a step emits at most len(chain) + 1
+
+    with draft_side(draft, cfg) as side:  # lockstep: here; parallel: its own process, its share of the cores
+        # the draft's cache: the verified text + up to max_lead + 1 layers of K nodes ahead of it
+        capacity = len(prompt_ids) + max_new_tokens + (max_lead + 2) * cfg.k
+        side.start(list(prompt_ids) + [pending], capacity, ratio, max_lead, wait)
+        accepted = None
+        while True:
+            # -- CORRECT the cache with what the target accepted, then QUERY it. draft_s: the time the target
+            #    waited for the draft (lockstep: all of the drafting)
+            t0 = time.perf_counter()
+            chain, hit = side.query(accepted, pending if accepted is not None else None)
+            chain, draft_s = chain[: budget()], time.perf_counter() - t0
+            if accepted is not None:
+                gen.extra["hits" if hit else "misses"] += 1
+                gen.extra["hit_tokens"] += len(accepted) + 1 if hit else 0  # the step's accepted + its bonus
+
+            # -- VERIFY the chain with the target (in parallel mode the draft keeps drafting meanwhile)
+            tree = Tree.chain(pending, chain)
+            prefix_len = verify.cache_len(cache)
+            path, bonus = verify.accept(tree, verify.tree_forward(model, cache, tree), prefix_len, sampling)
+            verify.rollback(cache, prefix_len + len(path))
+            gen.extra["verified"] += len(tree)
+            if gen.finish_step(tree, path, bonus, draft_s):
+                break
+            pending, accepted = bonus, [tree.tokens[i] for i in path[1:]]
+    add_statistics(gen, side.layers_fed, cfg, costs, ratio, wait)
+    return gen
+
+# ---- Beyond the paper --------------------------------------------------------------------------------------
+# ---- 4. The draft in its own process: the parallel mode's protocol -----------------------------------------
 #
-# Why a process and not a thread: a small model's step is mostly host work (Python, kernel launches), and
-# two threads of one process take turns on the GIL. An earlier thread version of this file measured a mean
-# accepted length of 1.01 on an H100: at query time the draft had had no turn. The published CARD code also
-# runs the two models as two processes. Here they share nothing but a pipe, and the messages are token ids
-# (a few hundred bytes), never tensors:
+# Why a process and not a thread: a small model's step is mostly host work (Python, kernel launches), and two
+# threads of one process take turns on the GIL: at query time the draft had had no turn (RESULTS.md). The
+# published CARD code also runs two processes. Here they share nothing but a pipe, and the messages are token
+# ids (a few hundred bytes), never tensors:
 #
 #   target -> draft   ("start", run, text, capacity, max_lead)
-#                     ("query", run, accepted, bonus, r, wait)   correct (accepted None: nothing to correct),
-#                                                                then answer once the cache leads by `wait`
-#                                                                layers, or has reached max_lead
-#                     ("done",)                                  generate() returned: stop drafting, keep the model
-#                     ("stop",)                                  exit
+#                     ("query", run, accepted, bonus, r, wait)  correct (accepted None: nothing to correct),
+#                                                  then answer once the cache leads by wait (or max_lead)
+#                     ("done",)                    generate() returned: stop drafting, keep the model
+#                     ("stop",)                    exit
 #   draft -> target   ("ready",) once, after start-up
 #                     ("chain", run, tokens, hit, layers_fed)
-#                     ("error", "ValueError: ...")               the draft failed; it then exits
+#                     ("error", "ValueError: ...") the draft failed; it then exits
 #
-# `run` numbers the generate() calls, so an answer to a query that an earlier, interrupted call left behind
-# is recognized and dropped.
-
+# `run` numbers the generate() calls, so an answer that an earlier, interrupted call left behind is dropped.
 
 def cpu_split(cfg: "CardConfig") -> tuple[int, int]:
     """(draft threads, target threads) in parallel mode on a CPU: cfg's, else half of this process's threads
@@ -485,6 +490,25 @@ def cpu_split(cfg: "CardConfig") -> tuple[int, int]:
     draft = cfg.draft_threads or max(1, threads // 2)
     return draft, cfg.target_threads or max(1, threads - draft)
 
+@contextlib.contextmanager
+def draft_side(draft, cfg: "CardConfig"):
+    """The draft behind start() / query(): a LockstepDraft, or a DraftProcess (the caller's, or one started
+    for this call and stopped when it ends, raises or is interrupted). On a CPU in parallel mode the target
+    keeps the threads the draft process does not take, and gets them all back afterwards."""
+    main_threads = torch.get_num_threads()
+    owned = cfg.mode == "parallel" and not isinstance(draft, DraftProcess)
+    if cfg.mode == "parallel":
+        side = DraftProcess(draft, cfg) if owned else draft
+        side.check(cfg)
+        if side.threads:
+            torch.set_num_threads(cfg.target_threads or max(1, main_threads - side.threads))
+    else:
+        side = LockstepDraft(draft.model if isinstance(draft, DraftProcess) else draft, cfg)
+    try:
+        yield side
+    finally:
+        torch.set_num_threads(main_threads)
+        side.close() if owned else side.done()
 
 class LockstepDraft:
     """The draft in the target's process: r layers per query (the lockstep mode)."""
@@ -503,27 +527,19 @@ class LockstepDraft:
                 self.drafter.step()
         return self.drafter.query(self.ratio), hit
 
-    @property
-    def layers_fed(self) -> int:
-        return self.drafter.layers_fed
+    layers_fed = property(lambda self: self.drafter.layers_fed)
 
-    def done(self) -> None:
+    def done(self) -> None:  # nothing runs in the background
         pass
 
-    def close(self) -> None:
-        pass
-
+    close = done
 
 class DraftProcessError(verify.UserError):
-    """The draft process died or failed. (A UserError only so that the CLI prints it as one line and exits
-    with a non-zero status, like every other error that stops a run.)"""
-
+    """The draft process died or failed (a UserError: the CLI prints it as one line and exits non-zero)."""
 
 def _draft_process(conn, k: int, topk: int, correct: bool, threads: int | None) -> None:
     """The draft process's whole life (spawned by DraftProcess)."""
-    # Ctrl-C reaches every process of the terminal's process group. The target's process handles it (and
-    # then stops this one); here it would only print a second traceback.
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches us too; the target's process stops us
     torch.set_grad_enabled(False)
     drafter, max_lead, run, asked = None, 0, None, None
     try:
@@ -536,7 +552,7 @@ def _draft_process(conn, k: int, topk: int, correct: bool, threads: int | None) 
             torch.set_num_threads(threads)
         conn.send(("ready",))
         while True:
-            if asked is not None and drafter.lead() >= min(asked[1], max_lead):  # QUERY, once far enough ahead
+            if asked is not None and drafter.lead() >= min(asked[1], max_lead):  # QUERY, once far enough
                 conn.send(("chain", run, drafter.query(asked[0]), asked[2], drafter.layers_fed))
                 asked = None
             if drafter is not None and drafter.lead() < max_lead and not conn.poll():
@@ -561,10 +577,9 @@ def _draft_process(conn, k: int, topk: int, correct: bool, threads: int | None) 
         with contextlib.suppress(Exception):
             conn.send(("error", f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"))
 
-
 def _stop_process(process, conn) -> None:
-    """Ask the draft process to stop; terminate it if it does not within a few seconds, kill it if it still
-    lives. Runs at close(), when the DraftProcess is garbage-collected, and at interpreter exit."""
+    """Ask the draft process to stop, else terminate, else kill it: at close(), when the DraftProcess is
+    garbage-collected, and at interpreter exit."""
     with contextlib.suppress(Exception):
         conn.send(("stop",))
     process.join(timeout=5)  # subtle: the draft reads its messages between two layers, one forward at most
@@ -576,21 +591,19 @@ def _stop_process(process, conn) -> None:
         process.join()
     conn.close()
 
-
 class DraftProcess:
-    """The draft model in its own process (the parallel mode). Starting one costs a Python start-up and the
-    imports (seconds), so a caller that decodes many prompts starts it once and passes it as `draft=`:
+    """The draft model in its own process (the parallel mode). Starting one takes seconds, so a caller that
+    decodes many prompts starts it once (generate() given a plain model starts one per call):
 
         with card.DraftProcess(draft, cfg) as proc:           # cfg: the K, k and correction it drafts with
             for ids in prompts:
                 card.generate(target, ids, 128, eos, cfg, draft=proc)
 
-    generate() given a plain model starts one for its own call and stops it before it returns or raises.
-    The process never outlives this one: it is stopped at close(), when this object is garbage-collected, at
-    interpreter exit, and it exits by itself when its pipe breaks (its parent died)."""
+    It never outlives this process: stopped at close(), at garbage collection and at exit, and it exits by
+    itself when its pipe breaks (its parent died)."""
 
     def __init__(self, draft, cfg: "CardConfig", threads: int | None = None):
-        ctx = torch.multiprocessing.get_context("spawn")  # fork is unsafe with threads and CUDA; spawn works everywhere
+        ctx = torch.multiprocessing.get_context("spawn")  # fork is unsafe with threads and CUDA
         self.model, self.k, self.topk, self.correct = draft, cfg.k, cfg.topk, cfg.correct
         if threads is None and draft.device.type == "cpu":
             threads = cpu_split(cfg)[0]
@@ -601,14 +614,12 @@ class DraftProcess:
         self.process.start()
         child_end.close()  # subtle: now only the child holds that end, so its death reads here as EOF
         self._stop = weakref.finalize(self, _stop_process, self.process, self.conn)
-        # The model goes through the pipe, as its parts: class, config and tensors (portable()). torch's pickler
-        # moves CPU tensors to shared memory (CUDA tensors: CUDA IPC), so a draft that shares the target's
-        # weights is not copied. subtle, three traps avoided here: (1) not the module object, which would also
-        # pickle its hooks, often local functions that cannot be pickled (transformers installs some itself);
-        # (2) not as a Process argument: those are pickled at start(), and a tensor made only for pickling is
-        # freed, with its shared-memory handle, before the child can open it; (3) an int8 draft cannot make
-        # the trip at all (torch cannot rebuild a per-channel quantized tensor from shared memory), so
-        # int8_draft() notes how it was made and the child builds its own from the target's parts.
+        # The model goes through the pipe as its parts (portable()): torch's pickler moves tensors to shared
+        # memory (CUDA: IPC), so nothing is copied. subtle, three traps: (1) not the module, whose hooks are
+        # often unpicklable local functions; (2) not as a Process argument: pickled at start(), a tensor made
+        # for pickling is freed with its shared-memory handle before the child opens it; (3) an int8 draft
+        # cannot make the trip (per-channel quantized tensors do not rebuild from shared memory), so the
+        # child quantizes its own copy of the target's parts (int8_draft's card_rebuild).
         build, source = getattr(draft, "card_rebuild", (None, draft))
         self._send((torch.backends.quantized.engine, build, portable(source)))
         self._receive("ready")
@@ -640,8 +651,9 @@ class DraftProcess:
 
     def check(self, cfg: "CardConfig") -> None:
         if (self.k, self.topk, self.correct) != (cfg.k, cfg.topk, cfg.correct):
-            raise verify.UserError(f"this DraftProcess drafts with K={self.k}, k={self.topk}, correct={self.correct}; "
-                                   f"the config asks for K={cfg.k}, k={cfg.topk}, correct={cfg.correct}")
+            raise verify.UserError(f"this DraftProcess drafts with K={self.k}, k={self.topk}, correct="
+                                   f"{self.correct}; the config asks for K={cfg.k}, k={cfg.topk}, "
+                                   f"correct={cfg.correct}")
 
     def start(self, text: Sequence[int], capacity: int, ratio: int, max_lead: int, wait: int) -> None:
         self.run += 1
@@ -649,13 +661,13 @@ class DraftProcess:
         self._send(("start", self.run, list(text), capacity, max_lead))
 
     def query(self, accepted, bonus) -> tuple[list[int], bool | None]:
-        self._send(("query", self.run, None if accepted is None else list(accepted), bonus, self.ratio, self.wait))
+        accepted = None if accepted is None else list(accepted)
+        self._send(("query", self.run, accepted, bonus, self.ratio, self.wait))
         _, _, chain, hit, self.layers_fed = self._receive("chain")
         return chain, hit
 
     def done(self) -> None:
-        """The generate() call is over: the draft stops drafting (so it does not take cores from whatever the
-        caller runs next) and waits for the next start()."""
+        """generate() is over: stop drafting (leave the cores to the caller) until the next start()."""
         if self.process.is_alive():
             with contextlib.suppress(DraftProcessError):
                 self._send(("done",))
@@ -669,91 +681,17 @@ class DraftProcess:
     def __exit__(self, *exc):
         self.close()
 
+def add_statistics(gen: Generation, layers: int, cfg: "CardConfig", costs, ratio: int, wait: int) -> None:
+    steps, queries = max(gen.steps, 1), max(gen.extra["hits"] + gen.extra["misses"], 1)
+    gen.extra.update(draft_layers=layers, hit_rate=gen.extra["hits"] / queries,
+                     draft_layers_per_step=layers / steps, verified_per_step=gen.extra["verified"] / steps)
+    if costs and gen.steps:
+        hit_len = gen.extra["hit_tokens"] / gen.extra["hits"] if gen.extra["hits"] else None
+        mat = len(gen.tokens) / gen.target_forwards
+        gen.extra["predicted_speedup"] = predicted_speedup(costs, cfg.mode, ratio, wait, mat,
+                                                           gen.extra["hit_rate"], hit_len)
 
-@torch.no_grad()
-def generate(model, prompt_ids: Sequence[int], max_new_tokens: int, eos_ids: Sequence[int], cfg: CardConfig,
-             *, draft, sampling: verify.Sampling = verify.GREEDY, costs: dict | None = None, on_emit=None,
-             on_step=None) -> Generation:
-    """CARD decoding. `model` is the target, `draft` the draft model (same tokenizer; `load_draft` builds the
-    one cfg names) or a running DraftProcess. cfg.mode "lockstep" is deterministic (the tests use it);
-    "parallel" runs the draft in its own process, as the paper. Both emit the same tokens: the target decides
-    every token. `sampling`: the target samples with keyed noise (verify.py section 4b) and accepts the
-    queried chain where it equals those samples; the draft still proposes its top-k tokens. `costs`
-    (prepare() measures them): the step times of the cost model in section 3b, which then adds its
-    prediction to the statistics."""
-    cfg.check()
-    if draft is None:
-        raise verify.UserError("CARD needs a draft model (draft=...)")
-    if cfg.ratio == "auto":
-        raise verify.UserError("cfg.ratio = 'auto' is measured by prepare() (or set r = measure_ratio(...))")
-    ratio = cfg.ratio
-    max_lead = 2 * ratio if cfg.max_lead is None else cfg.max_lead
-    wait = ratio if cfg.wait is None else cfg.wait
-    gen = Generation(max_new_tokens, eos_ids, on_emit=on_emit, on_step=on_step)
-    gen.extra.update(hits=0, misses=0, verified=0, hit_tokens=0)
-
-    # the target's cache: prompt + output + the largest step (the pending token and a chain of r)
-    cache = verify.new_cache(model, len(prompt_ids) + max_new_tokens + ratio + 1)
-    pending = verify.first_token(verify.prefill(model, cache, prompt_ids), len(prompt_ids), sampling)
-    if gen.finish_prefill(pending):
-        return gen
-
-    main_threads, side, owned = torch.get_num_threads(), None, False
-    try:
-        if cfg.mode == "parallel":
-            side, owned = (draft, False) if isinstance(draft, DraftProcess) else (DraftProcess(draft, cfg), True)
-            side.check(cfg)
-            if side.threads:  # on a CPU the cores are split: the draft process has its share, we keep the rest
-                torch.set_num_threads(cfg.target_threads or max(1, main_threads - side.threads))
-        else:
-            side = LockstepDraft(draft.model if isinstance(draft, DraftProcess) else draft, cfg)
-        # the draft's cache: the verified text + up to max_lead + 1 layers of K nodes ahead of it
-        capacity = len(prompt_ids) + max_new_tokens + (max_lead + 2) * cfg.k
-        side.start(list(prompt_ids) + [pending], capacity, ratio, max_lead, wait)
-        budget = lambda: max(max_new_tokens - len(gen.tokens) - 1, 0)  # a step emits at most len(chain) + 1
-
-        t0 = time.perf_counter()
-        chain, _ = side.query(None, None)
-        chain, draft_s = chain[: budget()], time.perf_counter() - t0
-        while True:
-            # -- VERIFY the chain with the target (in parallel mode the draft keeps drafting meanwhile)
-            tree = Tree.chain(pending, chain)
-            prefix_len = verify.cache_len(cache)
-            logits = verify.tree_forward(model, cache, tree)
-            path, bonus = verify.accept(tree, logits, prefix_len, sampling)
-            verify.rollback(cache, prefix_len + len(path))
-            gen.extra["verified"] += len(tree)
-            if gen.finish_step(tree, path, bonus, draft_s):
-                return gen
-            pending = bonus
-
-            # -- CORRECT the cache with what the target accepted, then QUERY it for the next step. draft_s: the
-            #    time the target waited for the draft (lockstep: all of the drafting)
-            t0 = time.perf_counter()
-            chain, hit = side.query([tree.tokens[i] for i in path[1:]], bonus)
-            chain, draft_s = chain[: budget()], time.perf_counter() - t0
-            gen.extra["hits" if hit else "misses"] += 1
-            gen.extra["hit_tokens"] += len(path) if hit else 0  # the step's accepted tokens and its bonus
-    finally:
-        torch.set_num_threads(main_threads)
-        if owned:
-            side.close()
-        elif side is not None:
-            side.done()
-        layers = side.layers_fed if side is not None else 0
-        steps = max(gen.steps, 1)
-        queries = max(gen.extra["hits"] + gen.extra["misses"], 1)
-        gen.extra.update(draft_layers=layers, hit_rate=gen.extra["hits"] / queries,
-                         draft_layers_per_step=layers / steps, verified_per_step=gen.extra["verified"] / steps)
-        if costs and gen.steps:
-            hit_len = gen.extra["hit_tokens"] / gen.extra["hits"] if gen.extra["hits"] else None
-            gen.extra["predicted_speedup"] = predicted_speedup(
-                costs, cfg.mode, ratio, wait, len(gen.tokens) / gen.target_forwards, gen.extra["hit_rate"], hit_len)
-
-
-# ----------------------------------------------------------------------------------------------------------
-# 3b. The cost model: the speedup that the measured step times, acceptance and hit rate predict
-# ----------------------------------------------------------------------------------------------------------
+# ---- 5. The cost model: the speedup that the measured step times, acceptance and hit rate predict ----------
 #
 # Per target step CARD emits `mat` tokens (the mean accepted length, bonus included) where plain decoding
 # would have taken mat one-token target steps. What one CARD step costs depends on the mode:
@@ -766,14 +704,11 @@ def generate(model, prompt_ids: Sequence[int], max_new_tokens: int, eos_ids: Seq
 #                                                                 token, and the target waits for w layers
 #   speedup = mat * t_target / T
 #
-# t_target: a one-token target step (plain decoding's cost per token); t_verify: a target forward over r + 1
-# rows; t_draft: one draft layer of K rows; h: the hit rate; w: the layers a query waits for (cfg.wait). In
-# parallel mode each time is measured with the cores that side gets, ONE SIDE AT A TIME: the model leaves out
-# what the two processes cost each other when they run together (memory bandwidth, caches), the messages and
-# the cache's bookkeeping. On the 2-core CPU it overestimated parallel mode by 5-20% (TUTORIAL.md §4.6). The
-# paper's setting (r = 7, a draft 7x cheaper, t_verify ~ t_target on a GPU, mat ~5, h ~0.97) gives 4.85x in
-# parallel and 2.5x in lockstep -- the paper reports up to 4.83x.
-
+# t_target: a one-token target step; t_verify: a target forward over r + 1 rows; t_draft: one draft layer of K
+# rows; h: the hit rate; w: the layers a query waits for (cfg.wait). Each time is measured with the cores
+# that side gets, ONE SIDE AT A TIME: the model leaves out what the two processes cost each other (memory
+# bandwidth, caches), the messages and the bookkeeping, so it overestimates a little (RESULTS.md compares).
+# A CPU figure belongs to its CPU; this is how a reader predicts theirs.
 
 def predicted_speedup(costs: dict, mode: str, r: int, wait: int, mat: float, hit_rate: float,
                       hit_len: float | None = None) -> float:
@@ -794,7 +729,6 @@ def predicted_speedup(costs: dict, mode: str, r: int, wait: int, mat: float, hit
         step = hit_rate * max(t_v, c * t_d) + (1 - hit_rate) * (t_v + wait * t_d)
     return mat * t_t / step
 
-
 def measure_costs(model, draft, cfg: "CardConfig") -> dict:
     """The step times of the cost model, after 256 cached tokens (verify.measure_step_times), each with the
     threads that side gets in cfg.mode. t_target is always measured with all of them (plain decoding's)."""
@@ -811,40 +745,19 @@ def measure_costs(model, draft, cfg: "CardConfig") -> dict:
         torch.set_num_threads(main_threads)
     return {"t_target": t_target, "t_verify": t_verify, "t_draft": t_draft}
 
-
-# ----------------------------------------------------------------------------------------------------------
-# 4. The offline drafts, and the CLI
-# ----------------------------------------------------------------------------------------------------------
+# ---- 6. Drafts derived from the target ---------------------------------------------------------------------
 #
-# CARD needs a draft that is CHEAPER than the target (r = t_target / t_draft > 1) and that agrees with it
-# often. No second model is available offline, so the drafts below are derived from the target itself
-# (`--draft` names each; TUTORIAL.md §4.6 measures them):
-#
-#   int8       the target with every linear layer in int8 (dynamic quantization, per output channel): ~3x
-#              cheaper on a CPU, with 3.3 tokens accepted per step of at most r + 1 = 5. CPU only.
-#   layers:L   the target's first L decoder layers + its final norm and LM head, sharing its weights: the
-#              self-speculative draft of Draft & Verify (Zhang et al. 2023, arXiv:2309.08168) and LayerSkip
-#              (Elhoushi et al. 2024, arXiv:2404.16710). Untrained for early exit, it is a poor draft here
-#              (1.2 tokens a step at L = 20 of 30); LayerSkip trains the model so that it is not.
-#   self       the target's own weights in --draft-dtype (bfloat16): the best acceptance, but on a CPU it is
-#              only 1.2-1.7x cheaper and on a GPU no cheaper at all (a small model's step is launch-bound).
+# CARD needs a draft CHEAPER than the target (r = t_target / t_draft > 1) that often agrees with it. No second
+# model is available offline, so the drafts are derived from the target (`--draft`; RESULTS.md measures them):
+#   int8       the target with every linear layer in int8 (dynamic quantization, per output channel): several
+#              times cheaper on a CPU, and usually right. CPU only.
+#   self       the target's own weights in --draft-dtype (bfloat16): the best acceptance, but on a CPU barely
+#              cheaper and on a GPU no cheaper at all (a small model's step is launch-bound).
 #   NAME/PATH  any model with the same tokenizer, in --draft-dtype (a real small/large pair).
-
 
 def same_vocabulary(tok_a, tok_b) -> bool:
     """Speculation compares token ids, so the two models must map the same strings to the same ids."""
     return tok_a.get_vocab() == tok_b.get_vocab()
-
-
-def decoder_layers(model) -> str:
-    """The module path of the model's list of decoder layers ("model.layers" for Llama): the ModuleList with
-    one entry per hidden layer."""
-    n = model.config.num_hidden_layers
-    for name, module in model.named_modules():
-        if isinstance(module, torch.nn.ModuleList) and len(module) == n:
-            return name
-    raise verify.UserError(f"cannot find the decoder layers of {type(model).__name__} for --draft layers:L")
-
 
 def portable(model) -> tuple[str, object]:
     """What a model is made of, for another process: ("parts", (class, config, tensors, buffers, generation
@@ -853,8 +766,8 @@ def portable(model) -> tuple[str, object]:
 
     if not isinstance(model, PreTrainedModel):
         return "module", model
-    return "parts", (type(model), model.config, model.state_dict(), dict(model.named_buffers()), model.generation_config)
-
+    return "parts", (type(model), model.config, model.state_dict(), dict(model.named_buffers()),
+                     model.generation_config)
 
 def assemble(cls, config, tensors: dict, buffers: dict, generation_config):
     """A model of class `cls` whose tensors ARE the given ones (no copy). Its skeleton is built on the meta
@@ -862,7 +775,7 @@ def assemble(cls, config, tensors: dict, buffers: dict, generation_config):
     frequencies, ...) are set one by one."""
     with torch.device("meta"):
         model = cls(config)
-    model.load_state_dict(tensors, strict=False, assign=True)  # assign: keep these tensors, do not copy into new ones
+    model.load_state_dict(tensors, strict=False, assign=True)  # assign: keep these tensors, no copy
     for name, _ in list(model.named_buffers()):
         if name in buffers:
             owner, _, attr = name.rpartition(".")
@@ -872,45 +785,27 @@ def assemble(cls, config, tensors: dict, buffers: dict, generation_config):
     model.generation_config = generation_config
     return model.eval()
 
-
-def first_layers(model, n: int):
-    """A draft made of the target's first n decoder layers, its final norm and its LM head, SHARING the
-    target's tensors (no copy): the same model class with num_hidden_layers = n, put together from the
-    target's own tensors (assemble)."""
-    total = model.config.num_hidden_layers
-    if not 1 <= n <= total:
-        raise verify.UserError(f"--draft layers:L needs 1 <= L <= {total} (got {n})")
-    config = copy.deepcopy(model.config)
-    config.num_hidden_layers = n
-    for key in ("layer_types",):  # per-layer lists (sliding/full attention, ...) are cut to n as well
-        if isinstance(getattr(config, key, None), list):
-            setattr(config, key, getattr(config, key)[:n])
-    prefix = re.compile(re.escape(decoder_layers(model)) + r"\.(\d+)\.")
-    keep = {k: v for k, v in model.state_dict().items() if not (m := prefix.match(k)) or int(m.group(1)) < n}
-    return assemble(type(model), config, keep, dict(model.named_buffers()), model.generation_config)
-
-
 def int8_draft(model, copy_model: bool = True):
     """The target with every nn.Linear replaced by torch's int8 dynamically quantized linear (weights per
     output channel; activations quantized on the fly). A copy: the target itself stays float32 (the draft
     process, which owns the module it assembled, quantizes that one in place: copy_model=False)."""
     if model.device.type != "cpu":
-        raise verify.UserError("--draft int8 runs on a CPU only (torch's dynamic quantization has no GPU kernels)")
+        raise verify.UserError("--draft int8 runs on a CPU only (torch's dynamic quantization has no GPU "
+                               "kernels)")
     try:
         from torch.ao.quantization import per_channel_dynamic_qconfig, quantize_dynamic
     except ImportError:
-        raise verify.UserError("this torch has no torch.ao.quantization.quantize_dynamic; use --draft self") from None
+        raise verify.UserError("this torch has no torch.ao.quantization.quantize_dynamic; use --draft "
+                               "self") from None
     with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # note: torch >= 2.10 marks torch.ao.quantization deprecated (-> torchao)
+        warnings.simplefilter("ignore")  # note: torch >= 2.10 marks torch.ao.quantization deprecated
         draft = quantize_dynamic(copy.deepcopy(model) if copy_model else model,
                                  {torch.nn.Linear: per_channel_dynamic_qconfig}, dtype=torch.qint8)
     # how DraftProcess rebuilds it in the draft process (see there)
     draft.card_rebuild = (functools.partial(int8_draft, copy_model=False), model)
     return draft
 
-
 _DRAFTS: dict = {}  # (spec, target, dtype) -> draft: bench.py's card and hf-assisted share one
-
 
 def load_draft(model, tok, cfg: CardConfig, target_name: str = verify.DEFAULT_MODEL):
     """The draft cfg.draft names (see the table above), on the target's device."""
@@ -919,37 +814,26 @@ def load_draft(model, tok, cfg: CardConfig, target_name: str = verify.DEFAULT_MO
     if key not in _DRAFTS:
         if spec == "int8":
             draft = int8_draft(model)
-        elif spec.startswith("layers:"):
-            try:
-                n = int(spec.removeprefix("layers:"))
-            except ValueError:
-                raise verify.UserError(f"--draft layers:L needs a whole number L (got {spec!r})") from None
-            draft = first_layers(model, n)
         elif spec == "self":
             draft = copy.deepcopy(model).to(verify.pick_dtype(cfg.draft_dtype, model.device))
         else:
             attn = getattr(model.config, "_attn_implementation", None)
+            attn = attn if attn in verify.MASK_HONOURING else "auto"
             draft, draft_tok = verify.load_model(spec, device=str(model.device), dtype=cfg.draft_dtype,
-                                                 attn_implementation=attn if attn in verify.MASK_HONOURING else "auto",
-                                                 option="--draft")
+                                                 attn_implementation=attn, option="--draft")
             if not same_vocabulary(tok, draft_tok):
-                raise verify.UserError(f"--draft {spec} and --target {target_name} do not share a vocabulary; "
-                                       "CARD compares token ids, so both models need the same tokenizer")
+                raise verify.UserError(f"--draft {spec} and --target {target_name} do not share a vocabulary "
+                                       "(CARD compares token ids)")
         _DRAFTS[key] = (draft, model)  # (the target is kept so that its id is not reused)
     return _DRAFTS[key][0]
 
-
-def step_time(model, n: int) -> float:
-    """Seconds for one forward of `model` over n new tokens after 256 cached ones (verify's timing loop).
-    n = 1: a target step; n = K: one draft layer of the candidate cache."""
+def step_time(model, n: int) -> float:  # one forward over n new tokens after 256 cached ones
     return verify.measure_step_times(model, [n], repeats=3)[n]
-
 
 def measure_ratio(model, draft, k: int) -> int:
     """§3.1's communication ratio r = ceil(t_target / t_draft): how many K-node draft layers fit in the time
-    of one target step (here: a one-token target step against one draft layer of K tokens)."""
+    of one (one-token) target step."""
     return max(1, math.ceil(step_time(model, 1) / step_time(draft, k)))
-
 
 def prepare(model, tok, cfg: CardConfig, name: str = verify.DEFAULT_MODEL) -> tuple[CardConfig, dict]:
     """Once per process, untimed, like loading: build the draft cfg names; measure r if it is 'auto' and the
@@ -964,45 +848,34 @@ def prepare(model, tok, cfg: CardConfig, name: str = verify.DEFAULT_MODEL) -> tu
         draft = DraftProcess(draft, cfg)
     return cfg, {"draft": draft, "costs": costs}
 
+# ---- 7. CLI ------------------------------------------------------------------------------------------------
 
 def main(argv=None) -> int:
     import argparse
 
     parser = verify.common_parser(__doc__.split("\n\n")[0].strip())
-    def default(name):
-        return verify.defaults_help(CardConfig, name)
-
-    g = parser.add_argument_group("CARD (the paper's names; CUDA defaults: §3.1's; CPU: TUTORIAL.md §4.6)")
-    g.add_argument("--target", dest="model", default=argparse.SUPPRESS, help="the target model (same as --model)")
-    g.add_argument("--draft",
-                   help="the draft: int8 (the target's linear layers in int8; CPU), layers:L (the target's first L "
-                        "layers, shared weights), self (the target's weights in --draft-dtype), or a model name/path "
-                        "with the same tokenizer (section 4)" + default("draft"))
-    g.add_argument("--draft-dtype", choices=["auto", "float32", "bfloat16", "float16"],
-                   help="the dtype of --draft self or a named draft (default: bfloat16)")
-    g.add_argument("--k", type=int,
-                   help="K, the primary cache size: candidates kept per tree layer (Eq. 7)" + default("k"))
-    g.add_argument("--topk", type=int,
-                   help="k, children proposed per node from the draft's top-k (Eq. 2)" + default("topk"))
-    g.add_argument("--ratio",
-                   help="r, the communication ratio: chain length per target step; auto = measured (§3.1)"
-                        + default("ratio"))
-    g.add_argument("--mode", choices=["parallel", "lockstep"],
-                   help="parallel: the draft in its own process; lockstep: r layers, then verify" + default("mode"))
-    g.add_argument("--wait", type=int,
-                   help="parallel mode: layers the cache must lead the verified text by before a query is "
-                        "answered; 0 = never wait, take what the cache holds (default: r on CUDA, 3 on CPU)")
-    g.add_argument("--draft-threads", type=int,
-                   help="CPU, parallel mode: the draft process's threads (default: half the cores)")
-    g.add_argument("--target-threads", type=int,
-                   help="CPU, parallel mode: the target's threads (default: the other half)")
-    g.add_argument("--max-lead", type=int,
-                   help="layers the cache may run ahead of the verified text (default: 2r, as the reference)")
-    g.add_argument("--no-correct", dest="correct", action="store_const", const=False,
-                   help="Table 2's 'cache only' ablation: query without correcting (section 2b)")
+    default = lambda name: verify.defaults_help(CardConfig, name)
+    g = parser.add_argument_group("CARD (the paper's names; CUDA defaults: §3.1's; CPU: RESULTS.md)")
+    add = g.add_argument
+    add("--target", dest="model", default=argparse.SUPPRESS, help="the target model (same as --model)")
+    add("--draft", help="the draft: int8 (the target's linear layers in int8; CPU), self (the target's "
+        "weights in --draft-dtype), or a model name/path with the same tokenizer" + default("draft"))
+    add("--draft-dtype", choices=["auto", "float32", "bfloat16", "float16"],
+        help="the dtype of --draft self or a named draft (default: bfloat16)")
+    add("--k", type=int, help="K, the primary cache size: candidates kept per layer (Eq. 7)" + default("k"))
+    add("--topk", type=int, help="k, children proposed per node (Eq. 2)" + default("topk"))
+    add("--ratio", help="r, the communication ratio: chain length per target step; auto = measured (§3.1)"
+        + default("ratio"))
+    add("--mode", choices=["parallel", "lockstep"],
+        help="parallel: the draft in its own process; lockstep: r layers, then verify" + default("mode"))
+    add("--wait", type=int, help="parallel mode: layers the cache must lead the verified text by before a "
+        "query is answered; 0 = take what the cache holds (default: r on CUDA, 3 on CPU)")
+    add("--max-lead", type=int, help="layers the cache may run ahead of the verified text (default: 2r, as "
+        "the reference)")
+    add("--no-correct", dest="correct", action="store_const", const=False,
+        help="Table 2's 'cache only' ablation: query without correcting")
     config = lambda args, device: verify.config_from_args(CardConfig.for_device(device), args)
     return verify.run_cli(parser, "card", generate, config, prepare, argv=argv)
-
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -5,65 +5,50 @@ Draftless Fumble Decoding", anonymous authors, ICLR 2026 submission, 2025,
 https://openreview.net/forum?id=oSk9tP5Mgs. Built on Lookahead Decoding: Fu, Bailis, Stoica & Zhang, "Break
 the Sequential Dependency of LLM Inference Using Lookahead Decoding", ICML 2024, arXiv:2402.02057.
 
-The idea in one paragraph. Lookahead Decoding keeps n "guess streams" running alongside normal decoding:
-each stream is a short window of k tokens that the model keeps extending by one token per step, like a
-Jacobi iteration that never converges but throws off plausible n-grams as it goes. Those n-grams go into a
-POOL; whenever the text so far ends with an n-gram's key, the n-gram becomes a candidate continuation and is
-verified. The trick is that guessing and verifying happen in the SAME forward pass:
+Lookahead Decoding keeps n "guess streams" running beside normal decoding: each is a window of k tokens the
+model extends by one token per step, throwing off plausible n-grams into a POOL; when the text ends with an
+n-gram's key, the n-gram is a candidate and is verified. Guessing and verifying share ONE forward:
 
     one forward over  [ last token | fumble branch: n streams x k tokens | find-out branch: m candidates x k ]
                         full KV       sees only C(kv), a compressed cache    full KV, causal per candidate
 
-FAFO's contribution (§4.2): the guess rows only need to be plausible, not exact, so let them attend to a
-compressed selection C(kv) of the cache (StreamingLLM: sinks + recent tokens; Quest: the pages whose keys
-can score highest; SnapKV: the prompt positions its last rows attended to most), which makes many more
-guesses affordable. The verification rows see the full cache,
-so the output stays greedy (identical in float32 except at exact ties within rounding, see verify.py).
-§4.4 adds the systems part -- keep C(kv) physically contiguous at the head of a fixed KV buffer so
-FlexAttention can skip every other block -- which lives in verify.py (`CompactedKVCache`) and is used here
-by `--attn flex`.
+FAFO's contribution (§4.2): guesses only need to be plausible, so the guess rows attend to a compressed
+selection C(kv) of the cache (StreamingLLM; Quest and SnapKV beyond the paper's main path), which makes many
+more guesses affordable; the verification rows see the full cache, so the output stays the target's greedy
+output. §4.4's systems part, C(kv) kept contiguous at the head of a fixed buffer so FlexAttention skips the
+other blocks, lives in verify.py (CompactedKVCache), used here by `--attn flex`.
 
-Reading order: the configuration (n, k, m and C) -> the pool (Algorithms 2 and 3) -> the guess streams
-(Eq. 1) -> the compression functions -> the step layout and its mask (Appendix E, Figure 4) -> Find Out
-verification (Algorithm 4) -> the three KV back-ends (dense mask / split SDPA / flex compacted blocks) -> the
-decode loop -> the CLI.
+The paper, in its order: 0 n, k, m and C, 1 the pool (Algorithms 2, 3), 2 the guess streams (Eq. 1), 3 the
+compression C, 4 the step layout and its mask (Appendix E, Figure 4), 5 Find Out (Algorithm 4), 6 the dense
+back-end (the mask as a tensor: the spec), 7 the decode loop. Beyond the paper: 8 Quest and SnapKV, 9 the
+split back-end (the CPU default), 10 the flex back-end, 11 the CLI.
 
     python fafo.py --prompt "Write a limerick about a cat." --compare
-    python fafo.py --prompt "..." --compress quest --trace
-    python fafo.py --prompt "..." --compress snapkv        # SnapKV: chosen once, from the prompt
-    python fafo.py --prompt "..." --compress none --lookback 1   # Lookahead Decoding: full-KV guesses, 1-token keys
-    python fafo.py --prompt "..." --attn dense             # the mask as a tensor: the readable spec
-    python fafo.py --prompt "..." --attn flex              # the FlexAttention compacted-block path
+    python fafo.py --prompt "..." --compress none --lookback 1   # Lookahead Decoding: full-KV guesses
 
     from fafo import FafoConfig, generate                    # as a library
     gen = generate(model, prompt_ids, 128, eos_ids, FafoConfig.cpu())
 
 Deviations from the paper (each also in TUTORIAL.md chapter 5):
-  * Positions of the guess streams: stream i's tokens sit at positions p+1+i .. p+k+i (Lookahead's column
-    offsets; the paper only says "s_i").
-  * Quest scores pages with the query of the LAST VERIFIED row (the forward that produced the token we now
-    feed), one step stale, because the new token's own query does not exist before the forward; and one
-    page selection is shared by all layers and heads (summed scores), so that one mask and one physical
-    layout serve the whole model. Quest proper selects per head. SnapKV likewise: one selection from votes
-    summed over layers and heads; and the guess rows also see the `recent` newest positions (SnapKV keeps
-    every generated token; a fixed budget needs a window).
-  * The pool is NOT seeded from the prompt by default (neither the paper nor Lookahead does);
-    `--prompt-pool` does it and the bench measures both.
+  * Stream i's tokens sit at positions p+1+i .. p+k+i (Lookahead's column offsets; the paper says "s_i").
+  * Quest scores pages with the query of the LAST VERIFIED row (the new token's own query does not exist
+    before the forward), and one page selection (summed scores) serves all layers and heads, so that one
+    mask and one physical layout serve the model; SnapKV likewise, plus the `recent` newest positions.
+  * The pool is not seeded from the prompt by default (as in the paper and Lookahead); `--prompt-pool` does.
   * Algorithm 3 as printed never shortens its suffix (an endless loop); we try suffix lengths k .. 1.
-  * The head (hidden -> vocabulary) runs only on the rows whose prediction is read (StepLayout.read_rows):
-    x, each stream's newest row and the candidates. The paper does not say; the output is the same.
-  * `--attn split` (ours; the CPU default): the saving of §4.4 without FlexAttention. The guess rows attend
-    to C(kv) in their own SDPA call, so their attention reads |C(kv)| entries instead of the whole cache.
+  * The head (hidden -> vocabulary) runs only on the rows whose prediction is read (StepLayout.read_rows).
+  * `--attn split` (ours; the CPU default): the guess rows attend to C(kv) in their own SDPA call.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import random
 import sys
 import time
 from collections import OrderedDict
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from functools import cache
 from typing import Sequence
 
@@ -73,10 +58,7 @@ import torch
 import verify
 from verify import Generation, Tree, UserError
 
-# ----------------------------------------------------------------------------------------------------------
-# 0. Configuration (§4.2, §4.3, Appendix F)
-# ----------------------------------------------------------------------------------------------------------
-
+# ---- 0. Configuration (§4.2, §4.3, Appendix F) -------------------------------------------------------------
 
 @dataclass
 class FafoConfig:
@@ -98,7 +80,7 @@ class FafoConfig:
     window_size: int = 32  # SnapKV: the observation window, the prompt's last rows whose attention votes
     max_capacity_prompt: int = 256  # SnapKV: prompt positions kept, the window included
     kernel_size: int = 5  # SnapKV: width of the average pooling over the votes (keeps neighbours together)
-    attn: str = "dense"  # "dense" mask (the spec), "split" (two SDPA calls), "flex"/"flex-compiled" (compacted blocks)
+    attn: str = "dense"  # "dense" mask (the spec), "split" (two SDPA calls), "flex"/"flex-compiled" (§4.4)
     pool_cap: int | None = None  # k-grams kept per pool key, LRU (Appendix F; None: n)
     lookback: int | None = None  # longest pool key, the "lookback window" of §4.3 (None: k; Lookahead: 1)
     prompt_pool: bool = False  # also seed the pool with the prompt's k-grams (not in the paper)
@@ -107,20 +89,15 @@ class FafoConfig:
 
     @classmethod
     def paper(cls) -> "FafoConfig":
-        """n and k from the ablation (Tables 11, 12). The exact Init+Local budget for short prompts is not
-        given (Table 13's best is ~760 tokens); we keep 256, one FlexAttention block pair. The back-end stays
-        "dense" (the CUDA default), by measurement: on an H100, split and eager flex were slower than dense at
-        1k-7k tokens (TUTORIAL.md §6.3); flex-compiled has not been timed on a GPU yet."""
+        """n and k from the ablation (Tables 11, 12); the Init+Local budget for short prompts is not given
+        (Table 13's best is ~760 tokens): 256, one FlexAttention block pair. The back-end: dense, the fastest
+        measured on an H100 (RESULTS.md, "FAFO on a GPU")."""
         return cls()
 
     @classmethod
     def cpu(cls) -> "FafoConfig":
-        """Every row costs time on a CPU, so a small step (22 rows); measured on the tuning half of the
-        shipped prompts (TUTORIAL.md §5.6). The split back-end: as fast as dense on short prompts, faster
-        from a 4k context on (the tuning half of bench/long_prompts.jsonl, TUTORIAL.md §5.7). The paper's
-        budget of 256 (sink 4 + recent 252): no different from 28-124 on the short tuning prompts, and on the
-        long tuning half (with the preallocated cache) 0.73x of greedy's decode rate over 1k-7k against 0.70x
-        for recent 60, 0.87x against 0.83x at 4k and 1.03x against 0.86x at 7k (TUTORIAL.md §5.7)."""
+        """Every row costs time on a CPU, so a small step (22 rows), the split back-end and the paper's budget
+        of 256, chosen on the tuning halves of the shipped short and long prompts (RESULTS.md, "FAFO")."""
         return cls(n_guess=4, k=3, m=3, recent=252, top_pages=4, attn="split")
 
     @classmethod
@@ -144,18 +121,15 @@ class FafoConfig:
             raise UserError(f"--max-capacity-prompt ({self.max_capacity_prompt}) must exceed --window-size "
                             f"({self.window_size}): the window is part of what SnapKV keeps")
         if self.kernel_size % 2 == 0:
-            raise UserError(f"--kernel-size must be odd, so the pooling keeps the length (got {self.kernel_size})")
+            raise UserError(f"--kernel-size must be odd, so pooling keeps the length (got {self.kernel_size})")
         if self.attn not in ("dense", "split", "flex", "flex-compiled"):
             raise UserError(f"--attn must be dense, split, flex or flex-compiled (got {self.attn!r})")
         if self.attn.startswith("flex") and self.compress == "none":
-            raise UserError("--attn flex needs a fixed compression budget (--compress stream, quest or snapkv)")
+            raise UserError("--attn flex needs a fixed compression budget (--compress stream, quest, snapkv)")
         if self.block_size < 16 or self.block_size & (self.block_size - 1):
             raise UserError(f"--block-size must be a power of two >= 16 (got {self.block_size})")
 
-
-# ----------------------------------------------------------------------------------------------------------
-# 1. The n-gram pool (Appendix F, Algorithms 2 and 3)
-# ----------------------------------------------------------------------------------------------------------
+# ---- 1. The n-gram pool (Appendix F, Algorithms 2 and 3) ---------------------------------------------------
 #
 # Values are guessed k-grams; keys are the tokens that came right before them in their stream. Each stream
 # remembers its last k discarded tokens (the "buffer"), and a new k-gram is filed under every suffix of that
@@ -172,7 +146,6 @@ class FafoConfig:
 # §4.3), but the printed pseudo-code disagrees: Algorithm 2's loop `for j = s+1 down to s-k` files under
 # k+2 suffix lengths, and Algorithm 3 starts at `suffixSeqLen <- k+2`, although the buffer holds only k
 # discarded tokens. We follow the text (1..k), which is also all a buffer of k tokens can provide.
-
 
 class NgramPool:
     """key (tuple of 1..lookback tokens) -> at most `cap` k-grams, least recently used evicted first.
@@ -226,17 +199,13 @@ class NgramPool:
                         return out
         return out
 
-
-# ----------------------------------------------------------------------------------------------------------
-# 2. Fumble Around: the n guess streams (§4.2, Eq. 1)
-# ----------------------------------------------------------------------------------------------------------
+# ---- 2. Fumble Around: the n guess streams (§4.2, Eq. 1) ---------------------------------------------------
 #
 #   y^i_{k+1} = argmax p( . | y^i_{1..k}, C(kv_{1..|x|}) )   for every stream i, all in one forward   (Eq. 1)
 #
 # After the forward each stream appends its new token and discards its oldest; the discarded token joins
 # the stream's buffer and the window's new k tokens go to the pool. The streams are independent of the
 # accepted text (like Lookahead's window, they are never reset): they only share its KV cache.
-
 
 class Streams:
     def __init__(self, windows: list[list[int]], k: int):
@@ -274,17 +243,13 @@ class Streams:
             if self.buffers[i]:  # empty during the warm-up
                 pool.add_guess(self.buffers[i], self.windows[i])
 
-
-# ----------------------------------------------------------------------------------------------------------
-# 3. The compression functions C (plug-ins)
-# ----------------------------------------------------------------------------------------------------------
+# ---- 3. The compression functions C (plug-ins) -------------------------------------------------------------
 #
 # A compressor answers one question per step: which cached positions may the guess rows see? It returns
 # logical positions (0 .. length-1); the KV back-end turns them into a mask (dense) or into the head of the
 # buffer (flex). `budget` bounds the answer's size (the flex head is allocated from it). To add another
 # method (H2O: accumulate attention per position), subclass Compressor: `observe` sees every step's KV and
 # the last verified row's queries (needs_query), `observe_prompt` the prompt's last rows' queries (window).
-
 
 class Compressor:
     name = "base"
@@ -303,7 +268,6 @@ class Compressor:
     def select(self, length: int) -> list[int]:
         raise NotImplementedError
 
-
 class FullKV(Compressor):
     """--compress none: the guess rows see everything, as in Lookahead Decoding."""
 
@@ -311,7 +275,6 @@ class FullKV(Compressor):
 
     def select(self, length: int) -> list[int]:
         return list(range(length))
-
 
 class StreamingLLM(Compressor):
     """Xiao et al. 2024: the first `sink` tokens (attention sinks) and the `recent` newest ones.
@@ -330,6 +293,330 @@ class StreamingLLM(Compressor):
         head = list(range(min(self.sink, length)))
         return head + list(range(max(self.sink, length - self.recent), length))
 
+def make_compressor(cfg: FafoConfig) -> Compressor:
+    if cfg.compress == "stream":
+        return StreamingLLM(cfg.sink, cfg.recent)
+    if cfg.compress == "quest":  # section 8
+        return Quest(cfg.page_size, cfg.top_pages)
+    if cfg.compress == "snapkv":
+        return SnapKV(cfg.window_size, cfg.max_capacity_prompt, cfg.kernel_size, cfg.recent)
+    return FullKV()
+
+# ---- 4. One step's input and its attention mask (Appendix E, Figure 4) -------------------------------------
+#
+# Rows of the step (q = 1 + n*k + m*k), e.g. n = 2 streams, k = 2, m = 1 candidate, last token at p:
+#
+#   row  token   position  sees (besides itself)
+#   0    x       p         the whole cache                          <- verification: "last token"
+#   1    y^1_1   p+1       C(kv), x                                 <- fumble, level 1 (column-wise:
+#   2    y^2_1   p+2       C(kv), x                                    stream 1, stream 2, then level 2)
+#   3    y^1_2   p+2       C(kv), x, y^1_1
+#   4    y^2_2   p+3       C(kv), x, y^2_1
+#   5    a_1     p+1       the whole cache, x                       <- find out: candidate a
+#   6    a_2     p+2       the whole cache, x, a_1
+#
+# Column-wise layout (Lookahead's): a stream's k rows are n apart, so a step's new tokens are simply the
+# last n fumble rows. The layout and the mask inside the step depend only on (n, k, m), which is what lets
+# the flex path build its BlockMask once.
+
+@dataclass(frozen=True)  # hashable, so the masks below are built once per (n, k, m), not once per step
+class StepLayout:
+    n: int
+    k: int
+    m: int
+
+    @property
+    def rows(self) -> int:
+        return 1 + self.n * self.k + self.m * self.k
+
+    def fumble_row(self, i: int, j: int) -> int:
+        return 1 + j * self.n + i  # stream i, level j (0-based)
+
+    def cand_row(self, c: int, t: int) -> int:
+        return 1 + self.n * self.k + c * self.k + t
+
+    @cache
+    def read_rows(self) -> tuple[int, ...]:
+        """The rows whose next-token prediction the step reads: x, the newest row of every stream (column-wise,
+        the last n fumble rows) and every candidate row. The other (k-1)*n fumble rows are there only as
+        context for their stream's newest row, so the head (hidden -> vocab logits) skips them. (Cached.)
+
+        >>> StepLayout(n=2, k=2, m=1).read_rows()   # rows 1, 2 = level 1 of the streams: not read
+        (0, 3, 4, 5, 6)
+        """
+        return (0,) + tuple(range(1 + (self.k - 1) * self.n, self.rows))
+
+    @cache
+    def guess_rows(self) -> np.ndarray:
+        """bool [q]: the rows restricted to C(kv). (Cached: treat as read-only.)"""
+        g = np.zeros(self.rows, dtype=bool)
+        g[1 : 1 + self.n * self.k] = True
+        return g
+
+    @cache
+    def inner_mask(self) -> np.ndarray:
+        """bool [q, q]: which row of the step sees which other row of it. (Cached: treat as read-only.)"""
+        q = self.rows
+        allowed = np.eye(q, dtype=bool)
+        allowed[:, 0] = True  # everyone sees the last token
+        for i in range(self.n):
+            for j in range(self.k):
+                for jj in range(j):
+                    allowed[self.fumble_row(i, j), self.fumble_row(i, jj)] = True
+        for c in range(self.m):
+            for t in range(self.k):
+                for tt in range(t):
+                    allowed[self.cand_row(c, t), self.cand_row(c, tt)] = True
+        return allowed
+
+    def inputs(self, last: int, p: int, windows: list[list[int]], cands: list[Sequence[int]]):
+        """(tokens [q], positions [q]) for this step; len(cands) must be m."""
+        assert len(cands) == self.m and len(windows) == self.n
+        tokens = [last] + [0] * (self.rows - 1)
+        positions = [p] + [0] * (self.rows - 1)
+        for i, w in enumerate(windows):
+            for j, t in enumerate(w):
+                r = self.fumble_row(i, j)
+                tokens[r], positions[r] = t, p + 1 + i + j
+        for c, cand in enumerate(cands):
+            for t, tok in enumerate(cand):
+                r = self.cand_row(c, t)
+                tokens[r], positions[r] = tok, p + 1 + t
+        return tokens, positions
+
+def combined_mask(layout: StepLayout, cache_len: int, selected: Sequence[int]) -> np.ndarray:
+    """The whole step's visibility, bool [q, cache_len + q]: the readable spec of Figure 4.
+    Verification rows (last token, candidates) see the full cache; fumble rows see only `selected`."""
+    q = layout.rows
+    allowed = np.zeros((q, cache_len + q), dtype=bool)
+    guess = layout.guess_rows()
+    allowed[~guess, :cache_len] = True
+    sel = np.asarray(list(selected), dtype=np.int64)
+    allowed[np.ix_(np.nonzero(guess)[0], sel)] = True
+    allowed[:, cache_len:] = layout.inner_mask()
+    return allowed
+
+# ---- 5. Find Out verification (§4.3, Algorithm 4) ----------------------------------------------------------
+#
+# Every candidate is checked against the model's own greedy choices; the longest run wins, plus the bonus
+# token (the model's choice right after it). Ties go to the earlier candidate (= the longer key).
+#
+#   choice after x = ' sat';  candidate A = (' sat', ' on', ' a')    choices on A's rows: (' on', ' the', ...)
+#                             candidate B = (' ran', ...)
+#   A: ' sat' == ' sat' ok, ' on' == ' on' ok, ' a' != ' the'  -> 2 accepted, bonus ' the'
+#   B: ' ran' != ' sat'                                        -> 0
+#   => emit ' sat', ' on' (from A) + ' the' (bonus)
+
+def find_out(cands: Sequence[Sequence[int]], first_choice: int, cand_choices: Sequence[Sequence[int]]):
+    """Returns (winner index or -1, accepted count, bonus token). cand_choices[c][t] = the model's argmax
+    on candidate c's row t (what comes after a_1..a_t)."""
+    best, best_len, bonus = -1, 0, first_choice
+    for c, cand in enumerate(cands):
+        a, nxt = 0, first_choice
+        while a < len(cand) and cand[a] == nxt:
+            nxt = cand_choices[c][a]
+            a += 1
+        if a > best_len:
+            best, best_len, bonus = c, a, nxt
+    return best, best_len, bonus
+
+# ---- 6. The KV back-ends, and the dense one: the mask as a tensor (the spec) -------------------------------
+#
+# All three give the same logits (tested); they differ in what the guess rows' attention reads:
+#   DenseKV  the whole cache, then the mask zeroes most of it (what the paper's Figure 4 says, as a tensor)
+#   SplitKV  C(kv) gathered + the step's own columns, in a second SDPA call (verify.py section 9b)
+#   FlexKV   the head blocks of a compacted buffer, skipped block-wise by FlexAttention (§4.4, section 9)
+# They expose the same four operations, so the decode loop below does not know which one it drives:
+#   select(positions)       C(kv) for the next forward (flex: swap them into the head of the buffer)
+#   forward(tokens, positions, ..., rows)
+#                           -> logits [len(rows), V] of the rows asked for (+ hidden states if asked)
+#   keep(rows, positions)   after acceptance: keep the KV of these input rows only
+#   keys(start, end)        logical keys [L, H_kv, n, D] (Quest's page statistics)
+
+def head_rows(model, rows: Sequence[int] | None) -> dict:
+    """Ask the model for the logits of `rows` only: transformers' `logits_to_keep` takes a 1D tensor of
+    positions (4.57 and 5.x). The head is a [hidden x vocab] matmul per row (49152 x 576 on the default
+    model, a fifth of a row's multiply-adds), so the step's unread fumble rows are worth skipping. A model
+    whose forward lacks the argument computes every row; rows_of() then picks the same rows."""
+    return {} if rows is None else verify.last_logits_only(model, torch.tensor(rows, device=model.device))
+
+def rows_of(logits: torch.Tensor, rows: Sequence[int] | None) -> torch.Tensor:
+    """logits [q, V] (every row computed) or [len(rows), V] (just `rows`) -> [len(rows), V]. `rows` is
+    increasing, so a length of q means every row, in order."""
+    if rows is None or len(logits) == len(rows):
+        return logits
+    return logits[list(rows)]
+
+class DenseKV:
+    """The cache in logical order (verify.PreallocatedKVCache) + an additive float mask built every step."""
+
+    def __init__(self, model, cache, layout: StepLayout):
+        self.model, self.cache, self.layout = model, cache, layout
+        self.selected: list[int] = []
+
+    @property
+    def length(self) -> int:
+        return verify.cache_len(self.cache)
+
+    def select(self, positions: Sequence[int]) -> None:
+        self.selected = list(positions)
+
+    @torch.no_grad()
+    def forward(self, tokens, positions, hidden: bool = False, layout: StepLayout | None = None,
+                rows: Sequence[int] | None = None):
+        """-> (logits [len(rows), V] of the input rows `rows` (None: all q), hidden states if asked)."""
+        layout = layout or self.layout
+        p = self.length
+        dev = self.model.device
+        allowed = combined_mask(layout, p, self.selected)  # [q, p + q]
+        mask = verify.additive_mask(allowed, self.model.dtype, dev)  # [1, 1, q, p + q], 0 / finfo.min
+        with self.attention(allowed, layout):
+            out = self.model(input_ids=torch.tensor([tokens], device=dev), attention_mask=mask,
+                             position_ids=torch.tensor([positions], device=dev), past_key_values=self.cache,
+                             use_cache=True, output_hidden_states=hidden, **head_rows(self.model, rows))
+        return rows_of(out.logits[0], rows), (out.hidden_states if hidden else None)
+
+    def attention(self, allowed: np.ndarray, layout: StepLayout):
+        """Which attention function computes this forward: the model's own, with the mask above."""
+        return contextlib.nullcontext()
+
+    def keep(self, rows: Sequence[int], positions: Sequence[int]) -> None:
+        verify.compact_kv(self.cache, positions[0], rows)  # rows are consecutive logical positions
+
+    def keys(self, start: int, end: int) -> torch.Tensor:
+        return torch.stack([layer.keys[0, :, start:end] for layer in self.cache.layers])  # [L, H_kv, n, D]
+
+# ---- 7. The decode loop ------------------------------------------------------------------------------------
+
+@torch.no_grad()
+def generate(model, prompt_ids: Sequence[int], max_new_tokens: int, eos_ids: Sequence[int], cfg: FafoConfig,
+             *, pool: NgramPool | None = None, sampling: verify.Sampling = verify.GREEDY, on_emit=None,
+             on_step=None) -> Generation:
+    """FAFO decoding, greedy or sampled (the verification rows take verify.py's keyed sample; the guess rows
+    stay greedy, they only need to be plausible). gen.extra gets the pool size and the rows per step. Pass
+    your own `pool` (an NgramPool with the same k) to inspect it or carry it to the next prompt."""
+    cfg.check()
+    n, k, m = cfg.n_guess, cfg.k, cfg.m
+    check_reach(model, cfg, len(prompt_ids), max_new_tokens)
+    gen = Generation(max_new_tokens, eos_ids, on_emit=on_emit, on_step=on_step)
+    compressor = make_compressor(cfg)
+    pool = NgramPool(k, cfg.pool_cap or n, cfg.lookback) if pool is None else pool
+    if pool.k != k:
+        raise UserError(f"the pool given was built for k = {pool.k}, not k = {k}")
+    streams = Streams.from_prompt(prompt_ids, n, k, cfg.seed)
+    if cfg.prompt_pool:
+        pool.seed(prompt_ids)
+    # subtle: dense and split take as many candidates as the pool has (their mask is rebuilt anyway); flex
+    # pads to exactly m (static shapes) with dummy candidates that can never be accepted.
+    static = cfg.attn.startswith("flex")
+
+    # -- prefill and the first token; the cache holds prompt + output + one whole step's rows
+    layout = StepLayout(n, k, m)
+    cache = verify.new_cache(model, len(prompt_ids) + max_new_tokens + layout.rows)
+    ids = torch.tensor([list(prompt_ids)], device=model.device)
+    out = model(input_ids=ids, past_key_values=cache, use_cache=True, **verify.last_logits_only(model),
+                output_hidden_states=compressor.needs_query or compressor.window > 0)
+    verify.check_filled(cache, len(prompt_ids))  # as verify.prefill does: a recurrent model fills no cache
+    pending = verify.first_token(out.logits[0, -1], len(prompt_ids), sampling)
+    if gen.finish_prefill(pending):
+        return gen
+    context = list(prompt_ids) + [pending]  # x_1 .. x_|x|; the last one is not in the KV cache yet
+    kv = make_backend(model, cache, layout, cfg, compressor, len(prompt_ids) + max_new_tokens)
+    observe_prompt(model, kv, compressor, out.hidden_states, len(prompt_ids))
+    gen.extra.update(compress=compressor.name, guess_rows=0, candidates=0)
+
+    while True:
+        t0 = time.perf_counter()
+        p = kv.length  # = len(context) - 1
+        cands = pool.retrieve(context, m)  # Algorithm 3
+        real = len(cands)
+        cands = cands + [(pending,) * k] * (m - real) if static else cands
+        step = layout if static else StepLayout(n, k, len(cands))
+        kv.select(compressor.select(p))  # C(kv_1..p)
+        tokens, positions = step.inputs(pending, p, streams.windows, cands)
+        draft_s = time.perf_counter() - t0
+
+        read = step.read_rows()  # x, the streams' newest rows, the candidates: the predictions we use
+        logits, hidden = kv.forward(tokens, positions, hidden=compressor.needs_query, layout=step, rows=read)
+        choice = choices(logits, read, step, real, positions, sampling)  # input row -> the model's token
+
+        # Find Out (Algorithm 4) on the real candidates only
+        cand_choices = [[choice[step.cand_row(c, t)] for t in range(k)] for c in range(real)]
+        best, a, bonus = find_out(cands[:real], choice[0], cand_choices)
+        accepted = list(cands[best][:a]) if a else []
+        rows = [0] + [step.cand_row(best, t) for t in range(a)]
+
+        # Fumble Around: every stream's newest row predicted its next token (Eq. 1) -> pool (Algorithm 2)
+        streams.advance([choice[step.fumble_row(i, k - 1)] for i in range(n)], pool)
+
+        # keep the KV of x and the accepted tokens -- from the VERIFICATION rows, never from guess rows
+        kv.keep(rows, [p + j for j in range(len(rows))])
+        last = rows[-1]  # the row that produced the bonus token (Quest reads its queries)
+        compressor.observe(kv, layer_queries(model, hidden, [last], [positions[last]])[:, :, 0]
+                           if compressor.needs_query else None)
+
+        # the verified candidates as a draft tree (shared prefixes merged), for the common book-keeping
+        tree = Tree.from_branches(pending, [list(c) for c in cands[:real]])
+        path = [0]
+        for t in accepted:
+            path.append(tree.children[path[-1]][t])
+        gen.extra["guess_rows"] += n * k
+        gen.extra["candidates"] += real
+        context += accepted + [bonus]
+        pending = bonus
+        if gen.finish_step(tree, path, bonus, draft_s):
+            return finish_statistics(gen, pool, kv if static else None)
+
+def choices(logits, read, step: StepLayout, real: int, positions, sampling: verify.Sampling) -> dict:
+    """Input row -> the model's token after it: its argmax, or for the verification rows, sampled, the keyed
+    sample at the position the row predicts. logits [len(read), V], one row per input row in `read`."""
+    choice = dict(zip(read, logits.argmax(dim=-1).tolist()))
+    if not sampling.greedy:
+        check = [0] + [step.cand_row(c, t) for c in range(real) for t in range(step.k)]
+        at = [read.index(r) for r in check]
+        for r, tok in zip(check, sampling.choose(logits[at], [positions[r] + 1 for r in check])):
+            choice[r] = tok
+    return choice
+
+# ---- Beyond the paper --------------------------------------------------------------------------------------
+def check_reach(model, cfg: FafoConfig, prompt_len: int, max_new_tokens: int) -> None:
+    """subtle: guess rows run ahead of the text (stream i's level-j token at p + 1 + i + j, up to p + n + k
+    - 1): a model with absolute positions fails past its table, so the context check must include them."""
+    if cfg.compress in ("quest", "snapkv"):
+        check_llama_layout(model, cfg.compress)
+    reach, n, k = prompt_len + max_new_tokens + cfg.n_guess + cfg.k, cfg.n_guess, cfg.k
+    if reach > verify.context_length(model):
+        raise UserError(f"prompt ({prompt_len}) + max new tokens ({max_new_tokens}) + the guess rows' lead "
+                        f"(n + k = {n + k}) exceeds the model's context of {verify.context_length(model)}")
+
+def make_backend(model, cache, layout: StepLayout, cfg: FafoConfig, compressor, capacity: int):
+    """The KV back-end cfg.attn names (section 6's interface), over the prefilled cache."""
+    if cfg.attn.startswith("flex"):
+        return FlexKV(model, cache, layout, compressor.budget, capacity + cfg.k + 1, cfg.block_size,
+                      compiled=cfg.attn == "flex-compiled")
+    return (SplitKV if cfg.attn == "split" else DenseKV)(model, cache, layout)
+
+def observe_prompt(model, kv, compressor, hidden_states, prompt_len: int) -> None:
+    """What a compressor learns from the prefill: SnapKV's observation window votes once (rows = positions
+    in the prompt); Quest reads the prompt's last row's queries."""
+    final = prompt_len - 1
+    if compressor.window:
+        window = list(range(max(0, prompt_len - compressor.window), prompt_len))
+        queries = layer_queries(model, hidden_states, window, window)
+        compressor.observe_prompt(kv, queries, attention_scale(model))
+    queries = layer_queries(model, hidden_states, [final], [final])[:, :, 0] if compressor.needs_query else \
+        None
+    compressor.observe(kv, queries)
+
+def finish_statistics(gen: Generation, pool, flex) -> Generation:
+    rows, cands = gen.extra.pop("guess_rows"), gen.extra.pop("candidates")
+    gen.extra.update(pool_ngrams=len(pool), guess_rows_per_step=rows / gen.steps,
+                     candidates_per_step=cands / gen.steps)
+    if flex is not None:
+        gen.extra["slots_swapped_per_step"] = flex.kv.moved / gen.steps
+    return gen
+
+# ---- 8. Two more compressions: Quest (pages) and SnapKV (the prompt's votes) -------------------------------
 
 def quest_page_scores(query: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor) -> torch.Tensor:
     """Quest's upper bound on q.k over a page (Tang et al. 2024): per channel d, max(q_d M_d, q_d m_d),
@@ -344,7 +631,6 @@ def quest_page_scores(query: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tenso
     hi = q[None] * kmax[:, :, None]  # [P, H_kv, G, D]
     lo = q[None] * kmin[:, :, None]
     return torch.maximum(hi, lo).sum(-1).amax(dim=(1, 2))  # [P]
-
 
 class Quest(Compressor):
     """Query-aware page selection: the cache is cut into pages of `page_size` positions; each page keeps
@@ -390,7 +676,6 @@ class Quest(Compressor):
         ps = self.page_size
         return [x for p in pages for x in range(p * ps, min(length, (p + 1) * ps))]
 
-
 def snapkv_votes(queries: torch.Tensor, keys: torch.Tensor, scale: float) -> torch.Tensor:
     """SnapKV's vote (Li et al. 2024): the attention that the observation window's queries pay to each
     position before the window, summed over the window's rows, the heads and the layers.
@@ -412,7 +697,6 @@ def snapkv_votes(queries: torch.Tensor, keys: torch.Tensor, scale: float) -> tor
         votes += attn[:, :, : P - w].sum(dim=(0, 1))
     return votes
 
-
 class SnapKV(Compressor):
     """Li et al., "SnapKV: LLM Knows What You are Looking for Before Generation", NeurIPS 2024, arXiv:2404.14469:
     a static selection, made once after the prefill. The prompt's last `window_size` rows (the observation
@@ -431,7 +715,8 @@ class SnapKV(Compressor):
 
     def __init__(self, window_size: int, max_capacity_prompt: int, kernel_size: int, recent: int):
         super().__init__()
-        self.window, self.capacity, self.kernel, self.recent = window_size, max_capacity_prompt, kernel_size, recent
+        self.window, self.capacity = window_size, max_capacity_prompt
+        self.kernel, self.recent = kernel_size, recent
         self.budget = max_capacity_prompt + recent
         self.kept: list[int] = []  # the prompt positions SnapKV keeps
 
@@ -442,24 +727,12 @@ class SnapKV(Compressor):
             return
         votes = snapkv_votes(queries, kv.keys(0, P), scale)  # [P - w]
         pooled = torch.nn.functional.avg_pool1d(votes[None, None], self.kernel, stride=1,
-                                                padding=self.kernel // 2)[0, 0]  # [P - w], same length (odd kernel)
+                                                padding=self.kernel // 2)[0, 0]  # [P - w] (odd kernel)
         top = torch.topk(pooled, self.capacity - w).indices
         self.kept = sorted(top.tolist()) + list(range(P - w, P))
 
     def select(self, length: int) -> list[int]:
         return sorted(set(self.kept).union(range(max(0, length - self.recent), length)))
-
-
-def make_compressor(compress: str, sink: int, recent: int, page_size: int, top_pages: int, window_size: int = 32,
-                    max_capacity_prompt: int = 256, kernel_size: int = 5) -> Compressor:
-    if compress == "stream":
-        return StreamingLLM(sink, recent)
-    if compress == "quest":
-        return Quest(page_size, top_pages)
-    if compress == "snapkv":
-        return SnapKV(window_size, max_capacity_prompt, kernel_size, recent)
-    return FullKV()
-
 
 def check_llama_layout(model, compress: str = "quest") -> None:
     """Quest and SnapKV recompute each layer's queries from its input (layer_queries below), which needs the
@@ -471,9 +744,8 @@ def check_llama_layout(model, compress: str = "quest") -> None:
         for l in layers
     )
     if not ok:
-        raise UserError(f"--compress {compress} needs a Llama-style layout (input_layernorm, q_proj, rotary_emb); "
+        raise UserError(f"--compress {compress} needs a Llama-style layout (input_layernorm, q_proj, rotary); "
                         f"{model.config.model_type} has another: use --compress stream or none")
-
 
 def layer_queries(model, hidden_states, rows: Sequence[int], positions: Sequence[int]) -> torch.Tensor:
     """The query vectors every layer computed for input rows `rows` at `positions`: [L, H, r, D], RoPE
@@ -486,7 +758,7 @@ def layer_queries(model, hidden_states, rows: Sequence[int], positions: Sequence
     H = cfg.num_attention_heads
     D = getattr(cfg, "head_dim", None) or cfg.hidden_size // H
     r = len(rows)
-    hs = torch.stack([hidden_states[l][0, list(rows)] for l in range(cfg.num_hidden_layers)])  # [L, r, hidden]
+    hs = torch.stack([hidden_states[l][0, list(rows)] for l in range(cfg.num_hidden_layers)])  # [L, r, hid]
     pos = torch.tensor([list(positions)], device=hs.device)
     cos, sin = inner.rotary_emb(hs[:1], position_ids=pos)  # [1, r, D]
     qs = []
@@ -499,215 +771,102 @@ def layer_queries(model, hidden_states, rows: Sequence[int], positions: Sequence
         qs.append(q * cos[0] + rot * sin[0])
     return torch.stack(qs)  # [L, H, r, D]
 
-
 def attention_scale(model) -> float:
     """The factor on q.k in the model's attention (transformers keeps it as self_attn.scaling; 1/sqrt(D)
     otherwise)."""
     attn = model.model.layers[0].self_attn
-    D = getattr(model.config, "head_dim", None) or model.config.hidden_size // model.config.num_attention_heads
+    cfg = model.config
+    D = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     return float(getattr(attn, "scaling", D ** -0.5))
 
+# ---- 9. The split back-end (ours, the CPU default): the guess rows' attention in its own call --------------
 
-# ----------------------------------------------------------------------------------------------------------
-# 4. One step's input and its attention mask (Appendix E, Figure 4)
-# ----------------------------------------------------------------------------------------------------------
 #
-# Rows of the step (q = 1 + n*k + m*k), e.g. n = 2 streams, k = 2, m = 1 candidate, last token at p:
 #
-#   row  token   position  sees (besides itself)
-#   0    x       p         the whole cache                          <- verification: "last token"
-#   1    y^1_1   p+1       C(kv), x                                 <- fumble, level 1 (column-wise:
-#   2    y^2_1   p+2       C(kv), x                                    stream 1, stream 2, then level 2)
-#   3    y^1_2   p+2       C(kv), x, y^1_1
-#   4    y^2_2   p+3       C(kv), x, y^2_1
-#   5    a_1     p+1       the whole cache, x                       <- find out: candidate a
-#   6    a_2     p+2       the whole cache, x, a_1
+#     allowed [q rows, p cached + q step columns]        group           keys it reads
+#     row 0 and the candidates: the whole cache     ->   verification    all p + q  (no gather)
+#     the n*k guess rows: C(kv) + a few step columns ->  guess           |C(kv)| + 1 + n*k, gathered
 #
-# Column-wise layout (Lookahead's): a stream's k rows are n apart, so a step's new tokens are simply the
-# last n fumble rows. The layout and the mask inside the step depend only on (n, k, m), which is what lets
-# the flex path build its BlockMask once.
+# Every allowed (row, column) pair lies inside its group's block, so the two calls compute exactly the
+# masked attention of the dense spec (up to float rounding: a softmax over fewer, all-masked-out-anyway
+# columns). The guess rows' work drops from O(p) to O(|C(kv)|) per layer, on any device, with no compile.
+#
+# note: grouped-query attention. transformers' own SDPA function copies each KV head G times (repeat_kv)
+# whenever a mask is given; SDPA's `enable_gqa=True` (torch >= 2.5) reads the shared heads in place. At a
+# long context that copy is a large part of a masked step's cost on a CPU, so this path is faster than the
+# dense one even where it skips nothing (--compress none). Compare the methods on the same back-end.
 
+@dataclass
+class SplitGroup:
+    rows: torch.Tensor  # [r] query rows of the step in this group
+    cols: torch.Tensor | None  # [c] key columns they may see (None: all of them, no gather)
+    mask: torch.Tensor  # [1, 1, r, c] additive float: 0 where allowed, finfo.min elsewhere
 
-@dataclass(frozen=True)  # hashable, so the masks below are built once per (n, k, m), not once per step
-class StepLayout:
-    n: int
-    k: int
-    m: int
+@dataclass
+class SplitPlan:
+    groups: list[SplitGroup]
+    n_keys: int  # cached + step columns the forward's attention sees: checks that the plan fits the call
 
-    @property
-    def rows(self) -> int:
-        return 1 + self.n * self.k + self.m * self.k
+    @classmethod
+    def from_mask(cls, allowed: np.ndarray, row_groups: Sequence[Sequence[int]], dtype: torch.dtype,
+                  device: torch.device | str = "cpu") -> "SplitPlan":
+        """allowed: bool [q, n_keys], the dense spec mask; row_groups: a partition of its rows. Each group
+        reads the union of its rows' visible columns, gathered, or all columns if that union is more than
+        half of them (a gather that skips little costs more than it saves). Groups that read all columns
+        are merged into one call.
 
-    def fumble_row(self, i: int, j: int) -> int:
-        return 1 + j * self.n + i  # stream i, level j (0-based)
-
-    def cand_row(self, c: int, t: int) -> int:
-        return 1 + self.n * self.k + c * self.k + t
-
-    @cache
-    def read_rows(self) -> tuple[int, ...]:
-        """The rows whose next-token prediction the step reads: x, the newest row of every stream (column-wise,
-        the last n fumble rows) and every candidate row. The other (k-1)*n fumble rows are there only as
-        context for their stream's newest row, so the head (hidden -> vocab logits) skips them. (Cached.)
-
-        >>> StepLayout(n=2, k=2, m=1).read_rows()   # rows 1, 2 = level 1 of the streams: not read
-        (0, 3, 4, 5, 6)
+        >>> allowed = np.array([[1, 1, 1, 1, 1, 1, 1, 0],   # row 0: verification, sees all 6 cached columns
+        ...                     [1, 0, 0, 0, 0, 1, 1, 1]],  # row 1: guess, sees cached 0 and 5, and the step
+        ...                    dtype=bool)
+        >>> plan = SplitPlan.from_mask(allowed, [[0], [1]], torch.float32)
+        >>> [(g.rows.tolist(), None if g.cols is None else g.cols.tolist()) for g in plan.groups]
+        [([0], None), ([1], [0, 5, 6, 7])]
+        >>> len(SplitPlan.from_mask(np.ones((2, 8), bool), [[0], [1]], torch.float32).groups)  # nothing to skip
+        1
         """
-        return (0,) + tuple(range(1 + (self.k - 1) * self.n, self.rows))
+        q, n_keys = allowed.shape
+        assert sorted(r for g in row_groups for r in g) == list(range(q)), "row_groups: not a partition"
+        groups, full = [], []  # full: rows of the groups that read every column
+        for rows in row_groups:
+            rows = np.asarray(rows, dtype=np.int64)
+            if len(rows) == 0:
+                continue
+            vis = allowed[rows]  # [r, n_keys]
+            cols = np.nonzero(vis.any(axis=0))[0]
+            if len(cols) > n_keys // 2:  # not worth a gather: read every column, mask as the spec does
+                full.extend(rows.tolist())
+            else:
+                groups.append(SplitGroup(torch.as_tensor(rows, device=device), torch.as_tensor(cols, device=device),
+                                         verify.additive_mask(vis[:, cols], dtype, device)))
+        if full:
+            full.sort()
+            groups.insert(0, SplitGroup(torch.as_tensor(full, device=device), None,
+                                        verify.additive_mask(allowed[full], dtype, device)))
+        return cls(groups, n_keys)
 
-    @cache
-    def guess_rows(self) -> np.ndarray:
-        """bool [q]: the rows restricted to C(kv). (Cached: treat as read-only.)"""
-        g = np.zeros(self.rows, dtype=bool)
-        g[1 : 1 + self.n * self.k] = True
-        return g
+def _split_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0, plan: SplitPlan = None,
+                   **kwargs):
+    """A transformers attention function: query [B, H, q, D], key/value [B, H_kv, n_keys, D] (the cache
+    after this step's update). `attention_mask` (the dense spec, as the model passed it on) is not read:
+    `plan` holds the same mask cut into row groups."""
+    import torch.nn.functional as F
 
-    @cache
-    def inner_mask(self) -> np.ndarray:
-        """bool [q, q]: which row of the step sees which other row of the step. (Cached: treat as read-only.)"""
-        q = self.rows
-        allowed = np.eye(q, dtype=bool)
-        allowed[:, 0] = True  # everyone sees the last token
-        for i in range(self.n):
-            for j in range(self.k):
-                for jj in range(j):
-                    allowed[self.fumble_row(i, j), self.fumble_row(i, jj)] = True
-        for c in range(self.m):
-            for t in range(self.k):
-                for tt in range(t):
-                    allowed[self.cand_row(c, t), self.cand_row(c, tt)] = True
-        return allowed
+    assert key.shape[-2] == plan.n_keys, f"split path: a plan for {plan.n_keys} keys, not {key.shape[-2]}"
+    gqa = query.shape[1] != key.shape[1]
+    out = torch.empty_like(query)  # [B, H, q, D]
+    for g in plan.groups:
+        k = key if g.cols is None else key.index_select(2, g.cols)  # [B, H_kv, c, D]
+        v = value if g.cols is None else value.index_select(2, g.cols)
+        out[:, :, g.rows] = F.scaled_dot_product_attention(query.index_select(2, g.rows), k, v,
+                                                           attn_mask=g.mask.to(query.dtype), scale=scaling,
+                                                           enable_gqa=gqa)
+    return out.transpose(1, 2).contiguous(), None  # [B, q, H, D], as every transformers attention returns
 
-    def inputs(self, last: int, p: int, windows: list[list[int]], cands: list[Sequence[int]]):
-        """(tokens [q], positions [q]) for this step; len(cands) must be m."""
-        assert len(cands) == self.m and len(windows) == self.n
-        tokens = [last] + [0] * (self.rows - 1)
-        positions = [p] + [0] * (self.rows - 1)
-        for i, w in enumerate(windows):
-            for j, t in enumerate(w):
-                r = self.fumble_row(i, j)
-                tokens[r], positions[r] = t, p + 1 + i + j
-        for c, cand in enumerate(cands):
-            for t, tok in enumerate(cand):
-                r = self.cand_row(c, t)
-                tokens[r], positions[r] = tok, p + 1 + t
-        return tokens, positions
+SPLIT = "specdec_split"
 
-
-def combined_mask(layout: StepLayout, cache_len: int, selected: Sequence[int]) -> np.ndarray:
-    """The whole step's visibility, bool [q, cache_len + q]: the readable spec of Figure 4.
-    Verification rows (last token, candidates) see the full cache; fumble rows see only `selected`."""
-    q = layout.rows
-    allowed = np.zeros((q, cache_len + q), dtype=bool)
-    guess = layout.guess_rows()
-    allowed[~guess, :cache_len] = True
-    sel = np.asarray(list(selected), dtype=np.int64)
-    allowed[np.ix_(np.nonzero(guess)[0], sel)] = True
-    allowed[:, cache_len:] = layout.inner_mask()
-    return allowed
-
-
-# ----------------------------------------------------------------------------------------------------------
-# 5. Find Out verification (§4.3, Algorithm 4)
-# ----------------------------------------------------------------------------------------------------------
-#
-# Every candidate is checked against the model's own greedy choices; the longest run wins, plus the bonus
-# token (the model's choice right after it). Ties go to the earlier candidate (= the longer key).
-#
-#   choice after x = ' sat';  candidate A = (' sat', ' on', ' a')    choices on A's rows: (' on', ' the', ...)
-#                             candidate B = (' ran', ...)
-#   A: ' sat' == ' sat' ok, ' on' == ' on' ok, ' a' != ' the'  -> 2 accepted, bonus ' the'
-#   B: ' ran' != ' sat'                                        -> 0
-#   => emit ' sat', ' on' (from A) + ' the' (bonus)
-
-
-def find_out(cands: Sequence[Sequence[int]], first_choice: int, cand_choices: Sequence[Sequence[int]]):
-    """Returns (winner index or -1, accepted count, bonus token). cand_choices[c][t] = the model's argmax
-    on candidate c's row t (what comes after a_1..a_t)."""
-    best, best_len, bonus = -1, 0, first_choice
-    for c, cand in enumerate(cands):
-        a, nxt = 0, first_choice
-        while a < len(cand) and cand[a] == nxt:
-            nxt = cand_choices[c][a]
-            a += 1
-        if a > best_len:
-            best, best_len, bonus = c, a, nxt
-    return best, best_len, bonus
-
-
-# ----------------------------------------------------------------------------------------------------------
-# 6. The KV back-ends: a dense mask (the spec), split SDPA (the saving, on any device), FlexAttention blocks
-# ----------------------------------------------------------------------------------------------------------
-#
-# All three give the same logits (tested); they differ in what the guess rows' attention reads:
-#   DenseKV  the whole cache, then the mask zeroes most of it (what the paper's Figure 4 says, as a tensor)
-#   SplitKV  C(kv) gathered + the step's own columns, in a second SDPA call (verify.py section 9b)
-#   FlexKV   the head blocks of a compacted buffer, skipped block-wise by FlexAttention (§4.4, section 9)
-# They expose the same four operations, so the decode loop below does not know which one it drives:
-#   select(positions)       C(kv) for the next forward (flex: swap them into the head of the buffer)
-#   forward(tokens, positions, ..., rows)
-#                           -> logits [len(rows), V] of the rows asked for (+ hidden states if asked)
-#   keep(rows, positions)   after acceptance: keep the KV of these input rows only
-#   keys(start, end)        logical keys [L, H_kv, n, D] (Quest's page statistics)
-
-
-def head_rows(model, rows: Sequence[int] | None) -> dict:
-    """Ask the model for the logits of `rows` only: transformers' `logits_to_keep` takes a 1D tensor of
-    positions (4.57 and 5.x). The head is a [hidden x vocab] matmul per row (49152 x 576 on the default
-    model, a fifth of a row's multiply-adds), so the step's unread fumble rows are worth skipping. A model
-    whose forward lacks the argument computes every row; rows_of() then picks the same rows."""
-    if rows is None or not verify._takes_logits_to_keep(type(model).forward):
-        return {}
-    return {"logits_to_keep": torch.tensor(rows, device=model.device)}
-
-
-def rows_of(logits: torch.Tensor, rows: Sequence[int] | None) -> torch.Tensor:
-    """logits [q, V] (every row computed) or [len(rows), V] (just `rows`) -> [len(rows), V]. `rows` is
-    increasing, so a length of q means every row, in order."""
-    if rows is None or len(logits) == len(rows):
-        return logits
-    return logits[list(rows)]
-
-
-class DenseKV:
-    """The cache in logical order (verify.PreallocatedKVCache) + an additive float mask built every step."""
-
-    def __init__(self, model, cache, layout: StepLayout):
-        self.model, self.cache, self.layout = model, cache, layout
-        self.selected: list[int] = []
-
-    @property
-    def length(self) -> int:
-        return verify.cache_len(self.cache)
-
-    def select(self, positions: Sequence[int]) -> None:
-        self.selected = list(positions)
-
-    @torch.no_grad()
-    def forward(self, tokens, positions, hidden: bool = False, layout: StepLayout | None = None,
-                rows: Sequence[int] | None = None):
-        """-> (logits [len(rows), V] of the input rows `rows` (None: all q), hidden states if asked)."""
-        layout = layout or self.layout
-        p = self.length
-        dev = self.model.device
-        allowed = combined_mask(layout, p, self.selected)  # [q, p + q]
-        mask = verify.additive_mask(allowed, self.model.dtype, dev)  # [1, 1, q, p + q], 0 / finfo.min
-        with self.attention(allowed, layout):
-            out = self.model(input_ids=torch.tensor([tokens], device=dev), attention_mask=mask,
-                             position_ids=torch.tensor([positions], device=dev), past_key_values=self.cache,
-                             use_cache=True, output_hidden_states=hidden, **head_rows(self.model, rows))
-        return rows_of(out.logits[0], rows), (out.hidden_states if hidden else None)
-
-    def attention(self, allowed: np.ndarray, layout: StepLayout):
-        """Which attention function computes this forward: the model's own, with the mask above."""
-        return contextlib.nullcontext()
-
-    def keep(self, rows: Sequence[int], positions: Sequence[int]) -> None:
-        verify.compact_kv(self.cache, positions[0], rows)  # rows are consecutive logical positions
-
-    def keys(self, start: int, end: int) -> torch.Tensor:
-        return torch.stack([layer.keys[0, :, start:end] for layer in self.cache.layers])  # [L, H_kv, n, D]
-
+def split_mode(model, plan: SplitPlan):
+    """`with split_mode(model, plan):` -- the model's attention goes through `_split_forward` with `plan`."""
+    return verify.attention_function(model, SPLIT, functools.partial(_split_forward, plan=plan))
 
 class SplitKV(DenseKV):
     """The dense back-end's cache and mask, but attention runs as two SDPA calls per layer (verify.py section
@@ -719,22 +878,24 @@ class SplitKV(DenseKV):
         note: the model still gets the dense mask (DenseKV.forward), so every model family prepares its
         inputs exactly as on the dense path; only the attention function, which reads the plan, differs."""
         guess = layout.guess_rows()
-        plan = verify.SplitPlan.from_mask(allowed, [np.nonzero(~guess)[0], np.nonzero(guess)[0]],
+        plan = SplitPlan.from_mask(allowed, [np.nonzero(~guess)[0], np.nonzero(guess)[0]],
                                           self.model.dtype, self.model.device)
-        return verify.split_mode(self.model, plan)
+        return split_mode(self.model, plan)
 
+# ---- 10. The flex back-end: FlexAttention over verify.py's CompactedKVCache (§4.4) -------------------------
 
 class FlexKV:
     """verify.CompactedKVCache + FlexAttention: C(kv) is kept at the head of a fixed buffer and one static
     BlockMask lets the guess rows skip every other block."""
 
-    def __init__(self, model, cache, layout: StepLayout, budget: int, max_len: int, block_size: int, compiled: bool):
+    def __init__(self, model, cache, layout: StepLayout, budget: int, max_len: int, block_size: int,
+                 compiled: bool):
         self.model, self.layout = model, layout
         self.kv = verify.CompactedKVCache(model, head_slots=budget, input_rows=layout.rows,
                                           tail_slots=max_len, block_size=block_size)
-        self.kv.load(cache, [])  # everything to the tail; the first select() swaps C(kv) in
+        self.kv.load(cache)  # everything to the tail; the first select() swaps C(kv) in
         self.block_mask = self.kv.block_mask(layout.inner_mask(), layout.guess_rows())  # built ONCE
-        self.mode = verify.flex_mode(model, compiled)
+        self.compiled = compiled
 
     @property
     def length(self) -> int:
@@ -744,9 +905,9 @@ class FlexKV:
         self.kv.reselect(positions)
 
     @torch.no_grad()
-    def forward(self, tokens, positions, hidden: bool = False, layout=None, rows: Sequence[int] | None = None):
+    def forward(self, tokens, positions, hidden: bool = False, layout=None, rows=None):
         dev = self.model.device
-        with self.mode:
+        with verify.flex_mode(self.model, self.compiled):
             out = self.model(input_ids=torch.tensor([tokens], device=dev), attention_mask=self.block_mask,
                              position_ids=torch.tensor([positions], device=dev), past_key_values=self.kv,
                              use_cache=True, output_hidden_states=hidden, **head_rows(self.model, rows))
@@ -759,199 +920,23 @@ class FlexKV:
         s = self.kv.logical_slots(start, end)
         return self.kv.K[:, 0][:, :, s]  # [L, H_kv, n, D]
 
-
-# ----------------------------------------------------------------------------------------------------------
-# 7. The decode loop
-# ----------------------------------------------------------------------------------------------------------
-
-@torch.no_grad()
-def generate(model, prompt_ids: Sequence[int], max_new_tokens: int, eos_ids: Sequence[int], cfg: FafoConfig,
-             *, pool: NgramPool | None = None, sampling: verify.Sampling = verify.GREEDY, on_emit=None,
-             on_step=None) -> Generation:
-    """FAFO decoding, greedy or sampled (the verification rows take the keyed sample of verify.py section
-    4b; the guess rows stay greedy, they only need to be plausible). Returns a verify.Generation (tokens +
-    counters). gen.extra gets: pool size,
-    guess rows per step, candidates verified per step, slots swapped per step (flex).
-    Pass your own `pool` (an NgramPool with the same k) to inspect it afterwards or to carry it over to
-    the next prompt; by default every call starts from an empty pool."""
-    cfg.check()
-    n, k, m = cfg.n_guess, cfg.k, cfg.m
-    if cfg.compress in ("quest", "snapkv"):
-        check_llama_layout(model, cfg.compress)
-    # subtle: guess rows run ahead of the text: stream i's level-j token sits at position p + 1 + i + j, up
-    # to p + n + k - 1. A model with absolute position embeddings fails past its table, and a RoPE model is
-    # untested there, so the context check must include them, not just prompt + max_new_tokens.
-    reach = len(prompt_ids) + max_new_tokens + n + k
-    if reach > verify.context_length(model):
-        raise UserError(f"prompt ({len(prompt_ids)}) + max new tokens ({max_new_tokens}) + the guess rows' lead "
-                        f"(n + k = {n + k}) exceeds the model's context of {verify.context_length(model)}")
-    gen = Generation(max_new_tokens, eos_ids, on_emit=on_emit, on_step=on_step)
-    compressor = make_compressor(cfg.compress, cfg.sink, cfg.recent, cfg.page_size, cfg.top_pages, cfg.window_size,
-                                 cfg.max_capacity_prompt, cfg.kernel_size)
-    if pool is None:
-        pool = NgramPool(k, cfg.pool_cap or n, cfg.lookback)
-    elif pool.k != k:
-        raise UserError(f"the pool given was built for k = {pool.k}, not k = {k}")
-    streams = Streams.from_prompt(prompt_ids, n, k, cfg.seed)
-    if cfg.prompt_pool:
-        pool.seed(prompt_ids)
-    # subtle: the dense and split paths take as many candidates as the pool has (their mask is rebuilt
-    # anyway); the flex path pads to exactly m (static shapes) with dummy candidates that can never be accepted.
-    static = cfg.attn.startswith("flex")
-
-    # -- prefill (a plain forward) and the first token; the cache holds prompt + output + one whole step's rows
-    layout = StepLayout(n, k, m)
-    cache = verify.new_cache(model, len(prompt_ids) + max_new_tokens + layout.rows)
-    ids = torch.tensor([list(prompt_ids)], device=model.device)
-    out = model(input_ids=ids, past_key_values=cache, use_cache=True,
-                output_hidden_states=compressor.needs_query or compressor.window > 0, **verify.last_logits_only(model))
-    verify.check_filled(cache, len(prompt_ids))  # as verify.prefill does: a recurrent model fills no cache
-    pending = verify.first_token(out.logits[0, -1], len(prompt_ids), sampling)
-    if gen.finish_prefill(pending):
-        return gen
-    context = list(prompt_ids) + [pending]  # x_1 .. x_|x|; the last one is not in the KV cache yet
-    if static:
-        kv = FlexKV(model, cache, layout, compressor.budget, len(prompt_ids) + max_new_tokens + k + 1,
-                    cfg.block_size, compiled=cfg.attn == "flex-compiled")
-    elif cfg.attn == "split":
-        kv = SplitKV(model, cache, layout)
-    else:
-        kv = DenseKV(model, cache, layout)
-    final = len(prompt_ids) - 1  # the prompt's last row, at position `final`
-    if compressor.window:  # SnapKV: the observation window votes, once (rows = positions in the prompt)
-        window = list(range(max(0, len(prompt_ids) - compressor.window), len(prompt_ids)))
-        compressor.observe_prompt(kv, layer_queries(model, out.hidden_states, window, window), attention_scale(model))
-    queries = layer_queries(model, out.hidden_states, [final], [final])[:, :, 0] if compressor.needs_query else None
-    compressor.observe(kv, queries)
-    gen.extra["compress"] = compressor.name
-    guess_rows = cand_rows = 0  # rows of the fumble branch / candidates verified, over all steps
-
-    while True:
-        t0 = time.perf_counter()
-        p = kv.length  # = len(context) - 1
-        cands = pool.retrieve(context, m)  # Algorithm 3
-        real = len(cands)
-        if static:
-            cands = cands + [(pending,) * k] * (m - real)
-        step = layout if static else StepLayout(n, k, len(cands))
-        kv.select(compressor.select(p))  # C(kv_1..p)
-        tokens, positions = step.inputs(pending, p, streams.windows, cands)
-        draft_s = time.perf_counter() - t0
-
-        read = step.read_rows()  # x, the streams' newest rows, the candidates: the rows whose prediction we use
-        logits, hidden = kv.forward(tokens, positions, hidden=compressor.needs_query, layout=step, rows=read)
-        # logits [len(read), V]; choice: input row -> the model's greedy token after it
-        choice = dict(zip(read, logits.argmax(dim=-1).tolist()))
-        if not sampling.greedy:  # verification rows: the keyed sample at the position each row predicts
-            check = [0] + [step.cand_row(c, t) for c in range(real) for t in range(k)]
-            at = [read.index(r) for r in check]
-            for r, tok in zip(check, sampling.choose(logits[at], [positions[r] + 1 for r in check])):
-                choice[r] = tok
-
-        # Find Out (Algorithm 4) on the real candidates only
-        cand_choices = [[choice[step.cand_row(c, t)] for t in range(k)] for c in range(real)]
-        best, a, bonus = find_out(cands[:real], choice[0], cand_choices)
-        accepted = list(cands[best][:a]) if a else []
-        rows = [0] + [step.cand_row(best, t) for t in range(a)]
-
-        # Fumble Around: every stream's newest row predicted its next token (Eq. 1) -> pool (Algorithm 2)
-        streams.advance([choice[step.fumble_row(i, k - 1)] for i in range(n)], pool)
-
-        # keep the KV of x and the accepted tokens -- from the VERIFICATION rows, never from guess rows
-        kv.keep(rows, [p + j for j in range(len(rows))])
-        if compressor.needs_query:
-            last = rows[-1]  # the row that produced the bonus token
-            compressor.observe(kv, layer_queries(model, hidden, [last], [positions[last]])[:, :, 0])
-        else:
-            compressor.observe(kv, None)
-
-        # the verified candidates as a draft tree (shared prefixes merged), for the common book-keeping
-        tree = Tree.from_branches(pending, [list(c) for c in cands[:real]])
-        path = [0]
-        for t in accepted:
-            path.append(tree.children[path[-1]][t])
-        guess_rows += n * k
-        cand_rows += real
-        context += accepted + [bonus]
-        pending = bonus
-        if gen.finish_step(tree, path, bonus, draft_s):
-            gen.extra.update(pool_ngrams=len(pool), guess_rows_per_step=guess_rows / gen.steps,
-                             candidates_per_step=cand_rows / gen.steps)
-            if static:
-                gen.extra["slots_swapped_per_step"] = kv.kv.moved / gen.steps
-            return gen
-
-
-@torch.no_grad()
-def step_times(model, context: int, backends: Sequence[str] = ("dense", "split", "flex-compiled"), repeats: int = 10,
-               block_size: int = 128, **params) -> dict:
-    """§4.4's claim, measured: one FAFO step after `context` cached tokens on each back-end (same rows, same
-    StreamingLLM selection), and Lookahead's step (C = none: the guess rows see the whole cache) on the dense
-    and split back-ends. Returns ms per step (median of `repeats`, after two warm-up calls) as
-    `<backend>_ms` and `lookahead_<backend>_ms`. Used by `bench.py --fafo-steps` (TUTORIAL.md §5.7)."""
-    d = replace(FafoConfig.for_device(model.device), **params)
-    lay = StepLayout(d.n_guess, d.k, d.m)
-    comp = StreamingLLM(d.sink, d.recent)
-    rng = random.Random(0)
-    vocab = model.config.vocab_size
-    ids = [rng.randrange(vocab) for _ in range(context)]
-    cache = verify.new_cache(model, context + lay.rows)
-    verify.prefill(model, cache, ids)
-    windows = [[rng.randrange(vocab) for _ in range(lay.k)] for _ in range(lay.n)]
-    cands = [tuple(rng.randrange(vocab) for _ in range(lay.k)) for _ in range(lay.m)]
-    tokens, positions = lay.inputs(ids[-1], context, windows, cands)
-    read = lay.read_rows()  # the head runs on these rows only, as in generate()
-
-    def timed(step) -> float:
-        ts = []
-        for i in range(repeats + 2):
-            verify.sync(model)
-            t0 = time.perf_counter()
-            step()
-            verify.sync(model)
-            ts.append(time.perf_counter() - t0)
-        return 1000 * float(np.median(ts[2:]))  # the first two calls are warm-up (and compilation)
-
-    def on_dynamic_cache(kv):  # dense and split append to the cache: roll it back after each step
-        def step():
-            kv.forward(tokens, positions, rows=read)
-            verify.rollback(cache, context)
-        return step
-
-    out = {"context": context, "rows": lay.rows, "guess_rows": lay.n * lay.k, "selected": len(comp.select(context))}
-    for backend in backends:
-        if backend.startswith("flex"):
-            flex = FlexKV(model, cache, lay, comp.budget, context + 1, block_size, compiled=backend == "flex-compiled")
-            flex.select(comp.select(context))
-            flex_ms = timed(lambda: flex.forward(tokens, positions, rows=read))
-            out.update(flex_backend=backend, block=block_size, flex_ms=flex_ms)
-            continue
-        kv = {"dense": DenseKV, "split": SplitKV}[backend](model, cache, lay)
-        kv.select(comp.select(context))
-        out[f"{backend}_ms"] = timed(on_dynamic_cache(kv))
-        kv.select(range(context))  # Lookahead: the guess rows see every cached position
-        out[f"lookahead_{backend}_ms"] = timed(on_dynamic_cache(kv))
-    return out
-
-
-# ----------------------------------------------------------------------------------------------------------
-# 8. CLI
-# ----------------------------------------------------------------------------------------------------------
-
+# ---- 11. CLI -----------------------------------------------------------------------------------------------
 
 def main(argv=None) -> int:
     parser = verify.common_parser(
-        "FAFO: n guess streams attend to a compressed KV cache (fumble around) while the pool's candidates are\n"
-        "verified against the full cache (find out), in one forward per step. Lossless: the output equals greedy\n"
-        "decoding (or, with --temperature, the plain sampler's). --trace shows each step's candidates; the stats line shows the pool and the step's shape."
+        "FAFO: n guess streams attend to a compressed KV cache (fumble around) while the pool's candidates\n"
+        "are verified against the full cache (find out), in one forward per step. Lossless: the output equals\n"
+        "greedy decoding (or, with --temperature, the plain sampler's). --trace shows each step's candidates."
     )
     def default(name):
         return verify.defaults_help(FafoConfig, name)
 
-    g = parser.add_argument_group("FAFO (the paper's names; CPU defaults are small because every row costs time there)")
-    g.add_argument("--n-guess", type=int, help="n: guess streams in the fumble branch (§4.2)" + default("n_guess"))
+    g = parser.add_argument_group("FAFO (the paper's names; CPU defaults are small: every row costs time there)")
+    g.add_argument("--n-guess", type=int, help="n: guess streams in the fumble branch (§4.2)"
+                   + default("n_guess"))
     g.add_argument("--k", type=int,
-                   help="k: tokens per stream = guessed n-gram length = longest pool key (§4.2)" + default("k"))
+                   help="k: tokens per stream = guessed n-gram length = longest pool key (§4.2)"
+                        + default("k"))
     g.add_argument("--m", type=int, help="m: pool candidates verified per step (Algorithm 3)" + default("m"))
     g.add_argument("--compress", choices=["stream", "quest", "snapkv", "none"],
                    help="C: stream = StreamingLLM, quest = Quest pages, snapkv = SnapKV's prompt selection + the "
@@ -979,7 +964,6 @@ def main(argv=None) -> int:
     g.add_argument("--block-size", type=int, help="flex: KV block size, B_z in Algorithm 1 (default: 128)")
     config = lambda args, device: verify.config_from_args(FafoConfig.for_device(device), args)
     return verify.run_cli(parser, "fafo", generate, config, argv=argv)
-
 
 if __name__ == "__main__":
     sys.exit(main())

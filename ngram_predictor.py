@@ -3,32 +3,25 @@ ngram_predictor.py -- speculative decoding with an n-gram frequency predictor, a
 Decoding with N-grams" of the akunu inference-engine book (part 5, chapter 30, 2025;
 https://akunu.prabod.rathnayaka.me/part5/ch30-speculative-decoding.html).
 
-The simplest complete speculative decoder there is; read it first.
+The simplest complete speculative decoder there is; read it first:
 
     DRAFT   an n-gram table built from the text so far predicts up to DRAFT_COUNT next tokens (a chain)
     VERIFY  one forward over [known token, d0 ... dn]
     ACCEPT  the longest prefix where draft == the model's argmax, plus the bonus token
     ROLL    KV cache rolled back to prefix + accepted
 
-File layout, following the chapter section by section:
-
-    0. Configuration     the chapter's four constants, plus our cost gate's
-    1. Hashing           FNV-1a over token ids                        ("Hashing")
-    2. The predictor     tables, update(), update_batch(), predict()  ("The N-gram Predictor")
-    3. The arithmetic    E[accepted], corrected; predicted speedup    ("Speedup Analysis")
-    3b. The cost gate    our deviation: skip drafts not worth their measured cost on this device
-    4. The decode loop   no-draft fallback, batched verification,     ("The Verification Loop",
-                         capacity guard, rollback                      "Buffer Capacity Guard")
-    5. CLI
+The chapter, section by section: 0 its constants, 1 FNV-1a hashing ("Hashing"), 2 the predictor ("The N-gram
+Predictor"), 3 the arithmetic ("Speedup Analysis", corrected), 4 the decode loop ("The Verification Loop",
+"Buffer Capacity Guard"). Beyond the paper: 5 our cost gate (skip drafts not worth their measured cost on
+this device), 6 the CLI.
 
     python ngram_predictor.py --prompt "Write a Python class Stack with push and pop." --compare
 
     from ngram_predictor import NgramConfig, generate        # as a library
     gen = generate(model, prompt_ids, 128, eos_ids, NgramConfig())
 
-Greedy and float32: the output is identical to model.generate(do_sample=False), except at exact ties within
-rounding (see verify.py); measured on every prompt we run (tests/test_ngram.py).
-Where this file deviates from the chapter it says so in a "deviation:" comment (and in TUTORIAL.md §2).
+Greedy and float32, the output is model.generate(do_sample=False)'s (tests/test_ngram.py). Where this file
+deviates from the chapter it says so in a "deviation:" comment (and in TUTORIAL.md §2).
 """
 
 from __future__ import annotations
@@ -44,22 +37,18 @@ import torch
 import verify
 from verify import Generation, Tree
 
-# ----------------------------------------------------------------------------------------------------------
-# 0. Configuration
-# ----------------------------------------------------------------------------------------------------------
+# ---- 0. Configuration: the chapter's constants -------------------------------------------------------------
 
-# The chapter's constants.
 MAX_ORDER = 4  # up to 4-grams: a context of up to 3 tokens
 DRAFT_COUNT = 4  # predict up to 4 tokens per round
 MAX_HISTORY = 512  # sliding window of recent tokens used as context
 MAX_BATCH = 64  # "buffer capacity": at most this many tokens in one verification forward (known + drafts)
 
-
 @dataclass
 class NgramConfig:
     """Everything generate() needs to know, under the chapter's names. The default is the chapter plus our
-    cost gate (section 3b), measured on the device at start-up: on a GPU the measured cost is ~1 and the gate lets
-    every draft through, on a CPU it withholds the drafts that would cost more than they bring.
+    cost gate (section 5), measured on the device at start-up: on a GPU the measured cost is ~1 and the gate
+    lets every draft through, on a CPU it withholds the drafts that would cost more than they bring.
 
     >>> NgramConfig.paper().draft_cost, NgramConfig().draft_cost    # the chapter always verifies
     (1.0, None)
@@ -77,8 +66,7 @@ class NgramConfig:
         return cls(draft_cost=1.0)
 
     @classmethod
-    def for_device(cls, device) -> "NgramConfig":
-        """The same on every device: the gate measures what a draft costs there."""
+    def for_device(cls, device) -> "NgramConfig":  # the same everywhere: the gate measures the device
         return cls()
 
     def check(self) -> None:
@@ -91,34 +79,26 @@ class NgramConfig:
             raise verify.UserError(f"--max-history must hold a full context of {self.max_order - 1} tokens")
         if self.max_batch < 1:
             raise verify.UserError(f"--max-batch must be at least 1 (got {self.max_batch})")
-        if self.draft_cost == "auto":
-            self.draft_cost = None
-        if self.draft_cost is not None:
-            try:
-                self.draft_cost = float(self.draft_cost)
-                if self.draft_cost < 1.0:
-                    raise ValueError
-            except ValueError:
-                raise verify.UserError(
-                    f"--draft-cost must be 'auto' or a number >= 1 (got {self.draft_cost!r})") from None
+        cost = self.draft_cost
+        try:
+            self.draft_cost = None if cost in (None, "auto") else float(cost)
+        except ValueError:
+            self.draft_cost = 0.0
+        if self.draft_cost is not None and not self.draft_cost >= 1.0:  # (nan too)
+            raise verify.UserError(f"--draft-cost must be 'auto' or a number >= 1 (got {cost!r})")
 
-
-# ----------------------------------------------------------------------------------------------------------
-# 1. Hashing: 64-bit FNV-1a over token ids
-# ----------------------------------------------------------------------------------------------------------
+# ---- 1. Hashing: 64-bit FNV-1a over token ids --------------------------------------------------------------
 #
 # The chapter's C++:
 #     uint64_t h = 14695981039346656037ULL;       // FNV-1a offset basis
 #     for (...) { h ^= tokens[i]; h *= 1099511628211ULL; }   // FNV-1a prime
 #
-# note: each step XORs a whole 32-bit token id, not one byte as textbook FNV-1a does. For ids below 256
-# the two agree, which is how the tests check it against the published FNV-1a test vectors.
-# Python ints do not overflow, so the wrap-around of uint64 arithmetic is made explicit with a mask.
+# note: each step XORs a whole token id, not one byte as textbook FNV-1a does; below 256 the two agree (the
+# tests check the published test vectors). Python ints do not overflow: a mask makes uint64's wrap explicit.
 
 FNV_OFFSET_BASIS = 14695981039346656037
 FNV_PRIME = 1099511628211
 MASK64 = (1 << 64) - 1
-
 
 def fnv1a_64(tokens: Iterable[int]) -> int:
     """64-bit FNV-1a over token ids: for each id, XOR it into the hash, then multiply by the FNV prime.
@@ -132,10 +112,7 @@ def fnv1a_64(tokens: Iterable[int]) -> int:
         h = (h * FNV_PRIME) & MASK64  # uint64 multiply: keep the low 64 bits
     return h
 
-
-# ----------------------------------------------------------------------------------------------------------
-# 2. The predictor
-# ----------------------------------------------------------------------------------------------------------
+# ---- 2. The predictor --------------------------------------------------------------------------------------
 #
 #   tables[order-2] :  hash(context of order-1 tokens)  ->  {next token: count}
 #
@@ -143,20 +120,17 @@ def fnv1a_64(tokens: Iterable[int]) -> int:
 #   tables[1]  trigrams   hash(t_{n-2}, t_{n-1})        -> {t_n: count}
 #   tables[2]  4-grams    hash(t_{n-3}, t_{n-2}, t_{n-1}) -> {t_n: count}
 
-
 class NGramPredictor:
-    def __init__(self, max_order: int = MAX_ORDER, draft_count: int = DRAFT_COUNT, max_history: int = MAX_HISTORY):
+    def __init__(self, max_order: int = MAX_ORDER, draft_count: int = DRAFT_COUNT,
+                 max_history: int = MAX_HISTORY):
         assert max_order >= 2 and draft_count >= 0 and max_history >= max_order - 1
-        self.max_order = max_order
-        self.draft_count = draft_count
+        self.max_order, self.draft_count = max_order, draft_count
         # The recent tokens, used only as the *context* for update() and predict().
         self.history: deque[int] = deque(maxlen=max_history)
         self.tables: list[dict[int, dict[int, int]]] = [{} for _ in range(max_order - 1)]
-        # note: the tables are never pruned when a token leaves the history window (as in the chapter).
-        # Consequences: (1) memory grows with the number of distinct contexts ever seen, not with
-        # MAX_HISTORY -- the window bounds the deque, not the tables; (2) counts are cumulative over the whole
-        # generation, so a continuation that was frequent long ago can still outvote one seen recently.
-        # The window only limits which *contexts* can be looked up (the last <= 3 tokens, always recent).
+        # note: as in the chapter, the tables are never pruned when a token leaves the window: memory grows
+        # with the distinct contexts ever seen, and counts are cumulative (an old favourite can outvote a
+        # recent one). The window only bounds the deque, i.e. which contexts can be looked up.
 
     def update(self, token: int) -> None:
         """Count `token` after its 1-, 2- and 3-token contexts, then append it to the history."""
@@ -203,14 +177,10 @@ class NGramPredictor:
             context.append(found[0])
         return drafts
 
-    def predict(self) -> list[int]:
-        """The chapter's predict(): just the draft tokens."""
+    def predict(self) -> list[int]:  # the chapter's predict(): just the draft tokens
         return [token for token, _ in self.draft()]
 
-
-# ----------------------------------------------------------------------------------------------------------
-# 3. The arithmetic: expected accepted drafts and the predicted speedup
-# ----------------------------------------------------------------------------------------------------------
+# ---- 3. The arithmetic: expected accepted drafts and the predicted speedup ---------------------------------
 #
 # Model: each draft token is right with probability alpha, independently, and drafts are accepted until the
 # first wrong one. With D drafts, k accepted for k < D means k successes then a failure; k = D means D
@@ -218,16 +188,13 @@ class NGramPredictor:
 #
 #     E[accepted] = sum_{k=0}^{D-1} k alpha^k (1 - alpha)  +  D alpha^D  =  alpha (1 - alpha^D) / (1 - alpha)
 #
-# (the second form: E[accepted] = sum_{k=1}^{D} P(accepted >= k) = sum_{k=1}^{D} alpha^k.)
-# The chapter sums the first term up to k = D, i.e. it counts the all-accepted case twice (once as "D
-# successes then a failure" that cannot happen). Its printed values for alpha = 0.7 and 0.9 (2.05, 3.28) are
-# too high; the correct ones are 1.77 and 3.10 (its 0.94 for alpha = 0.5 is right). See TUTORIAL.md §2.
+# (the second form: sum_{k=1}^{D} P(accepted >= k).) The chapter sums the first term up to k = D, counting
+# the all-accepted case twice: its printed 2.05 and 3.28 for alpha = 0.7 and 0.9 are too high, the correct
+# values 1.77 and 3.10 (its 0.94 for alpha = 0.5 is right). See TUTORIAL.md §2.
 #
-# Each step also yields the bonus token, so tokens per forward = 1 + E[accepted]. A forward over 1 + D
-# tokens costs t(1+D) instead of t(1), hence the chapter's overhead-adjusted estimate
+# Each step also yields the bonus token, and a forward over 1 + D tokens costs t(1+D) instead of t(1):
 #
-#     speedup ~= (1 + E[accepted]) / (t(1+D) / t(1))
-
+#     speedup ~= (1 + E[accepted]) / (t(1+D) / t(1))       (the chapter's overhead-adjusted estimate)
 
 def expected_accepted(alpha: float, d: int) -> float:
     """Closed form of E[accepted drafts] under i.i.d. acceptance.
@@ -238,12 +205,10 @@ def expected_accepted(alpha: float, d: int) -> float:
         return float(d)
     return alpha * (1 - alpha**d) / (1 - alpha)
 
-
 def expected_accepted_as_printed(alpha: float, d: int) -> float:
     """The chapter's formula as written (sum to k = D, plus D alpha^D): double-counts the all-accepted case.
     Kept only so the tests and the tutorial can show the difference."""
     return sum(k * alpha**k * (1 - alpha) for k in range(d + 1)) + d * alpha**d
-
 
 def estimate_alpha(accepted: Sequence[int], drafted: Sequence[int]) -> float | None:
     """Per-token acceptance rate from a run: every accepted draft is a success; a step that accepted fewer
@@ -255,53 +220,92 @@ def estimate_alpha(accepted: Sequence[int], drafted: Sequence[int]) -> float | N
         return None
     return successes / (successes + failures)
 
-
 def predicted_speedup(alpha: float, d: int, cost_ratio: float) -> float:
     return (1 + expected_accepted(alpha, d)) / cost_ratio
 
+# ---- 4. The decode loop ------------------------------------------------------------------------------------
 
 @torch.no_grad()
-def measure_cost_ratio(model, d: int) -> float:
-    """t(1+D) / t(1): the measured cost of verifying D drafts relative to a plain one-token step."""
-    return verify.measure_cost_curve(model, [1 + d])[1 + d] if d > 0 else 1.0
+def generate(model, prompt_ids: Sequence[int], max_new_tokens: int, eos_ids: Sequence[int], cfg: NgramConfig,
+             *, draft_costs: dict[int, float] | None = None, sampling: verify.Sampling = verify.GREEDY,
+             on_emit=None, on_step=None) -> Generation:
+    """Speculative decoding with n-gram drafts. draft_costs = {n: t(1+n)/t(1)}, the cost gate's curve
+    (measured once per process by `prepare`, else now); cfg.draft_cost replaces it (1.0 = the chapter: always
+    verify). `sampling`: greedy by default; sampled, exactly the plain sampler's tokens (verify.py §7)."""
+    cfg.check()
+    gen = Generation(max_new_tokens, eos_ids, on_emit=on_emit, on_step=on_step)
+    predictor = NGramPredictor(cfg.max_order, cfg.draft_count, cfg.max_history)
+    predictor.update_batch(prompt_ids)  # seed the tables with the prompt (chat template included)
+    gate = CostGate.for_run(model, cfg, draft_costs)  # section 5; with draft_cost = 1 it lets every draft by
 
+    # the cache's capacity: prompt + output + the largest step (the pending token and a full draft)
+    cache = verify.new_cache(model, len(prompt_ids) + max_new_tokens + cfg.draft_count + 1)
+    known = verify.first_token(verify.prefill(model, cache, prompt_ids), len(prompt_ids), sampling)
+    predictor.update(known)
+    if gen.finish_prefill(known):
+        return gen
 
-@torch.no_grad()
-def measure_draft_costs(model, d: int) -> dict[int, float]:
-    """{n: t(1+n)/t(1)} for n = 1..D drafts: what the cost gate charges a draft of each length."""
-    if d <= 0:
-        return {}
-    curve = verify.measure_cost_curve(model, list(range(2, d + 2)))
-    return {n: curve[1 + n] for n in range(1, d + 1)}
+    while True:
+        # -- DRAFT
+        t0 = time.perf_counter()
+        drafted = predictor.draft()  # [(token, order), ...]
+        # Buffer capacity guard (the chapter: `if (n_draft + 1 > max_batch) n_draft = max_batch - 1;`):
+        # the verification batch is [known, d0 .. dn], so at most max_batch - 1 drafts fit.
+        if len(drafted) + 1 > cfg.max_batch:
+            drafted = drafted[: cfg.max_batch - 1]
+        # note: a step emits at most len(drafts) + 1 tokens, so drafting past max_new_tokens is wasted work.
+        drafted = drafted[: max_new_tokens - len(gen.tokens) - 1]
+        orders = [order for _, order in drafted]
+        if drafted and not gate.allows(orders):  # deviation (section 5): not worth its cost on this hardware
+            drafted, orders = [], []
+        drafts = [token for token, _ in drafted]
+        draft_s = time.perf_counter() - t0
 
+        # -- VERIFY. With no draft this is the chapter's "no-draft fallback": a plain one-token forward.
+        tree = Tree.chain(known, drafts)  # [known, d0, ..., dn] at positions pos, pos+1, ...
+        pos = verify.cache_len(cache)
+        logits = verify.tree_forward(model, cache, tree)  # [1 + n_draft, V]
 
-# ----------------------------------------------------------------------------------------------------------
-# 3b. The cost gate (deviation from the chapter)
-# ----------------------------------------------------------------------------------------------------------
+        # -- ACCEPT: longest prefix where draft == the model's token (argmax, or the keyed sample), plus the
+        # bonus token at the first mismatch.
+        path, bonus = verify.accept(tree, logits, pos, sampling)
+        keep = len(path)  # the known token + accepted drafts (= accepted + 1 in the chapter's words)
+        gate.update(orders, keep - 1)
+
+        # -- ROLL BACK: the KV of rejected drafts was computed from a wrong context; forget it.
+        verify.rollback(cache, pos + keep)
+
+        n_before = len(gen.tokens)
+        done = gen.finish_step(tree, path, bonus, draft_s)
+        predictor.update_batch(gen.tokens[n_before:])  # the predictor learns every emitted token
+        if done:
+            gen.extra["draft_cost"] = gate.cost_of(cfg.draft_count)  # t(1+D)/t(1), the cost of a full draft
+            gen.extra["gated_drafts"] = gate.skipped
+            return gen
+        known = bonus
+
+# ---- Beyond the paper --------------------------------------------------------------------------------------
+# ---- 5. The cost gate (our deviation from the chapter) -----------------------------------------------------
 #
 # The chapter claims speculation "never hurts": with no draft the step is a plain one-token forward. That
-# holds only if a *rejected* draft is free, i.e. t(1+D) ~ t(1). On a GPU it nearly is. On a 2-core CPU it is
-# not: a forward over 5 tokens costs about 1.8x a one-token forward with the default model (measured; the
-# small-batch matrix multiply streams the weights twice), so a draft that is rejected makes that step ~1.8x
-# slower. Measured without a gate, QA and math prompts ran at 0.8x of plain greedy decoding.
+# holds only if a *rejected* draft is free, i.e. t(1+D) ~ t(1). On a GPU it nearly is; on a small CPU a
+# forward over 5 tokens costs well over a one-token one, so a rejected draft slows its step down, and
+# prompts with few repeats ran slower than plain decoding without a gate (RESULTS.md, "The cost gate").
 #
 # So we apply the chapter's own estimate *per step*, before verifying:
 #     verify the draft only if   1 + E[accepted]  >  t(1+n) / t(1)   ("draft_cost" of its length n <= D)
 # i.e. only if the expected tokens per forward beat the plain step's 1 token per 1 unit of cost.
-# E[accepted] = sum_k prod_{j<=k} alpha(order_j), with alpha measured online separately for drafts that came
-# from 4-grams, trigrams and bigrams (a 4-gram match is far more reliable than a bigram one).
-# subtle: the prior must be optimistic. A gate that withholds a draft learns nothing from it, so with a
-# neutral prior (alpha = 1/2: 1 + E = 1.94 for four drafts) and a measured cost of ~1.95 the gate would
-# never try a single draft and never find out that they are good. With alpha = 3/4 until measured, every
-# order gets tried early, and only orders that have proven poor are withheld.
+# E[accepted] = sum_k prod_{j<=k} alpha(order_j), alpha measured online per order (4-gram, trigram, bigram).
+# subtle: the prior must be optimistic. A withheld draft teaches the gate nothing, so with alpha = 1/2
+# (1 + E = 1.94 for four drafts) and a cost of ~1.95 it would never try one. With alpha = 3/4 until measured,
+# every order is tried early and only orders that proved poor are withheld.
 # With draft_cost = 1 the condition always holds and the decoder is exactly the chapter's.
-
 
 class CostGate:
     def __init__(self, draft_cost: dict[int, float] | float, max_order: int = MAX_ORDER,
                  draft_count: int = DRAFT_COUNT):
-        """draft_cost: {n: t(1+n)/t(1)} for drafts of n = 1..D tokens (measured, `measure_draft_costs`), or one
-        number c = t(1+D)/t(1) for a full draft, taken as linear in n below it (c = 1: the gate is off).
+        """draft_cost: {n: t(1+n)/t(1)} for drafts of n = 1..D tokens (`measure_draft_costs`), or one number
+        c = t(1+D)/t(1) for a full draft, taken as linear in n below it (c = 1: the gate is off).
         note: a draft of n < D tokens is charged ITS cost, t(1+n)/t(1), not that of a full D-token draft."""
         if isinstance(draft_cost, dict):
             self.cost = {int(n): float(c) for n, c in draft_cost.items()}
@@ -312,6 +316,15 @@ class CostGate:
         self.hits = {order: 3 for order in range(2, max_order + 1)}
         self.trials = {order: 4 for order in range(2, max_order + 1)}
         self.skipped = 0  # drafts withheld because they were not worth their cost
+
+    @classmethod
+    def for_run(cls, model, cfg: NgramConfig, draft_costs: dict[int, float] | None) -> "CostGate":
+        """cfg.draft_cost if set, else the curve `prepare` measured, else one measured now."""
+        if cfg.draft_cost is not None:
+            draft_costs = cfg.draft_cost
+        elif draft_costs is None:
+            draft_costs = measure_draft_costs(model, cfg.draft_count)
+        return cls(draft_costs, cfg.max_order, cfg.draft_count)
 
     def cost_of(self, n: int) -> float:
         """t(1+n)/t(1) for a draft of n tokens (the largest measured length if n is beyond it)."""
@@ -342,82 +355,15 @@ class CostGate:
             self.trials[order] += 1
             self.hits[order] += j < accepted
 
-
-# ----------------------------------------------------------------------------------------------------------
-# 4. The decode loop
-# ----------------------------------------------------------------------------------------------------------
-
-
 @torch.no_grad()
-def generate(model, prompt_ids: Sequence[int], max_new_tokens: int, eos_ids: Sequence[int], cfg: NgramConfig,
-             *, draft_costs: dict[int, float] | None = None, sampling: verify.Sampling = verify.GREEDY,
-             on_emit=None, on_step=None) -> Generation:
-    """Greedy speculative decoding with n-gram drafts. draft_costs = {n: t(1+n)/t(1)}, the cost gate's
-    measured curve (`measure_draft_costs`, done once per process by `prepare`); measured now if not given.
-    cfg.draft_cost, when set, replaces the measurement (1.0 = the chapter: always verify). `sampling`: greedy
-    by default; sampled, the output is exactly the plain sampler's for the same seed (verify.py section 4b)."""
-    cfg.check()
-    gen = Generation(max_new_tokens, eos_ids, on_emit=on_emit, on_step=on_step)
-    predictor = NGramPredictor(cfg.max_order, cfg.draft_count, cfg.max_history)
-    predictor.update_batch(prompt_ids)  # seed the tables with the prompt (chat template included)
-    if cfg.draft_cost is not None:
-        draft_costs = cfg.draft_cost
-    elif draft_costs is None:
-        draft_costs = measure_draft_costs(model, cfg.draft_count)
-    gate = CostGate(draft_costs, cfg.max_order, cfg.draft_count)
+def measure_draft_costs(model, d: int) -> dict[int, float]:
+    """{n: t(1+n)/t(1)} for n = 1..D drafts: what the cost gate charges a draft of each length."""
+    if d <= 0:
+        return {}
+    curve = verify.measure_cost_curve(model, list(range(2, d + 2)))
+    return {n: curve[1 + n] for n in range(1, d + 1)}
 
-    # the cache's capacity: prompt + output + the largest step (the pending token and a full draft)
-    cache = verify.new_cache(model, len(prompt_ids) + max_new_tokens + cfg.draft_count + 1)
-    known = verify.first_token(verify.prefill(model, cache, prompt_ids), len(prompt_ids), sampling)
-    predictor.update(known)
-    if gen.finish_prefill(known):
-        return gen
-
-    while True:
-        # -- DRAFT
-        t0 = time.perf_counter()
-        drafted = predictor.draft()  # [(token, order), ...]
-        # Buffer capacity guard (the chapter: `if (n_draft + 1 > max_batch) n_draft = max_batch - 1;`):
-        # the verification batch is [known, d0 .. dn], so at most max_batch - 1 drafts fit.
-        if len(drafted) + 1 > cfg.max_batch:
-            drafted = drafted[: cfg.max_batch - 1]
-        # note: a step emits at most len(drafts) + 1 tokens, so drafting past max_new_tokens is wasted work.
-        drafted = drafted[: max_new_tokens - len(gen.tokens) - 1]
-        orders = [order for _, order in drafted]
-        if drafted and not gate.allows(orders):  # deviation (section 3b): not worth its cost on this hardware
-            drafted, orders = [], []
-        drafts = [token for token, _ in drafted]
-        draft_s = time.perf_counter() - t0
-
-        # -- VERIFY. With no draft this is the chapter's "no-draft fallback": a plain single-token forward
-        # (a root-only chain), exactly what vanilla decoding would do.
-        tree = Tree.chain(known, drafts)  # [known, d0, ..., dn] at positions pos, pos+1, ...
-        pos = verify.cache_len(cache)
-        logits = verify.tree_forward(model, cache, tree)  # [1 + n_draft, V]
-
-        # -- ACCEPT: longest prefix where draft == the model's token (argmax, or the keyed sample), plus the
-        # bonus token at the first mismatch.
-        path, bonus = verify.accept(tree, logits, pos, sampling)
-        keep = len(path)  # the known token + accepted drafts (= accepted + 1 in the chapter's words)
-        gate.update(orders, keep - 1)
-
-        # -- ROLL BACK: the KV of rejected drafts was computed from a wrong context; forget it.
-        verify.rollback(cache, pos + keep)
-
-        n_before = len(gen.tokens)
-        done = gen.finish_step(tree, path, bonus, draft_s)
-        predictor.update_batch(gen.tokens[n_before:])  # the predictor learns every emitted token
-        if done:
-            gen.extra["draft_cost"] = gate.cost_of(cfg.draft_count)  # t(1+D)/t(1), the cost of a full draft
-            gen.extra["gated_drafts"] = gate.skipped
-            return gen
-        known = bonus
-
-
-# ----------------------------------------------------------------------------------------------------------
-# 5. CLI
-# ----------------------------------------------------------------------------------------------------------
-
+# ---- 6. CLI ------------------------------------------------------------------------------------------------
 
 def prepare(model, tok, cfg: NgramConfig, name: str = verify.DEFAULT_MODEL) -> tuple[NgramConfig, dict]:
     """Once per process, before any timing: measure the cost gate's curve unless cfg.draft_cost fixes it."""
@@ -425,36 +371,30 @@ def prepare(model, tok, cfg: NgramConfig, name: str = verify.DEFAULT_MODEL) -> t
         return cfg, {}
     return cfg, {"draft_costs": measure_draft_costs(model, cfg.draft_count)}
 
-
 def report(model, prompt_ids, gen: Generation, cfg: NgramConfig, extra: dict) -> dict:
-    """Stats after the timed run: the measured acceptance rate alpha, the measured cost ratio t(1+D)/t(1),
-    and the speedup the chapter's formula predicts from them. The curve `prepare` measured for the gate is
-    reused; it is measured here only when --draft-cost fixed the gate's value instead."""
+    """After the timed run: the acceptance rate alpha, the cost ratio t(1+D)/t(1) (the gate's, or measured now
+    when --draft-cost fixed it) and the speedup the chapter's formula predicts from them."""
     alpha = estimate_alpha(gen.accepted, gen.drafted)
-    ratio = gen.extra["draft_cost"] if cfg.draft_cost is None else measure_cost_ratio(model, cfg.draft_count)
+    d = cfg.draft_count
+    ratio = gen.extra["draft_cost"] if cfg.draft_cost is None else measure_draft_costs(model, d).get(d, 1.0)
     out = {"alpha": alpha, "cost_ratio": ratio, "draft_steps": sum(1 for d in gen.drafted if d)}
-    out["predicted_speedup"] = predicted_speedup(alpha, cfg.draft_count, ratio) if alpha is not None else None
+    out["predicted_speedup"] = predicted_speedup(alpha, d, ratio) if alpha is not None else None
     return out
-
 
 def main(argv=None) -> int:
     parser = verify.common_parser(__doc__.split("\n\n")[0].strip() + "\n\nDrafts come from n-gram counts "
                                   "of the prompt and the generated text; no draft model.")
     g = parser.add_argument_group("n-gram predictor (the chapter's parameters)")
-    g.add_argument("--max-order", type=int,
-                   help=f"MAX_ORDER: largest n-gram; backs off to bigrams (default: {MAX_ORDER})")
-    g.add_argument("--draft-count", type=int,
-                   help=f"DRAFT_COUNT: draft tokens per step at most (default: {DRAFT_COUNT})")
-    g.add_argument("--max-history", type=int,
-                   help=f"MAX_HISTORY: recent tokens used as context; tables are never pruned (default: {MAX_HISTORY})")
-    g.add_argument("--max-batch", type=int,
-                   help=f"buffer capacity guard: tokens per verification forward at most (default: {MAX_BATCH})")
-    g.add_argument("--draft-cost",
-                   help="cost gate (our deviation, section 3b): auto = measure t(1+n)/t(1); a number c = t(1+D)/t(1); "
-                                        "1 = the chapter, always verify (default: auto)")
+    g.add_argument("--max-order", type=int, help="MAX_ORDER: largest n-gram (backs off) (default: 4)")
+    g.add_argument("--draft-count", type=int, help="DRAFT_COUNT: draft tokens per step at most (default: 4)")
+    g.add_argument("--max-history", type=int, help="MAX_HISTORY: recent tokens used as context; tables are "
+                   f"never pruned (default: {MAX_HISTORY})")
+    g.add_argument("--max-batch", type=int, help="buffer capacity guard: tokens per verification forward at "
+                   f"most (default: {MAX_BATCH})")
+    g.add_argument("--draft-cost", help="cost gate (our deviation, section 5): auto = measure t(1+n)/t(1); a "
+                   "number c = t(1+D)/t(1); 1 = the chapter, always verify (default: auto)")
     config = lambda args, device: verify.config_from_args(NgramConfig.for_device(device), args)
     return verify.run_cli(parser, "ngram", generate, config, prepare, report, argv=argv)
-
 
 if __name__ == "__main__":
     sys.exit(main())

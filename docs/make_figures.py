@@ -268,7 +268,8 @@ def compacted_layout(model) -> None:
     comp = fafo.StreamingLLM(2, 6)
     kv = verify.CompactedKVCache(model, head_slots=8, input_rows=3, tail_slots=16, block_size=8)
     states = []
-    kv.load(cache, comp.select(20))
+    kv.load(cache)
+    kv.reselect(comp.select(20))
     states.append(("after prefill of 20", kv.slot_pos.copy(), set()))
     kv.K[:, :, :, kv.H : kv.H + 2] = 0  # stand-ins for two accepted rows' KV (the values do not matter here)
     kv.commit([0, 1], [20, 21])

@@ -1,9 +1,13 @@
 """The vanilla loop against the oracle, HF generate(do_sample=False), on the real default model."""
 
+import os
+import subprocess
+import sys
+
 import pytest
 
 import verify
-from conftest import REAL_PROMPTS, encode
+from conftest import REAL_PROMPTS, ROOT, encode
 
 
 @pytest.mark.parametrize("prompt", REAL_PROMPTS[:3])
@@ -25,9 +29,14 @@ def test_forward_count_matches_model_calls(tiny):
     assert len(calls) == gen.target_forwards == 9
 
 
-def test_default_model_is_the_smollm2_gguf(real):
+def test_default_model_is_the_smollm2_gguf_converted_once(real):
+    """The set-up step (tools/convert_gguf.py, which make install runs) wrote the checkpoint the default
+    model name resolves to, and running it again keeps it."""
     model, tok = real
-    assert verify.default_gguf_path().endswith(".gguf")
+    assert verify.resolve_model(verify.DEFAULT_MODEL) == verify.converted_dir()
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "convert_gguf.py")], capture_output=True,
+                       text=True, timeout=300)
+    assert r.returncode == 0 and r.stdout.strip() == f"{verify.converted_dir()} (up to date)", r.stderr
     cfg = model.config
     assert (cfg.model_type, cfg.num_hidden_layers, cfg.hidden_size, cfg.vocab_size) == ("llama", 30, 576, 49152)
     assert model.dtype.is_floating_point and str(model.dtype) == "torch.float32"

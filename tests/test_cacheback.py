@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import cacheback as cb
+import tools.build_frozen as bf
 import verify
 from conftest import REAL_PROMPTS, encode
 
@@ -171,7 +172,7 @@ def test_frozen_followers_fill_the_budget_after_a_big_dynamic_tree():
     assert 40 not in tree.tokens  # level 1 stays within its TDL-1-CRT share (already used up)
 
 
-def test_auto_frozen_table_is_built_with_lc_and_fc(monkeypatch, tmp_path):
+def test_a_corpus_table_is_built_by_the_tool_with_lc_and_fc_then_found(monkeypatch, tmp_path):
     monkeypatch.setenv("SPECDEC_CACHE", str(tmp_path))
     seen = {}
 
@@ -181,13 +182,24 @@ def test_auto_frozen_table_is_built_with_lc_and_fc(monkeypatch, tmp_path):
         t.frozen = True
         return t, {"corpus": "test", "seed": 0, "tokens": 0}
 
-    monkeypatch.setattr(cb, "build_frozen", fake_build)
+    monkeypatch.setattr(bf, "build_frozen", fake_build)
     tok = types.SimpleNamespace(get_vocab=lambda: {"a": 0, "b": 1})
     model = types.SimpleNamespace(device=torch.device("cpu"))
     cfg = cb.CachebackConfig(ll=1, fl=3, lc=7, fc=5, tdl=16, crt=4, frozen="stdlib", prune="none")
+    with pytest.raises(verify.UserError, match="tools/build_frozen.py --corpus stdlib .* --lc 7 --fc 5"):
+        cb.prepare(model, tok, cfg)  # not shipped, not built: one line naming the command
+    bf.ensure_table(tok, cfg)
     _, extra = cb.prepare(model, tok, cfg)
     assert seen == dict(ll=1, fl=3, lc=7, fc=5)
     assert (extra["frozen_table"].lc, extra["frozen_table"].fc) == (7, 5)
+
+
+def test_the_default_models_tables_for_the_papers_parameters_are_shipped(tokenizer):
+    for corpus in cb.FROZEN_CORPORA:
+        cfg = cb.CachebackConfig(frozen=corpus)
+        assert cb.frozen_path(tokenizer, cfg).startswith(cb.CORPUS_DIR)
+        table = cb.frozen_table_for(tokenizer, cfg)
+        assert table.frozen and (table.ll, table.fl, table.lc, table.fc) == (1, 3, 2**20, 128) and len(table) > 1000
 
 
 def test_only_the_first_level_query_refreshes_recency():
@@ -290,12 +302,12 @@ def tokenizer(real):
 
 
 def test_builder_is_deterministic_and_keeps_top_followers(tokenizer, tmp_path):
-    a, meta_a = cb.build_frozen(tokenizer, 1, 3, lc=50, fc=4, max_tokens=20_000, seed=1, progress=False)
-    b, meta_b = cb.build_frozen(tokenizer, 1, 3, lc=50, fc=4, max_tokens=20_000, seed=1, progress=False)
+    a, meta_a = bf.build_frozen(tokenizer, 1, 3, lc=50, fc=4, max_tokens=20_000, seed=1, progress=False)
+    b, meta_b = bf.build_frozen(tokenizer, 1, 3, lc=50, fc=4, max_tokens=20_000, seed=1, progress=False)
     assert meta_a == meta_b and meta_a["tokens"] == 20_000
     assert [(k, list(v)) for k, v in a.leaders.items()] == [(k, list(v)) for k, v in b.leaders.items()]
     assert len(a) == 50 and all(len(f) <= 4 for f in a.leaders.values()) and a.frozen
-    c, _ = cb.build_frozen(tokenizer, 1, 3, lc=50, fc=4, max_tokens=20_000, seed=2, progress=False)
+    c, _ = bf.build_frozen(tokenizer, 1, 3, lc=50, fc=4, max_tokens=20_000, seed=2, progress=False)
     assert [(k, list(v)) for k, v in a.leaders.items()] != [(k, list(v)) for k, v in c.leaders.items()]
     # round trip through the portable file format
     cb.save_frozen(a, tmp_path / "t.json.gz", tokenizer, meta_a)
@@ -307,10 +319,10 @@ def test_builder_keeps_the_most_frequent_leaders_and_followers(tokenizer):
     from collections import Counter
 
     n = 30_000
-    table, _ = cb.build_frozen(tokenizer, 1, 3, lc=3, fc=2, max_tokens=n, seed=0, progress=False)
+    table, _ = bf.build_frozen(tokenizer, 1, 3, lc=3, fc=2, max_tokens=n, seed=0, progress=False)
     # brute force over the same token stream: the same files in the same seeded order, cut at n tokens
     stream = []
-    for path in cb.stdlib_corpus(0):
+    for path in bf.stdlib_corpus(0):
         stream += tokenizer(open(path, encoding="utf-8", errors="replace").read(), add_special_tokens=False).input_ids
         if len(stream) >= n:
             break
@@ -328,7 +340,7 @@ def test_loading_refuses_mismatches(tokenizer, tmp_path):
     import gzip
     import json
 
-    table, meta = cb.build_frozen(tokenizer, 1, 3, lc=10, fc=2, max_tokens=5_000, progress=False)
+    table, meta = bf.build_frozen(tokenizer, 1, 3, lc=10, fc=2, max_tokens=5_000, progress=False)
     path = tmp_path / "t.json.gz"
     cb.save_frozen(table, path, tokenizer, meta)
     with pytest.raises(verify.UserError, match="LL=1, FL=3"):
@@ -350,7 +362,7 @@ def test_loading_refuses_mismatches(tokenizer, tmp_path):
 @pytest.fixture(scope="module")
 def small_frozen(tokenizer):
     """A frozen table from the first 100k tokens of the standard library (the full one: 2M, ~25 s)."""
-    return cb.build_frozen(tokenizer, 1, 3, lc=2**20, fc=128, max_tokens=100_000, progress=False)[0]
+    return bf.build_frozen(tokenizer, 1, 3, lc=2**20, fc=128, max_tokens=100_000, progress=False)[0]
 
 
 REAL_CONFIGS = {
@@ -403,10 +415,10 @@ def test_selfchat_instructions_are_disjoint_from_the_bench_prompts():
 
 
 def test_selfchat_table_is_deterministic_and_learns_the_models_phrasing(tokenizer):
-    answers = cb.selfchat_answers(None, tokenizer, verify.DEFAULT_MODEL, progress=False)  # shipped: no model needed
-    seqs = cb.selfchat_sequences(tokenizer, answers)
-    a, meta = cb.build_frozen(tokenizer, 1, 3, lc=1000, fc=8, sequences=seqs, corpus="selfchat", progress=False)
-    b, _ = cb.build_frozen(tokenizer, 1, 3, lc=1000, fc=8, sequences=seqs, corpus="selfchat", progress=False)
+    answers = bf.selfchat_answers(None, tokenizer, verify.DEFAULT_MODEL, progress=False)  # shipped: no model needed
+    seqs = bf.selfchat_sequences(tokenizer, answers)
+    a, meta = bf.build_frozen(tokenizer, 1, 3, lc=1000, fc=8, sequences=seqs, corpus="selfchat", progress=False)
+    b, _ = bf.build_frozen(tokenizer, 1, 3, lc=1000, fc=8, sequences=seqs, corpus="selfchat", progress=False)
     assert meta["corpus"] == "selfchat" and meta["tokens"] == sum(len(s) for s in seqs) > 30_000
     assert list(a.leaders.items()) == list(b.leaders.items())
     # the chat template's "assistant" turn start is among the leaders, with the answer openings as followers

@@ -164,25 +164,6 @@ def test_max_new_tokens_and_eos_boundaries():
 # ---------------------------------------------------------------------------------------------- the drafts
 
 
-def test_first_layers_shares_the_targets_tensors_and_is_its_early_exit():
-    target = make_tiny_llama(0)
-    draft = card.first_layers(target, 1)
-    assert draft.config.num_hidden_layers == 1 and target.config.num_hidden_layers == 2
-    # no copy: the draft's tensors are the target's
-    assert draft.model.layers[0].mlp.up_proj.weight.data_ptr() == target.model.layers[0].mlp.up_proj.weight.data_ptr()
-    assert draft.lm_head.weight.data_ptr() == target.lm_head.weight.data_ptr()
-    # oracle: the target's hidden state after its first layer, through the target's final norm and head
-    ids = torch.tensor([[1, 5, 6, 7, 8, 9]])
-    with torch.no_grad():
-        after_first = target(input_ids=ids, output_hidden_states=True).hidden_states[1]
-        want = target.lm_head(target.model.norm(after_first))
-        got = draft(input_ids=ids).logits
-    torch.testing.assert_close(got, want)
-    for bad in ("layers:0", "layers:3", "layers:x"):
-        with pytest.raises(verify.UserError, match="layers:L"):
-            card.load_draft(target, None, card.CardConfig(draft=bad))
-
-
 def test_int8_draft_is_close_to_the_target_and_card_with_it_is_lossless():
     target = make_tiny_llama(0)
     draft = card.int8_draft(target)

@@ -267,14 +267,16 @@ def _prefilled(model, n, seed=0):
 
 def _logical_equal(kv, cache):
     for i, layer in enumerate(cache.layers):
-        k, v = kv.logical(i)
+        s = kv.logical_slots()
+        k, v = kv.K[i][:, :, s], kv.V[i][:, :, s]  # [1, H_kv, n, D] in logical order
         assert torch.equal(k, layer.keys) and torch.equal(v, layer.values)
 
 
 def test_reselect_and_commit_never_change_the_logical_cache(tiny):
     ids, cache = _prefilled(tiny, 40)
     kv = verify.CompactedKVCache(tiny, head_slots=16, input_rows=5, tail_slots=128, block_size=16)
-    kv.load(cache, [0, 1, 2, 3])
+    kv.load(cache)
+    kv.reselect([0, 1, 2, 3])
     _logical_equal(kv, cache)
     rng = np.random.default_rng(0)
     for step in range(30):
@@ -300,7 +302,8 @@ def test_streaming_swap_moves_one_slot_pair_per_new_token(tiny):
     _, cache = _prefilled(tiny, 30)
     kv = verify.CompactedKVCache(tiny, head_slots=16, input_rows=1, tail_slots=40, block_size=16)
     stream = fafo.StreamingLLM(sink=2, recent=6)
-    kv.load(cache, stream.select(30))
+    kv.load(cache)
+    kv.reselect(stream.select(30))
     kv.commit([0], [30])  # one new token
     assert kv.reselect(stream.select(31)) == 2  # Appendix H: the new entry and the evicted one trade slots
     assert sorted(kv.slot_pos[: kv.n_head].tolist()) == stream.select(31)
@@ -314,7 +317,7 @@ def _one_step(model, compress, p=37, n=3, k=3, m=2):
     compressor's selection C(kv): (cache, layout, selection, tokens, positions)."""
     ids, cache = _prefilled(model, p, seed=1)
     lay = fafo.StepLayout(n, k, m)
-    comp = fafo.make_compressor(compress, 2, 6, 4, 2)
+    comp = fafo.make_compressor(fafo.FafoConfig(compress=compress, sink=2, recent=6, page_size=4, top_pages=2))
     if comp.needs_query:
         comp.observe(fafo.DenseKV(model, cache, lay),
                      torch.randn(model.config.num_hidden_layers, model.config.num_attention_heads, 16))
@@ -327,7 +330,7 @@ def _one_step(model, compress, p=37, n=3, k=3, m=2):
 
 def _one_step_both_ways(model, compress, attn):
     cache, lay, sel, tokens, positions = _one_step(model, compress)
-    comp = fafo.make_compressor(compress, 2, 6, 4, 2)
+    comp = fafo.make_compressor(fafo.FafoConfig(compress=compress, sink=2, recent=6, page_size=4, top_pages=2))
     dense = fafo.DenseKV(model, cache, lay)
 
     import copy
@@ -349,7 +352,7 @@ def test_split_plan_covers_exactly_the_allowed_entries():
     groups = [np.nonzero(~lay.guess_rows())[0], np.nonzero(lay.guess_rows())[0]]  # verification rows, guess rows
     for selected in ([0, 1, 30, 31, 32, 33, 34, 35], list(range(8, 16)) + [40], list(range(41))):
         allowed = fafo.combined_mask(lay, 41, selected)  # [q, 41 + q]
-        plan = verify.SplitPlan.from_mask(allowed, groups, torch.float32)
+        plan = fafo.SplitPlan.from_mask(allowed, groups, torch.float32)
         rebuilt = np.zeros_like(allowed)
         for g in plan.groups:
             cols = np.arange(allowed.shape[1]) if g.cols is None else g.cols.numpy()
@@ -357,7 +360,7 @@ def test_split_plan_covers_exactly_the_allowed_entries():
         assert (rebuilt == allowed).all()
         assert sorted(r for g in plan.groups for r in g.rows.tolist()) == list(range(lay.rows))
     # StreamingLLM's 8 of 41: the guess rows read 8 cached + 1 + n*k step columns, not 41 + q
-    plan = verify.SplitPlan.from_mask(fafo.combined_mask(lay, 41, [0, 1, 35, 36, 37, 38, 39, 40]), groups, torch.float32)
+    plan = fafo.SplitPlan.from_mask(fafo.combined_mask(lay, 41, [0, 1, 35, 36, 37, 38, 39, 40]), groups, torch.float32)
     assert [None if g.cols is None else len(g.cols) for g in plan.groups] == [None, 8 + 1 + 9]
 
 
@@ -378,7 +381,7 @@ def test_split_matches_dense(tiny, compress):
     got, _ = split.forward(tokens, positions)
     assert torch.allclose(want, got, atol=1e-4, rtol=1e-4)
     assert torch.equal(want.argmax(-1), got.argmax(-1))
-    assert tiny.config._attn_implementation != verify.SPLIT  # the context manager put the model back
+    assert tiny.config._attn_implementation != fafo.SPLIT  # the context manager put the model back
 
 
 @pytest.mark.parametrize("backend", [fafo.DenseKV, fafo.SplitKV])
