@@ -121,7 +121,8 @@ class FafoConfig:
             raise UserError(f"--max-capacity-prompt ({self.max_capacity_prompt}) must exceed --window-size "
                             f"({self.window_size}): the window is part of what SnapKV keeps")
         if self.kernel_size % 2 == 0:
-            raise UserError(f"--kernel-size must be odd, so pooling keeps the length (got {self.kernel_size})")
+            raise UserError("--kernel-size must be odd, so pooling keeps the length "
+                            f"(got {self.kernel_size})")
         if self.attn not in ("dense", "split", "flex", "flex-compiled"):
             raise UserError(f"--attn must be dense, split, flex or flex-compiled (got {self.attn!r})")
         if self.attn.startswith("flex") and self.compress == "none":
@@ -337,9 +338,10 @@ class StepLayout:
 
     @cache
     def read_rows(self) -> tuple[int, ...]:
-        """The rows whose next-token prediction the step reads: x, the newest row of every stream (column-wise,
-        the last n fumble rows) and every candidate row. The other (k-1)*n fumble rows are there only as
-        context for their stream's newest row, so the head (hidden -> vocab logits) skips them. (Cached.)
+        """The rows whose next-token prediction the step reads: x, the newest row of every stream
+        (column-wise, the last n fumble rows) and every candidate row. The other (k-1)*n fumble rows are there
+        only as context for their stream's newest row, so the head (hidden -> vocab logits) skips them.
+        (Cached.)
 
         >>> StepLayout(n=2, k=2, m=1).read_rows()   # rows 1, 2 = level 1 of the streams: not read
         (0, 3, 4, 5, 6)
@@ -698,12 +700,12 @@ def snapkv_votes(queries: torch.Tensor, keys: torch.Tensor, scale: float) -> tor
     return votes
 
 class SnapKV(Compressor):
-    """Li et al., "SnapKV: LLM Knows What You are Looking for Before Generation", NeurIPS 2024, arXiv:2404.14469:
-    a static selection, made once after the prefill. The prompt's last `window_size` rows (the observation
-    window) vote with their attention; the votes are average-pooled over `kernel_size` neighbours (so a
-    selected token keeps its context) and the top max_capacity_prompt - window_size positions are kept, with
-    the window. FAFO names it as its third compression method (Appendix, Table 8). The guess rows then see
-    that selection plus the `recent` newest positions (the tokens generated since the prompt).
+    """Li et al., "SnapKV: LLM Knows What You are Looking for Before Generation", NeurIPS 2024,
+    arXiv:2404.14469: a static selection, made once after the prefill. The prompt's last `window_size` rows
+    (the observation window) vote with their attention; the votes are average-pooled over `kernel_size`
+    neighbours (so a selected token keeps its context) and the top max_capacity_prompt - window_size positions
+    are kept, with the window. FAFO names it as its third compression method (Appendix, Table 8). The guess
+    rows then see that selection plus the `recent` newest positions (the tokens generated since the prompt).
 
         prompt 12, window 2, capacity 5: votes over positions 0..9 -> top 3, say [1, 2, 7], + window [10, 11]
         -> C(kv) = [1, 2, 7, 10, 11] + the most recent positions
@@ -744,7 +746,8 @@ def check_llama_layout(model, compress: str = "quest") -> None:
         for l in layers
     )
     if not ok:
-        raise UserError(f"--compress {compress} needs a Llama-style layout (input_layernorm, q_proj, rotary); "
+        raise UserError(f"--compress {compress} needs a Llama-style layout (input_layernorm, q_proj, "
+                        "rotary); "
                         f"{model.config.model_type} has another: use --compress stream or none")
 
 def layer_queries(model, hidden_states, rows: Sequence[int], positions: Sequence[int]) -> torch.Tensor:
@@ -821,7 +824,7 @@ class SplitPlan:
         >>> plan = SplitPlan.from_mask(allowed, [[0], [1]], torch.float32)
         >>> [(g.rows.tolist(), None if g.cols is None else g.cols.tolist()) for g in plan.groups]
         [([0], None), ([1], [0, 5, 6, 7])]
-        >>> len(SplitPlan.from_mask(np.ones((2, 8), bool), [[0], [1]], torch.float32).groups)  # nothing to skip
+        >>> len(SplitPlan.from_mask(np.ones((2, 8), bool), [[0], [1]], torch.float32).groups)  # no skip
         1
         """
         q, n_keys = allowed.shape
@@ -836,7 +839,8 @@ class SplitPlan:
             if len(cols) > n_keys // 2:  # not worth a gather: read every column, mask as the spec does
                 full.extend(rows.tolist())
             else:
-                groups.append(SplitGroup(torch.as_tensor(rows, device=device), torch.as_tensor(cols, device=device),
+                groups.append(SplitGroup(torch.as_tensor(rows, device=device),
+                                         torch.as_tensor(cols, device=device),
                                          verify.additive_mask(vis[:, cols], dtype, device)))
         if full:
             full.sort()
@@ -844,8 +848,8 @@ class SplitPlan:
                                         verify.additive_mask(allowed[full], dtype, device)))
         return cls(groups, n_keys)
 
-def _split_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0, plan: SplitPlan = None,
-                   **kwargs):
+def _split_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0,
+                   plan: SplitPlan = None, **kwargs):
     """A transformers attention function: query [B, H, q, D], key/value [B, H_kv, n_keys, D] (the cache
     after this step's update). `attention_mask` (the dense spec, as the model passed it on) is not read:
     `plan` holds the same mask cut into row groups."""
@@ -925,13 +929,15 @@ class FlexKV:
 def main(argv=None) -> int:
     parser = verify.common_parser(
         "FAFO: n guess streams attend to a compressed KV cache (fumble around) while the pool's candidates\n"
-        "are verified against the full cache (find out), in one forward per step. Lossless: the output equals\n"
-        "greedy decoding (or, with --temperature, the plain sampler's). --trace shows each step's candidates."
+        "are verified against the full cache (find out), in one forward per step. Lossless: the output\n"
+        "equals greedy decoding (or, with --temperature, the plain sampler's). --trace shows each step's\n"
+        "candidates."
     )
     def default(name):
         return verify.defaults_help(FafoConfig, name)
 
-    g = parser.add_argument_group("FAFO (the paper's names; CPU defaults are small: every row costs time there)")
+    g = parser.add_argument_group("FAFO (the paper's names; CPU defaults are small: every row costs time "
+                                  "there)")
     g.add_argument("--n-guess", type=int, help="n: guess streams in the fumble branch (§4.2)"
                    + default("n_guess"))
     g.add_argument("--k", type=int,
@@ -939,8 +945,8 @@ def main(argv=None) -> int:
                         + default("k"))
     g.add_argument("--m", type=int, help="m: pool candidates verified per step (Algorithm 3)" + default("m"))
     g.add_argument("--compress", choices=["stream", "quest", "snapkv", "none"],
-                   help="C: stream = StreamingLLM, quest = Quest pages, snapkv = SnapKV's prompt selection + the "
-                        "recent positions, none = full KV (Lookahead) (default: stream)")
+                   help="C: stream = StreamingLLM, quest = Quest pages, snapkv = SnapKV's prompt "
+                        "selection + the recent positions, none = full KV (Lookahead) (default: stream)")
     g.add_argument("--sink", type=int, help="StreamingLLM: attention-sink tokens kept" + default("sink"))
     g.add_argument("--recent", type=int, help="StreamingLLM: most recent tokens kept" + default("recent"))
     g.add_argument("--page-size", type=int, help="Quest: positions per page" + default("page_size"))
@@ -953,12 +959,13 @@ def main(argv=None) -> int:
     g.add_argument("--kernel-size", type=int,
                    help="SnapKV: average-pooling width over the votes" + default("kernel_size"))
     g.add_argument("--attn", choices=["dense", "split", "flex", "flex-compiled"],
-                   help="dense mask (the spec); split = two SDPA calls per layer, guess rows over C(kv) only; "
-                        "flex = compacted blocks (eager: checks the layout), flex-compiled" + default("attn"))
+                   help="dense mask (the spec); split = two SDPA calls per layer, guess rows over C(kv) "
+                        "only; flex = compacted blocks (eager: checks the layout), flex-compiled"
+                        + default("attn"))
     g.add_argument("--pool-cap", type=int, help="pool: k-grams kept per key, LRU (Appendix F; default: n)")
     g.add_argument("--lookback", type=int,
-                   help="pool: longest key, in tokens before the n-gram (§4.3's lookback window; default: k). "
-                        "1 = Lookahead Decoding's pool, keyed by the last token only")
+                   help="pool: longest key, in tokens before the n-gram (§4.3's lookback window; "
+                        "default: k). 1 = Lookahead Decoding's pool, keyed by the last token only")
     g.add_argument("--prompt-pool", action="store_const", const=True,
                    help="also seed the pool with the prompt's k-grams (not in the paper)")
     g.add_argument("--block-size", type=int, help="flex: KV block size, B_z in Algorithm 1 (default: 128)")

@@ -28,6 +28,7 @@ out=bench/results/gpu-$slug
 mkdir -p "$out"
 parts=("$@")
 [ ${#parts[@]} -gt 0 ] || parts=(report card long steps)
+"$py" tools/convert_gguf.py  # the default model's one-time set-up (prints "(up to date)" when done)
 commit=$(git rev-parse --short HEAD 2>/dev/null || echo unknown)
 echo "gpu_bench: $gpu, commit $commit, parts: ${parts[*]} -> $out"
 for part in "${parts[@]}"; do

@@ -1,5 +1,5 @@
 """Writes corpus/instructions.jsonl: the instruction set whose greedy answers, by the target model itself,
-become Cacheback's natural-language frozen table (`python cacheback.py build-frozen --corpus selfchat`).
+become Cacheback's natural-language frozen table (`python tools/build_frozen.py --corpus selfchat`).
 
 Written for this project (templates x topics below, no outside text), deterministic, and disjoint from the
 benchmark prompts in bench/prompts.jsonl (tests/test_cacheback.py checks that no instruction is a bench
