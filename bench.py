@@ -188,13 +188,76 @@ def make_runner(spec: str, model, tok, args, sampled: bool = False):
 
             tools.build_frozen.ensure_table(tok, cfg, model, args.model)
         cfg, extra = module.prepare(model, tok, cfg, args.model) if hasattr(module, "prepare") else (cfg, {})
-        return lambda ids, n, eos, s, first: _gen(module.generate(model, ids, n, eos, cfg, sampling=s, on_emit=first,
-                                                                  **extra))
+        run = lambda ids, n, eos, s, first: module.generate(model, ids, n, eos, cfg, sampling=s, on_emit=first, **extra)
+        if module_name == "card":  # its cost model's prediction beside each measurement
+            costs = card_costs(model, getattr(extra["draft"], "model", extra["draft"]), cfg)
+            return lambda *a: _gen(card_predict(run(*a), costs, cfg))
+        return lambda *a: _gen(run(*a))
     raise verify.UserError(f"--methods: unknown method {name!r} (known: {', '.join(HF_METHODS + list(PROJECT_METHODS))})")
 
 
 def _gen(gen):
     return gen.tokens, gen
+
+
+# ---- CARD's cost model: the speedup that the measured step times, acceptance and hit rate predict ----------
+#
+# Per target step CARD emits `mat` tokens (mean accepted length, bonus included) for the cost of one step T:
+#   lockstep  T = r * t_draft + t_verify                          the two models take turns
+#   parallel  T = h * max(t_verify, c * t_draft)                  a hit: the draft drafted while the target
+#                                                                 verified, and must replace the c layers
+#                                                                 the step consumed (c: tokens a hit emits)
+#               + (1 - h) * (t_verify + w * t_draft)              a miss: the target waits for w new layers
+#   speedup = mat * t_target / T
+# t_target: a one-token target step; t_verify: a target forward over r + 1 rows; t_draft: one draft layer of K
+# rows; h: the hit rate; w: cfg.wait. Each time is measured ONE SIDE AT A TIME with that side's cores, so the
+# model leaves out what the two processes cost each other (memory bandwidth, caches): it overestimates a
+# little. A CPU figure belongs to its CPU; this is how a reader predicts theirs (RESULTS.md, "CARD on a CPU").
+
+def card_predicted_speedup(costs: dict, mode: str, r: int, wait: int, mat: float, hit_rate: float,
+                           hit_len: float | None = None) -> float:
+    """The cost model above; costs = {"t_target", "t_verify", "t_draft"} in seconds; hit_len = c (default mat).
+
+    >>> paper = dict(t_target=1.0, t_verify=1.0, t_draft=1 / 7)
+    >>> round(card_predicted_speedup(paper, "parallel", 7, 7, mat=5.0, hit_rate=0.97), 2)
+    4.85
+    >>> round(card_predicted_speedup(paper, "lockstep", 7, 7, mat=5.0, hit_rate=0.97), 2)
+    2.5
+    """
+    t_t, t_v, t_d = costs["t_target"], costs["t_verify"], costs["t_draft"]
+    if mode == "lockstep":
+        return mat * t_t / (r * t_d + t_v)
+    c = mat if hit_len is None else hit_len
+    return mat * t_t / (hit_rate * max(t_v, c * t_d) + (1 - hit_rate) * (t_v + wait * t_d))
+
+
+def card_costs(model, draft, cfg) -> dict:
+    """The cost model's step times after 256 cached tokens, each side on the threads it gets in cfg.mode
+    t_target, plain decoding's, on all of them."""
+    main_threads = torch.get_num_threads()
+    split = cfg.mode == "parallel" and draft.device.type == "cpu"
+    half = max(1, main_threads // 2)  # the draft process's share (card.DraftProcess), the target the rest
+    draft_threads, target_threads = (half, max(1, main_threads - half)) if split else (main_threads, main_threads)
+    try:
+        t_target = verify.measure_step_times(model, [1], repeats=3)[1]
+        torch.set_num_threads(target_threads)
+        t_verify = verify.measure_step_times(model, [cfg.ratio + 1], repeats=3)[cfg.ratio + 1]
+        torch.set_num_threads(draft_threads)
+        t_draft = verify.measure_step_times(draft, [cfg.k], repeats=3)[cfg.k]
+    finally:
+        torch.set_num_threads(main_threads)
+    return {"t_target": t_target, "t_verify": t_verify, "t_draft": t_draft}
+
+
+def card_predict(gen, costs: dict, cfg):
+    """gen.extra["predicted_speedup"]: the cost model with this run's acceptance and hit rate."""
+    if gen.steps:
+        hits = gen.extra["hits"]
+        wait = cfg.ratio if cfg.wait is None else cfg.wait
+        gen.extra["predicted_speedup"] = card_predicted_speedup(
+            costs, cfg.mode, cfg.ratio, wait, len(gen.tokens) / gen.target_forwards, gen.extra["hit_rate"],
+            gen.extra["hit_tokens"] / hits if hits else None)
+    return gen
 
 
 @torch.no_grad()
@@ -391,7 +454,7 @@ def _summarize_pass(rows, methods, baseline: str):
                                 if all("draft_s" in r for r in rs) else None),
                 "per_position": position_rates(rs) if all("per_position" in r for r in rs) else None,
                 "identical": sum(bool(r["identical"]) for r in rs) / len(rs),
-                # CARD only: its cost model's prediction (card.py section 3b) and its cache hit rate, per-prompt means
+                # CARD only: its cost model's prediction (card_predicted_speedup) and its cache hit rate, per-prompt means
                 "predicted": mean(rs, "predicted_speedup"),
                 "hit_rate": mean(rs, "hit_rate"),
                 "n": len({r["question_id"] for r in rs}),  # prompts (a prompt run in several passes counts once)
@@ -437,7 +500,7 @@ def markdown(summary, methods, baseline: str = "hf-greedy") -> str:
     # CARD's cost model beside the measurement: a large gap means a cost the model leaves out (or noise)
     predicted = [m for m in methods if summary["overall"].get(m, {}).get("predicted") is not None]
     if predicted:
-        lines += ["", "CARD's cost model (card.py section 3b): the speedup predicted from the measured step times, mean "
+        lines += ["", "CARD's cost model (bench.py, card_predicted_speedup): the speedup predicted from the measured step times, mean "
                   "accepted length and hit rate (over a plain one-token target step), beside the measured one "
                   "(SpecBench's, over " + baseline + "), all prompts:", "",
                   "| method | predicted | measured | mean accepted | hit rate |", "|---" * 5 + "|"]
@@ -615,18 +678,22 @@ def run_fafo_steps(args) -> int:
 
 
 def device_name(model) -> str:
-    """'cuda: NVIDIA H100 ...' or 'cpu: AMD EPYC ... (2 threads)': what the numbers were measured on."""
+    """'cuda: NVIDIA H100 ...' or 'cpu: AMD EPYC ... (2 threads, AVX2)': what the numbers were measured on."""
     import torch
 
     if model.device.type == "cuda":
         return f"cuda: {torch.cuda.get_device_name(model.device)}"
-    name = "cpu"
+    name, isa = "cpu", ""
     try:
         with open("/proc/cpuinfo") as f:
-            name = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+            lines = f.read().splitlines()
+        name = next(line.split(":", 1)[1].strip() for line in lines if line.startswith("model name"))
+        flags = set(next(line.split(":", 1)[1] for line in lines if line.startswith("flags")).split())
+        # the instruction set picks torch's int8 kernels, so CARD's int8 draft differs between CPUs
+        isa = ", AVX-512" if "avx512f" in flags else ", AVX2" if "avx2" in flags else ""
     except (OSError, StopIteration):
         pass
-    return f"cpu: {name} ({torch.get_num_threads()} threads)"
+    return f"cpu: {name} ({torch.get_num_threads()} threads{isa})"
 
 
 def run_header(args, model, n_prompts: int, sampling) -> str:

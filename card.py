@@ -3,16 +3,13 @@ card.py -- CARD: cache-assisted parallel speculative decoding with the "query-an
 Enyu Zhou, Kai Sheng, Hao Chen & Xin He, "CARD: A Cache-Assisted Parallel Speculative Decoding Framework via
 Query-and-Correct Paradigm for Accelerating LLM Inference", 2025, arXiv:2508.04462.
 
-Classic speculative decoding is draft-THEN-verify: the target waits while the draft drafts, the draft waits
-while the target verifies. CARD runs both at once: the draft keeps growing a scored tree of candidate
-continuations, "the cache" (§2.2); the target QUERIES its best path of up to r tokens (r, the communication
-ratio ~ t(target step) / t(draft step), §3.1), VERIFIES that chain in one forward, then CORRECTS the cache to
-the subtree that continues the accepted text, or restarts it on a miss (§2.4).
-
-The paper, in its order: 0 K, k, r and the mode (§2, §3.1), 1 the candidate cache (§2.2, Figure 3), 2 the
-drafter with the §2.3 mask and correction (§2.4), Table 2's "cache only" ablation, 3 the decode loop. Beyond
-the paper: 4 the draft in its own process, 5 a cost model that predicts the speedup, 6 drafts derived from
-the target (no second model can be downloaded here: int8 on a CPU, bfloat16 on CUDA), 7 the CLI.
+Classic speculative decoding is draft-THEN-verify: each model waits while the other works. CARD runs both at
+once: the draft keeps growing a scored tree of candidate continuations, "the cache" (§2.2); the target
+QUERIES its best path of up to r tokens (r, the communication ratio ~ t(target step) / t(draft step), §3.1),
+VERIFIES that chain in one forward, then CORRECTS the cache to the subtree that continues the accepted text,
+or restarts it on a miss (§2.4). Beyond the paper (below its banner): the draft's own process, and drafts
+derived from the target (int8 on a CPU, bfloat16 on CUDA). bench.py holds a cost model that predicts the
+speedup from measured step times (RESULTS.md, "CARD on a CPU").
 
     python card.py --prompt "Explain what a hash map is." --compare
     python card.py --prompt "..." --draft HuggingFaceTB/SmolLM2-135M-Instruct --target DIR_OF_A_1.7B_MODEL
@@ -20,10 +17,6 @@ the target (no second model can be downloaded here: int8 on a CPU, bfloat16 on C
     from card import CardConfig, generate, load_draft      # as a library (draft: same tokenizer)
     cfg = CardConfig.cpu()
     gen = generate(target, prompt_ids, 128, eos_ids, cfg, draft=load_draft(target, tok, cfg))
-
-Greedy, float32 target: the output is the target's model.generate(do_sample=False)'s in both modes; sampled,
-the plain sampler's for the same seed (tests/test_card.py). In parallel mode the timing decides only how long
-the drafts are, never which tokens are emitted: the target decides every one.
 """
 
 from __future__ import annotations
@@ -61,13 +54,11 @@ class CardConfig:
     topk: int = 100  # k, children proposed per node from the draft's top-k (Eq. 2)
     ratio: int | str = 7  # r, the communication ratio ~ t(target step) / t(draft layer); "auto" = measured
     mode: str = "parallel"  # "parallel": the draft in its own process; "lockstep": r layers, then verify
-    correct: bool = True  # False = Table 2's "cache only" ablation (CacheOnlyDrafter)
+    correct: bool = True  # False = Table 2's "cache only" ablation (Drafter.correct)
     max_lead: int | None = None  # layers the cache may lead the verified text by (None: 2r, the reference's)
     wait: int | None = None  # parallel: layers the cache must lead by before a query is answered (None: r)
-    draft: str = "self"  # the draft prepare() builds: int8, self or a model name (section 6)
+    draft: str = "self"  # the draft prepare() builds: int8, self or a model name (section 5)
     draft_dtype: str = "bfloat16"  # the dtype of draft "self" or a named draft
-    draft_threads: int | None = None  # CPU, parallel mode: the draft process's threads (None: half the cores)
-    target_threads: int | None = None  # CPU, parallel mode: the target's threads (None: the rest)
 
     @classmethod
     def paper(cls) -> "CardConfig":
@@ -87,19 +78,12 @@ class CardConfig:
 
     def check(self) -> None:
         """Raise verify.UserError (a ValueError) for an impossible value; accept r as text too."""
-        if self.ratio != "auto":
-            try:
-                self.ratio = int(self.ratio)
-            except ValueError:
-                raise verify.UserError(f"--ratio must be a whole number or 'auto' (got {self.ratio!r})") \
-                    from None
-        for name in ("k", "topk", "ratio"):
+        if self.ratio != "auto" and not str(self.ratio).lstrip("-").isdigit():
+            raise verify.UserError(f"--ratio must be a whole number or 'auto' (got {self.ratio!r})")
+        self.ratio = self.ratio if self.ratio == "auto" else int(self.ratio)
+        for name, low in (("k", 1), ("topk", 1), ("ratio", 1), ("wait", 0), ("max_lead", 1)):
             v = getattr(self, name)
-            if v != "auto" and v < 1:
-                raise verify.UserError(f"--{name} must be at least 1 (got {v})")
-        for name, low in (("wait", 0), ("max_lead", 1), ("draft_threads", 1), ("target_threads", 1)):
-            v = getattr(self, name)
-            if v is not None and v < low:
+            if v not in (None, "auto") and v < low:
                 raise verify.UserError(f"--{name.replace('_', '-')} must be at least {low} (got {v})")
         if self.mode not in ("lockstep", "parallel"):
             raise verify.UserError(f"--mode must be lockstep or parallel (got {self.mode!r})")
@@ -134,11 +118,9 @@ class Node:
 
 class CandidateCache:
     def __init__(self, k: int, topk: int):
-        assert k >= 1 and topk >= 1
-        self.K, self.k = k, topk
+        self.K, self.k, self._next = k, topk, 0
         self.nodes: dict[int, Node] = {}
         self.layers: list[list[int]] = []
-        self._next = 0
 
     def reset(self, root_token: int) -> None:
         """A new tree with just the (unfed) root."""
@@ -156,9 +138,7 @@ class CandidateCache:
         self.layers[depth].append(i)
         return i
 
-    @property
-    def depth(self) -> int:
-        return len(self.layers) - 1
+    depth = property(lambda self: len(self.layers) - 1)
 
     def frontier(self) -> list[int]:
         """The unfed newest layer ([] if every layer has been fed)."""
@@ -166,13 +146,8 @@ class CandidateCache:
         return last if self.nodes[last[0]].slot is None else []
 
     def secondary(self, layer: int) -> list[tuple[int, float, int]]:
-        """B^(l) (Eq. 3, 5): (token, w = p * sigma(parent), parent) for the top-k children of every fed node
-        of `layer`."""
-        out = []
-        for i in self.layers[layer]:
-            node = self.nodes[i]
-            out += [(t, p * node.sigma, i) for t, p in node.cands]
-        return out
+        """B^(l) (Eq. 3, 5): (token, w = p * sigma(parent), parent) over the fed nodes of `layer`."""
+        return [(t, p * self.nodes[i].sigma, i) for i in self.layers[layer] for t, p in self.nodes[i].cands]
 
     def grow(self) -> list[int]:
         """The next layer from the newest (fed) layer: sort B by score, keep the top K (Eq. 6-9)."""
@@ -188,15 +163,14 @@ class CandidateCache:
             i = self.nodes[i].parent
         return out[::-1]
 
-    def query(self, r: int) -> list[int]:
-        """QUERY: the highest-weight path of up to r tokens below the root -- the best sigma at depth
-        min(r, depth). (sigma only falls along a path, so the deepest layer's best node IS the best path of
-        that length in the cache.)"""
-        d = min(r, self.depth)
-        if d == 0:
-            return []
-        best = max(self.layers[d], key=lambda i: self.nodes[i].sigma)
-        return self.path_to(best)
+    def query(self, r: int, below: int | None = None) -> list[int]:
+        """QUERY: the best path of up to r tokens below the root (or node `below`): the best sigma that
+        deep (sigma only falls along a path, so that node ends the best path of that length)."""
+        top = self.root if below is None else below
+        base = self.nodes[top].depth
+        d = min(r, self.depth - base)
+        ends = [i for i in self.layers[base + d] if top == self.root or top in self.path_to(i)] if d else []
+        return self.path_to(max(ends, key=lambda i: self.nodes[i].sigma))[base:] if ends else []
 
 # ---- 2. The drafter: draft forwards (§2.2, §2.3) and correction (§2.4) -------------------------------------
 #
@@ -230,20 +204,19 @@ def draft_mask(tree: CandidateCache, front: Sequence[int], dp: int, cache_len: i
     return allowed
 
 class Drafter:
-    def __init__(self, model, k: int, topk: int):
-        self.model = model
-        self.tree = CandidateCache(k, topk)
-        self.cache = None
+    def __init__(self, model, k: int, topk: int, correct: bool = True):
+        self.model, self.tree, self.cache = model, CandidateCache(k, topk), None
+        self.correcting = correct  # False: Table 2's "cache only" ablation (see correct())
         self.layers_fed = 0  # draft forwards done (one per layer)
 
     def start(self, text: Sequence[int], capacity: int = 256) -> None:
-        """text = the verified tokens, its last one the (unfed) root; capacity: the most KV positions the
-        draft cache will hold (verify.new_cache)."""
+        """text = the verified tokens, its last one the (unfed) root; capacity: the draft cache's size."""
         self.text = list(text)
         self.cache = verify.new_cache(self.model, capacity)
         self.dp = 0  # verified tokens whose KV is in the draft cache (text[:dp])
         self.tree.reset(self.text[-1])
         self.root_pos = len(self.text) - 1  # the text position of the tree's root
+        self.qroot = None  # cache only: the node the verified text has reached in the tree (None: the root)
 
     def _topk(self, logits: torch.Tensor) -> list[list[tuple[int, float]]]:
         """Eq. 1-2: the draft's distribution at each fed node, reduced to its top-k (token, p)."""
@@ -280,21 +253,32 @@ class Drafter:
 
     def lead(self) -> int:
         """How many layers the cache reaches below the verified text."""
-        return self.tree.depth
+        return self.tree.depth - (0 if self.qroot is None else self.tree.nodes[self.qroot].depth)
 
     def query(self, r: int) -> list[int]:
         """The tokens of the best path of up to r tokens below the verified text (§2, Figure 2)."""
-        return [self.tree.nodes[i].token for i in self.tree.query(r)]
+        return [self.tree.nodes[i].token for i in self.tree.query(r, self.qroot)]
 
     def correct(self, accepted: Sequence[int], bonus: int) -> bool:
         """CORRECT (§2.4) after the target accepted `accepted` (tokens of the queried path) and emitted
-        `bonus`. Returns True on a cache hit (the bonus token is in the cache below the accepted path)."""
+        `bonus`. Returns True on a cache hit (the bonus token is in the cache below the accepted path).
+
+        Table 2's "cache only" ablation (correct=False) queries but does not correct: on a hit it follows the
+        text down the cache (`qroot`) and prunes nothing, so the draft keeps growing branches the text has
+        left; only on a miss is the cache restarted from the target's token, as the full method does."""
         self.text += list(accepted) + [int(bonus)]
-        return self._correct(self.tree.root, accepted, bonus)
+        start = self.tree.root if self.qroot is None else self.qroot
+        if not self.correcting:
+            node = start
+            for t in accepted:
+                node = self.tree.nodes[node].children[t]
+            self.qroot = self.tree.nodes[node].children.get(int(bonus))
+            if self.qroot is not None:
+                return True
+        return self._correct(start, accepted, bonus)
 
     def _correct(self, start: int, accepted: Sequence[int], bonus: int) -> bool:
-        """Prune the cache to the subtree below the verified text, which runs from the root through `start`
-        and then `accepted`, and compact the draft KV to match."""
+        """Prune the cache to the subtree below the verified text (root, start, accepted); compact the KV."""
         tree = self.tree
         node, walked = start, []
         for t in accepted:  # the accepted tokens ARE a path of the cache (they were queried from it)
@@ -302,7 +286,7 @@ class Drafter:
             walked.append(node)
         x = tree.nodes[node].children.get(int(bonus))
         # Verified nodes that are fed become the new verified prefix of the draft cache.
-        verified = [n for n in [tree.root, *self._path_from_root(start), *walked] 
+        verified = [n for n in [tree.root, *tree.path_to(start), *walked]
                     if tree.nodes[n].slot is not None]
         keep = [n for n in self._subtree(x) if tree.nodes[n].slot is not None] if x is not None else []
         keep.sort(key=lambda n: tree.nodes[n].slot)  # slot order (BFS order can differ within a layer)
@@ -317,9 +301,6 @@ class Drafter:
         self._reroot(x, {n: self.dp + k for k, n in enumerate(keep)})  # HIT: keep x's subtree
         return True
 
-    def _path_from_root(self, node: int) -> list[int]:
-        return self.tree.path_to(node) if node != self.tree.root else []
-
     def _subtree(self, x: int) -> list[int]:
         """x and its descendants, layer by layer."""
         out, level = [], [x]
@@ -329,9 +310,8 @@ class Drafter:
         return out
 
     def _reroot(self, x: int, new_slot: dict[int, int]) -> None:
-        """Make x the root: depths shift, sigmas are renormalized by sigma(x) (so they do not underflow),
-        fed nodes move to their compacted slots. The unfed frontier is rebuilt from the secondary cache:
-        its pruned-away entries leave room for the next-best candidates of the surviving parents."""
+        """Make x the root: depths shift, sigmas are renormalized by sigma(x) (no underflow), fed nodes move
+        to their compacted slots, and the unfed frontier is rebuilt from the surviving parents' B."""
         old = self.tree
         new = CandidateCache(old.K, old.k)
         new._next = old._next
@@ -356,72 +336,24 @@ class Drafter:
                     del new.nodes[i]
             new.grow()
 
-# ---- Ablation: "cache only" (Table 2) -- query, but do not correct -----------------------------------------
-#
-# The only place the ablation lives. On a hit the verified text is followed down the cache (to `qroot`) and
-# nothing is pruned or compacted: the draft keeps growing every branch, including the ones the text has
-# left. Only on a miss, when the text has left the cache altogether, is the cache corrected (restarted from
-# the target's token), as the full method does.
-
-class CacheOnlyDrafter(Drafter):
-    def start(self, text: Sequence[int], capacity: int = 256) -> None:
-        super().start(text, capacity)
-        self.qroot = None  # the node the verified text has reached inside the tree (None: the root)
-
-    def lead(self) -> int:
-        base = 0 if self.qroot is None else self.tree.nodes[self.qroot].depth
-        return self.tree.depth - base
-
-    def query(self, r: int) -> list[int]:
-        """The best path of up to r tokens below qroot."""
-        if self.qroot is None:
-            return super().query(r)
-        tree = self.tree
-        base = tree.nodes[self.qroot].depth
-        d = min(r, tree.depth - base)
-        below = [i for i in tree.layers[base + d] if self.qroot in tree.path_to(i)] if d else []
-        if not below:
-            return []
-        best = max(below, key=lambda i: tree.nodes[i].sigma)
-        return [tree.nodes[i].token for i in tree.path_to(best)[base:]]
-
-    def correct(self, accepted: Sequence[int], bonus: int) -> bool:
-        tree = self.tree
-        start = tree.root if self.qroot is None else self.qroot
-        node = start
-        for t in accepted:
-            node = tree.nodes[node].children[t]
-        self.text += list(accepted) + [int(bonus)]
-        x = tree.nodes[node].children.get(int(bonus))
-        if x is not None:  # a hit: follow the text down the tree, prune nothing
-            self.qroot = x
-            return True
-        self.qroot = None  # a miss: correct from where the text was, i.e. restart the cache
-        return self._correct(start, accepted, bonus)
-
 # ---- 3. The decode loop ------------------------------------------------------------------------------------
 #
-# Both modes put the draft behind the same two calls, so the target's loop is one loop:
-#   start(text, capacity, r, max_lead, wait)   a new prompt: the verified text, its last token the root
-#   query(accepted, bonus)                     CORRECT the cache with the target's last step (None the first
-#                                              time), then QUERY it: -> (chain, hit), up to r tokens
-# lockstep  the draft does exactly r layers per query, then answers, in this process: deterministic, what the
-#           released code effectively does, and what the tests pin down.
-# parallel  the draft lives in its own process (section 4) and drafts whenever it leads the verified text by
-#           fewer than max_lead layers. While the target verifies a chain the draft keeps drafting below
-#           it, so after a hit the next chain is (partly) ready:
+# Both modes put the draft behind the same two calls: start(text, ...) for a new prompt, and query(accepted,
+# bonus), which CORRECTs the cache with the target's last step, then QUERYs it -> (chain, hit).
+# lockstep  the draft does exactly r layers per query, in this process: deterministic, what the released code
+#           effectively does, and what the tests pin down.
+# parallel  the draft lives in its own process (section 4) and drafts while it leads the verified text by
+#           fewer than max_lead layers, so after a hit the next chain is (partly) ready:
 #
 #     target:  query ─> verify the chain (r + 1 rows) ─────────────> correct+query ─> verify ...
 #     draft:   answer   layer  layer  layer  layer (below the chain)  answer          layer ...
 
 @torch.no_grad()
 def generate(model, prompt_ids: Sequence[int], max_new_tokens: int, eos_ids: Sequence[int], cfg: CardConfig,
-             *, draft, sampling: verify.Sampling = verify.GREEDY, costs: dict | None = None, on_emit=None,
-             on_step=None) -> Generation:
+             *, draft, sampling: verify.Sampling = verify.GREEDY, on_emit=None, on_step=None) -> Generation:
     """CARD decoding. `model` is the target, `draft` the draft model (same tokenizer; `load_draft` builds the
-    one cfg names) or a running DraftProcess. Both modes emit the same tokens: the target decides every one.
-    `sampling`: the target samples with keyed noise (verify.py §7) and accepts the queried chain where it
-    equals those samples. `costs` (prepare() measures them): the cost model's step times (section 5)."""
+    one cfg names) or a running DraftProcess. Both modes emit the same tokens, greedy or sampled (verify.py
+    section 7): the target decides every one; timing decides only how long the chains are."""
     cfg.check()
     if draft is None or cfg.ratio == "auto":
         raise verify.UserError("CARD needs a draft model (draft=...) and a whole r (prepare() measures auto)")
@@ -461,47 +393,40 @@ def generate(model, prompt_ids: Sequence[int], max_new_tokens: int, eos_ids: Seq
             if gen.finish_step(tree, path, bonus, draft_s):
                 break
             pending, accepted = bonus, [tree.tokens[i] for i in path[1:]]
-    add_statistics(gen, side.layers_fed, cfg, costs, ratio, wait)
+    steps, layers, queries = max(gen.steps, 1), side.layers_fed, gen.extra["hits"] + gen.extra["misses"]
+    gen.extra.update(draft_layers=layers, hit_rate=gen.extra["hits"] / max(queries, 1),
+                     draft_layers_per_step=layers / steps, verified_per_step=gen.extra["verified"] / steps)
     return gen
 
 # ---- Beyond the paper --------------------------------------------------------------------------------------
 # ---- 4. The draft in its own process: the parallel mode's protocol -----------------------------------------
 #
-# Why a process and not a thread: a small model's step is mostly host work (Python, kernel launches), and two
-# threads of one process take turns on the GIL: at query time the draft had had no turn (RESULTS.md). The
-# published CARD code also runs two processes. Here they share nothing but a pipe, and the messages are token
-# ids (a few hundred bytes), never tensors:
+# Why a process and not a thread: a small model's step is mostly host work, and two threads of one process
+# take turns on the GIL (RESULTS.md). The published code also runs two processes. They share only a pipe, and
+# the messages are token ids (a few hundred bytes), never tensors:
 #
 #   target -> draft   ("start", run, text, capacity, max_lead)
 #                     ("query", run, accepted, bonus, r, wait)  correct (accepted None: nothing to correct),
 #                                                  then answer once the cache leads by wait (or max_lead)
 #                     ("done",)                    generate() returned: stop drafting, keep the model
 #                     ("stop",)                    exit
-#   draft -> target   ("ready",) once, after start-up
-#                     ("chain", run, tokens, hit, layers_fed)
+#   draft -> target   ("ready",) once, after start-up;  ("chain", run, tokens, hit, layers_fed)
 #                     ("error", "ValueError: ...") the draft failed; it then exits
-#
 # `run` numbers the generate() calls, so an answer that an earlier, interrupted call left behind is dropped.
-
-def cpu_split(cfg: "CardConfig") -> tuple[int, int]:
-    """(draft threads, target threads) in parallel mode on a CPU: cfg's, else half of this process's threads
-    for the draft process and the rest for the target (on 2 cores: one each)."""
-    threads = torch.get_num_threads()
-    draft = cfg.draft_threads or max(1, threads // 2)
-    return draft, cfg.target_threads or max(1, threads - draft)
 
 @contextlib.contextmanager
 def draft_side(draft, cfg: "CardConfig"):
     """The draft behind start() / query(): a LockstepDraft, or a DraftProcess (the caller's, or one started
-    for this call and stopped when it ends, raises or is interrupted). On a CPU in parallel mode the target
-    keeps the threads the draft process does not take, and gets them all back afterwards."""
+    for this call and stopped after it). On a CPU the target keeps the threads the draft process leaves."""
     main_threads = torch.get_num_threads()
     owned = cfg.mode == "parallel" and not isinstance(draft, DraftProcess)
     if cfg.mode == "parallel":
         side = DraftProcess(draft, cfg) if owned else draft
-        side.check(cfg)
+        if (side.k, side.topk, side.correct) != (cfg.k, cfg.topk, cfg.correct):
+            raise verify.UserError(f"this DraftProcess drafts with K={side.k}, k={side.topk}, correct="
+                                   f"{side.correct}, unlike the config")
         if side.threads:
-            torch.set_num_threads(cfg.target_threads or max(1, main_threads - side.threads))
+            torch.set_num_threads(max(1, main_threads - side.threads))
     else:
         side = LockstepDraft(draft.model if isinstance(draft, DraftProcess) else draft, cfg)
     try:
@@ -514,7 +439,7 @@ class LockstepDraft:
     """The draft in the target's process: r layers per query (the lockstep mode)."""
 
     def __init__(self, draft, cfg: "CardConfig"):
-        self.drafter = (Drafter if cfg.correct else CacheOnlyDrafter)(draft, cfg.k, cfg.topk)
+        self.drafter = Drafter(draft, cfg.k, cfg.topk, cfg.correct)
 
     def start(self, text: Sequence[int], capacity: int, ratio: int, max_lead: int, wait: int) -> None:
         self.ratio, self.max_lead = ratio, max_lead  # (wait: lockstep always has its r layers before a query)
@@ -529,10 +454,7 @@ class LockstepDraft:
 
     layers_fed = property(lambda self: self.drafter.layers_fed)
 
-    def done(self) -> None:  # nothing runs in the background
-        pass
-
-    close = done
+    done = close = lambda self: None  # nothing runs in the background
 
 class DraftProcessError(verify.UserError):
     """The draft process died or failed (a UserError: the CLI prints it as one line and exits non-zero)."""
@@ -565,27 +487,23 @@ def _draft_process(conn, k: int, topk: int, correct: bool, threads: int | None) 
                 drafter, asked = None, None
             elif msg[0] == "start":
                 _, run, text, capacity, max_lead = msg
-                drafter, asked = (Drafter if correct else CacheOnlyDrafter)(draft, k, topk), None
+                drafter, asked = Drafter(draft, k, topk, correct), None
                 drafter.start(text, capacity)
             elif msg[0] == "query":
                 _, run, accepted, bonus, r, wait = msg
                 hit = None if accepted is None else drafter.correct(accepted, bonus)  # CORRECT (§2.4)
                 asked = (r, wait, hit)
-    except (EOFError, BrokenPipeError, ConnectionResetError):
+    except (EOFError, OSError):
         return  # the target's process is gone: nothing left to draft for
     except BaseException as e:  # reported to the target, which raises DraftProcessError
         with contextlib.suppress(Exception):
             conn.send(("error", f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"))
 
 def _stop_process(process, conn) -> None:
-    """Ask the draft process to stop, else terminate, else kill it: at close(), when the DraftProcess is
-    garbage-collected, and at interpreter exit."""
+    """Ask the draft process to stop, else kill it: at close(), at garbage collection and at exit."""
     with contextlib.suppress(Exception):
         conn.send(("stop",))
     process.join(timeout=5)  # subtle: the draft reads its messages between two layers, one forward at most
-    if process.is_alive():
-        process.terminate()
-        process.join(timeout=5)
     if process.is_alive():
         process.kill()
         process.join()
@@ -596,17 +514,15 @@ class DraftProcess:
     decodes many prompts starts it once (generate() given a plain model starts one per call):
 
         with card.DraftProcess(draft, cfg) as proc:           # cfg: the K, k and correction it drafts with
-            for ids in prompts:
-                card.generate(target, ids, 128, eos, cfg, draft=proc)
+            for ids in prompts: card.generate(target, ids, 128, eos, cfg, draft=proc)
 
-    It never outlives this process: stopped at close(), at garbage collection and at exit, and it exits by
-    itself when its pipe breaks (its parent died)."""
+    It stops at close(), garbage collection or exit, and by itself if its parent dies."""
 
     def __init__(self, draft, cfg: "CardConfig", threads: int | None = None):
         ctx = torch.multiprocessing.get_context("spawn")  # fork is unsafe with threads and CUDA
         self.model, self.k, self.topk, self.correct = draft, cfg.k, cfg.topk, cfg.correct
-        if threads is None and draft.device.type == "cpu":
-            threads = cpu_split(cfg)[0]
+        if threads is None and draft.device.type == "cpu":  # on a CPU: half the threads (on 2 cores: one)
+            threads = max(1, torch.get_num_threads() // 2)
         self.threads, self.run, self.layers_fed = threads, 0, 0
         self.conn, child_end = ctx.Pipe()
         self.process = ctx.Process(target=_draft_process, name="card-draft", daemon=True,
@@ -614,12 +530,10 @@ class DraftProcess:
         self.process.start()
         child_end.close()  # subtle: now only the child holds that end, so its death reads here as EOF
         self._stop = weakref.finalize(self, _stop_process, self.process, self.conn)
-        # The model goes through the pipe as its parts (portable()): torch's pickler moves tensors to shared
-        # memory (CUDA: IPC), so nothing is copied. subtle, three traps: (1) not the module, whose hooks are
-        # often unpicklable local functions; (2) not as a Process argument: pickled at start(), a tensor made
-        # for pickling is freed with its shared-memory handle before the child opens it; (3) an int8 draft
-        # cannot make the trip (per-channel quantized tensors do not rebuild from shared memory), so the
-        # child quantizes its own copy of the target's parts (int8_draft's card_rebuild).
+        # The model goes through the pipe as its parts (portable()), its tensors in shared memory (CUDA: IPC).
+        # subtle, three traps: (1) not the module, whose hooks are often unpicklable; (2) not as a Process
+        # argument: pickled at start(), such a tensor is freed before the child opens it; (3) an int8 draft
+        # cannot make the trip, so the child quantizes its own copy of the target (int8_draft's card_rebuild).
         build, source = getattr(draft, "card_rebuild", (None, draft))
         self._send((torch.backends.quantized.engine, build, portable(source)))
         self._receive("ready")
@@ -627,7 +541,7 @@ class DraftProcess:
     def _send(self, msg) -> None:
         try:
             self.conn.send(msg)
-        except (BrokenPipeError, ConnectionResetError, OSError):
+        except OSError:  # a broken pipe: the draft process is gone
             self._died()
 
     def _died(self):
@@ -641,19 +555,13 @@ class DraftProcess:
                     self._died()
             try:
                 msg = self.conn.recv()
-            except (EOFError, ConnectionResetError, OSError):
+            except (EOFError, OSError):
                 self._died()
             if msg[0] == "error":
                 self.close()
                 raise DraftProcessError(f"the draft process failed: {msg[1]}")
             if msg[0] == kind and (kind == "ready" or msg[1] == self.run):
                 return msg  # (an answer left over from an interrupted run is dropped)
-
-    def check(self, cfg: "CardConfig") -> None:
-        if (self.k, self.topk, self.correct) != (cfg.k, cfg.topk, cfg.correct):
-            raise verify.UserError(f"this DraftProcess drafts with K={self.k}, k={self.topk}, correct="
-                                   f"{self.correct}; the config asks for K={cfg.k}, k={cfg.topk}, "
-                                   f"correct={cfg.correct}")
 
     def start(self, text: Sequence[int], capacity: int, ratio: int, max_lead: int, wait: int) -> None:
         self.run += 1
@@ -666,8 +574,7 @@ class DraftProcess:
         _, _, chain, hit, self.layers_fed = self._receive("chain")
         return chain, hit
 
-    def done(self) -> None:
-        """generate() is over: stop drafting (leave the cores to the caller) until the next start()."""
+    def done(self) -> None:  # generate() is over: stop drafting, leave the cores to the caller
         if self.process.is_alive():
             with contextlib.suppress(DraftProcessError):
                 self._send(("done",))
@@ -681,83 +588,13 @@ class DraftProcess:
     def __exit__(self, *exc):
         self.close()
 
-def add_statistics(gen: Generation, layers: int, cfg: "CardConfig", costs, ratio: int, wait: int) -> None:
-    steps, queries = max(gen.steps, 1), max(gen.extra["hits"] + gen.extra["misses"], 1)
-    gen.extra.update(draft_layers=layers, hit_rate=gen.extra["hits"] / queries,
-                     draft_layers_per_step=layers / steps, verified_per_step=gen.extra["verified"] / steps)
-    if costs and gen.steps:
-        hit_len = gen.extra["hit_tokens"] / gen.extra["hits"] if gen.extra["hits"] else None
-        mat = len(gen.tokens) / gen.target_forwards
-        gen.extra["predicted_speedup"] = predicted_speedup(costs, cfg.mode, ratio, wait, mat,
-                                                           gen.extra["hit_rate"], hit_len)
-
-# ---- 5. The cost model: the speedup that the measured step times, acceptance and hit rate predict ----------
-#
-# Per target step CARD emits `mat` tokens (the mean accepted length, bonus included) where plain decoding
-# would have taken mat one-token target steps. What one CARD step costs depends on the mode:
-#
-#   lockstep  T = r * t_draft + t_verify                          the two models take turns
-#   parallel  T = h * max(t_verify, c * t_draft)                  a hit: the draft drafted while the target
-#                                                                 verified, and must replace the c layers the
-#                                                                 step consumed (c: tokens a hit step emits)
-#               + (1 - h) * (t_verify + w * t_draft)              a miss: the cache restarts from the target's
-#                                                                 token, and the target waits for w layers
-#   speedup = mat * t_target / T
-#
-# t_target: a one-token target step; t_verify: a target forward over r + 1 rows; t_draft: one draft layer of K
-# rows; h: the hit rate; w: the layers a query waits for (cfg.wait). Each time is measured with the cores
-# that side gets, ONE SIDE AT A TIME: the model leaves out what the two processes cost each other (memory
-# bandwidth, caches), the messages and the bookkeeping, so it overestimates a little (RESULTS.md compares).
-# A CPU figure belongs to its CPU; this is how a reader predicts theirs.
-
-def predicted_speedup(costs: dict, mode: str, r: int, wait: int, mat: float, hit_rate: float,
-                      hit_len: float | None = None) -> float:
-    """The cost model above; costs = {"t_target", "t_verify", "t_draft"} in seconds; hit_len = c, the mean
-    tokens emitted by a step that ends in a hit (default: mat).
-
-    >>> paper = dict(t_target=1.0, t_verify=1.0, t_draft=1 / 7)
-    >>> round(predicted_speedup(paper, "parallel", 7, 7, mat=5.0, hit_rate=0.97), 2)
-    4.85
-    >>> round(predicted_speedup(paper, "lockstep", 7, 7, mat=5.0, hit_rate=0.97), 2)
-    2.5
-    """
-    t_t, t_v, t_d = costs["t_target"], costs["t_verify"], costs["t_draft"]
-    if mode == "lockstep":
-        step = r * t_d + t_v
-    else:
-        c = mat if hit_len is None else hit_len
-        step = hit_rate * max(t_v, c * t_d) + (1 - hit_rate) * (t_v + wait * t_d)
-    return mat * t_t / step
-
-def measure_costs(model, draft, cfg: "CardConfig") -> dict:
-    """The step times of the cost model, after 256 cached tokens (verify.measure_step_times), each with the
-    threads that side gets in cfg.mode. t_target is always measured with all of them (plain decoding's)."""
-    main_threads = torch.get_num_threads()
-    try:
-        t_target = verify.measure_step_times(model, [1], repeats=3)[1]
-        split = cfg.mode == "parallel" and draft.device.type == "cpu"
-        draft_threads, target_threads = cpu_split(cfg) if split else (main_threads, main_threads)
-        torch.set_num_threads(target_threads)
-        t_verify = verify.measure_step_times(model, [cfg.ratio + 1], repeats=3)[cfg.ratio + 1]
-        torch.set_num_threads(draft_threads)
-        t_draft = verify.measure_step_times(draft, [cfg.k], repeats=3)[cfg.k]
-    finally:
-        torch.set_num_threads(main_threads)
-    return {"t_target": t_target, "t_verify": t_verify, "t_draft": t_draft}
-
-# ---- 6. Drafts derived from the target ---------------------------------------------------------------------
+# ---- 5. Drafts derived from the target ---------------------------------------------------------------------
 #
 # CARD needs a draft CHEAPER than the target (r = t_target / t_draft > 1) that often agrees with it. No second
 # model is available offline, so the drafts are derived from the target (`--draft`; RESULTS.md measures them):
-#   int8       the target with every linear layer in int8 (dynamic quantization, per output channel): several
-#              times cheaper on a CPU, and usually right. CPU only.
-#   self       the target's own weights in --draft-dtype (bfloat16): the best acceptance, but on a CPU barely
-#              cheaper and on a GPU no cheaper at all (a small model's step is launch-bound).
+#   int8       the target's linear layers in dynamic int8: several times cheaper on a CPU, often right (CPU)
+#   self       the target's weights in --draft-dtype (bfloat16): the best acceptance, but hardly cheaper
 #   NAME/PATH  any model with the same tokenizer, in --draft-dtype (a real small/large pair).
-
-def same_vocabulary(tok_a, tok_b) -> bool:
-    """Speculation compares token ids, so the two models must map the same strings to the same ids."""
-    return tok_a.get_vocab() == tok_b.get_vocab()
 
 def portable(model) -> tuple[str, object]:
     """What a model is made of, for another process: ("parts", (class, config, tensors, buffers, generation
@@ -770,9 +607,8 @@ def portable(model) -> tuple[str, object]:
                      model.generation_config)
 
 def assemble(cls, config, tensors: dict, buffers: dict, generation_config):
-    """A model of class `cls` whose tensors ARE the given ones (no copy). Its skeleton is built on the meta
-    device (no memory, no initialization), then handed the tensors; buffers outside the state dict (rotary
-    frequencies, ...) are set one by one."""
+    """A model of class `cls` whose tensors ARE the given ones: a skeleton on the meta device (no memory, no
+    initialization) handed the tensors; buffers outside the state dict (rotary frequencies) set one by one."""
     with torch.device("meta"):
         model = cls(config)
     model.load_state_dict(tensors, strict=False, assign=True)  # assign: keep these tensors, no copy
@@ -786,17 +622,13 @@ def assemble(cls, config, tensors: dict, buffers: dict, generation_config):
     return model.eval()
 
 def int8_draft(model, copy_model: bool = True):
-    """The target with every nn.Linear replaced by torch's int8 dynamically quantized linear (weights per
-    output channel; activations quantized on the fly). A copy: the target itself stays float32 (the draft
-    process, which owns the module it assembled, quantizes that one in place: copy_model=False)."""
+    """The target with every nn.Linear in torch's dynamic int8 (weights per output channel), a copy (the draft
+    process quantizes the module it assembled in place: copy_model=False)."""
     if model.device.type != "cpu":
         raise verify.UserError("--draft int8 runs on a CPU only (torch's dynamic quantization has no GPU "
                                "kernels)")
-    try:
-        from torch.ao.quantization import per_channel_dynamic_qconfig, quantize_dynamic
-    except ImportError:
-        raise verify.UserError("this torch has no torch.ao.quantization.quantize_dynamic; use --draft "
-                               "self") from None
+    from torch.ao.quantization import per_channel_dynamic_qconfig, quantize_dynamic
+
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # note: torch >= 2.10 marks torch.ao.quantization deprecated
         draft = quantize_dynamic(copy.deepcopy(model) if copy_model else model,
@@ -805,50 +637,39 @@ def int8_draft(model, copy_model: bool = True):
     draft.card_rebuild = (functools.partial(int8_draft, copy_model=False), model)
     return draft
 
-_DRAFTS: dict = {}  # (spec, target, dtype) -> draft: bench.py's card and hf-assisted share one
-
 def load_draft(model, tok, cfg: CardConfig, target_name: str = verify.DEFAULT_MODEL):
     """The draft cfg.draft names (see the table above), on the target's device."""
-    spec = cfg.draft or "self"
-    key = (spec, id(model), cfg.draft_dtype)
-    if key not in _DRAFTS:
-        if spec == "int8":
-            draft = int8_draft(model)
-        elif spec == "self":
-            draft = copy.deepcopy(model).to(verify.pick_dtype(cfg.draft_dtype, model.device))
-        else:
-            attn = getattr(model.config, "_attn_implementation", None)
-            attn = attn if attn in verify.MASK_HONOURING else "auto"
-            draft, draft_tok = verify.load_model(spec, device=str(model.device), dtype=cfg.draft_dtype,
-                                                 attn_implementation=attn, option="--draft")
-            if not same_vocabulary(tok, draft_tok):
-                raise verify.UserError(f"--draft {spec} and --target {target_name} do not share a vocabulary "
-                                       "(CARD compares token ids)")
-        _DRAFTS[key] = (draft, model)  # (the target is kept so that its id is not reused)
-    return _DRAFTS[key][0]
+    if cfg.draft == "int8":
+        return int8_draft(model)
+    if cfg.draft == "self":
+        return copy.deepcopy(model).to(verify.pick_dtype(cfg.draft_dtype, model.device))
+    attn = getattr(model.config, "_attn_implementation", None)
+    attn = attn if attn in verify.MASK_HONOURING else "auto"
+    draft, draft_tok = verify.load_model(cfg.draft, device=str(model.device), dtype=cfg.draft_dtype,
+                                         attn_implementation=attn, option="--draft")
+    if tok.get_vocab() != draft_tok.get_vocab():  # speculation compares token ids
+        raise verify.UserError(f"--draft {cfg.draft} and --target {target_name} do not share a vocabulary")
+    return draft
 
 def step_time(model, n: int) -> float:  # one forward over n new tokens after 256 cached ones
     return verify.measure_step_times(model, [n], repeats=3)[n]
 
 def measure_ratio(model, draft, k: int) -> int:
-    """§3.1's communication ratio r = ceil(t_target / t_draft): how many K-node draft layers fit in the time
-    of one (one-token) target step."""
+    """§3.1's r = ceil(t_target / t_draft): how many K-node draft layers fit in one one-token target step."""
     return max(1, math.ceil(step_time(model, 1) / step_time(draft, k)))
 
 def prepare(model, tok, cfg: CardConfig, name: str = verify.DEFAULT_MODEL) -> tuple[CardConfig, dict]:
-    """Once per process, untimed, like loading: build the draft cfg names; measure r if it is 'auto' and the
-    cost model's step times; in parallel mode start the draft process (it lives until this process exits, or
-    until the caller closes it), so that generate() does not pay its start-up."""
+    """Once per process, untimed, like loading: the draft cfg names, r if 'auto', and in parallel mode the
+    draft process (it lives until this process exits or the caller closes it; generate() skips start-up)."""
     draft = load_draft(model, tok, cfg, name)
     if cfg.ratio == "auto":
         cfg = dataclasses.replace(cfg, ratio=measure_ratio(model, draft, cfg.k))
         print(f"[card] --ratio auto: measured r = {cfg.ratio}", file=sys.stderr)
-    costs = measure_costs(model, draft, cfg)
     if cfg.mode == "parallel":
         draft = DraftProcess(draft, cfg)
-    return cfg, {"draft": draft, "costs": costs}
+    return cfg, {"draft": draft}
 
-# ---- 7. CLI ------------------------------------------------------------------------------------------------
+# ---- 6. CLI ------------------------------------------------------------------------------------------------
 
 def main(argv=None) -> int:
     import argparse
@@ -868,10 +689,8 @@ def main(argv=None) -> int:
         + default("ratio"))
     add("--mode", choices=["parallel", "lockstep"],
         help="parallel: the draft in its own process; lockstep: r layers, then verify" + default("mode"))
-    add("--wait", type=int, help="parallel mode: layers the cache must lead the verified text by before a "
-        "query is answered; 0 = take what the cache holds (default: r on CUDA, 3 on CPU)")
-    add("--max-lead", type=int, help="layers the cache may run ahead of the verified text (default: 2r, as "
-        "the reference)")
+    add("--wait", type=int, help="parallel: layers the cache must lead by before a query is answered; 0 = "
+        "take what it holds (default: r on CUDA, 3 on CPU)")
     add("--no-correct", dest="correct", action="store_const", const=False,
         help="Table 2's 'cache only' ablation: query without correcting")
     config = lambda args, device: verify.config_from_args(CardConfig.for_device(device), args)

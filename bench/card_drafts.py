@@ -1,4 +1,4 @@
-"""Measures CARD's offline draft candidates (card.py section 4) for TUTORIAL.md §4.6: for each --draft spec,
+"""Measures CARD's offline draft candidates (card.py section 5) for RESULTS.md, "CARD on a CPU": for each --draft spec,
 
   t_draft     one draft step over a single token after 256 cached ones, with 2 threads and with 1 (the share a
               draft process gets on a 2-core machine in parallel mode); the fastest of 5 (verify.measure_step_times)
@@ -6,7 +6,7 @@
   accepted    CARD lockstep's mean accepted tokens per target step (K = 1, r = 4: at most 5), greedy, on the
               TUNING half of the shipped prompts: how often the draft agrees with the target
 
-    python bench/card_drafts.py --drafts self,int8,layers:12,layers:20,layers:24 --limit 1 --max-new-tokens 64
+    python bench/card_drafts.py --drafts self,int8 --limit 1 --max-new-tokens 64
 """
 
 import argparse
@@ -23,7 +23,7 @@ import verify  # noqa: E402
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--drafts", default="self,int8,layers:8,layers:12,layers:16,layers:20,layers:24",
+    p.add_argument("--drafts", default="self,int8",
                    help="comma list of card.py --draft specs")
     p.add_argument("--prompts", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "prompts.jsonl"))
     p.add_argument("--limit", type=int, default=1, help="tuning prompts per category (default 1)")
@@ -56,7 +56,6 @@ def main(argv=None) -> int:
                 tokens, forwards = tokens + len(gen.tokens), forwards + gen.target_forwards
             print(f"| {spec} | {1000 * t[threads]:.1f} ms | {1000 * t[1]:.1f} ms | {t_target[threads] / t[threads]:.2f} "
                   f"| {t_target[1] / t[1]:.2f} | {tokens / forwards:.2f} |", flush=True)
-            card._DRAFTS.clear()  # one draft in memory at a time
     except verify.UserError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -105,3 +105,20 @@ def test_prompts_are_filtered_by_split_and_category_and_the_long_set_has_its_hal
     assert [r["question_id"] for r in bench.load_prompts(path, 2, "tune", ["1k", "7k"])] == [1, 3, 13, 15]
     with pytest.raises(verify.UserError, match="no prompts of category 9k"):
         bench.load_prompts(path, None, "all", ["9k"])
+
+# ---------------------------------------------------------------------------------------------- CARD's cost model
+
+
+def test_cost_model_by_hand():
+    costs = dict(t_target=0.040, t_verify=0.060, t_draft=0.012)
+    # lockstep: 4 draft layers then a 5-row verification: 4 * 12 + 60 = 108 ms for 3.6 tokens; greedy: 3.6 * 40
+    assert bench.card_predicted_speedup(costs, "lockstep", 4, 4, mat=3.6, hit_rate=0.5) == pytest.approx(144 / 108)
+    # parallel, half hits: a hit costs max(60, 3.6 * 12) = 60 ms; a miss 60 + 4 * 12 = 108 ms -> mean 84 ms
+    assert bench.card_predicted_speedup(costs, "parallel", 4, 4, mat=3.6, hit_rate=0.5) == pytest.approx(144 / 84)
+    # a draft too slow to keep up: a hit then costs the draft's 3.6 layers, not the verification
+    slow = dict(costs, t_draft=0.030)
+    assert bench.card_predicted_speedup(slow, "parallel", 4, 0, mat=3.6, hit_rate=1.0) == pytest.approx(144 / 108)
+    # ... and c, the tokens a hit step emits, if given: 5 layers to replace -> 150 ms
+    assert bench.card_predicted_speedup(slow, "parallel", 4, 0, mat=3.6, hit_rate=1.0, hit_len=5) == pytest.approx(144 / 150)
+
+

@@ -357,32 +357,14 @@ def test_the_draft_process_exits_when_its_parent_dies(tmp_path):
     assert not running(pid)
 
 
-# ---------------------------------------------------------------------------------------------- the cost model
-
-
-def test_cost_model_by_hand():
-    costs = dict(t_target=0.040, t_verify=0.060, t_draft=0.012)
-    # lockstep: 4 draft layers then a 5-row verification: 4 * 12 + 60 = 108 ms for 3.6 tokens; greedy: 3.6 * 40
-    assert card.predicted_speedup(costs, "lockstep", 4, 4, mat=3.6, hit_rate=0.5) == pytest.approx(144 / 108)
-    # parallel, half hits: a hit costs max(60, 3.6 * 12) = 60 ms; a miss 60 + 4 * 12 = 108 ms -> mean 84 ms
-    assert card.predicted_speedup(costs, "parallel", 4, 4, mat=3.6, hit_rate=0.5) == pytest.approx(144 / 84)
-    # a draft too slow to keep up: a hit then costs the draft's 3.6 layers, not the verification
-    slow = dict(costs, t_draft=0.030)
-    assert card.predicted_speedup(slow, "parallel", 4, 0, mat=3.6, hit_rate=1.0) == pytest.approx(144 / 108)
-    # ... and c, the tokens a hit step emits, if given: 5 layers to replace -> 150 ms
-    assert card.predicted_speedup(slow, "parallel", 4, 0, mat=3.6, hit_rate=1.0, hit_len=5) == pytest.approx(144 / 150)
-
-
 def test_refuses_a_draft_with_another_vocabulary(monkeypatch):
     target = make_tiny_llama(0)
     tok = types.SimpleNamespace(get_vocab=lambda: {"a": 0, "b": 1})
     other = types.SimpleNamespace(get_vocab=lambda: {"a": 0, "c": 1})
     monkeypatch.setattr(verify, "load_model", lambda *a, **k: (target, other))
-    card._DRAFTS.clear()
     cfg = card.CardConfig(draft="other-model")
     with pytest.raises(verify.UserError, match="do not share a vocabulary"):
         card.load_draft(target, tok, cfg, "target-model")
-    card._DRAFTS.clear()
 
 
 def test_ratio_auto_is_the_ceiling_of_the_step_time_ratio(monkeypatch):

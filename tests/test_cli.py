@@ -105,7 +105,7 @@ def test_a_default_model_not_set_up_names_the_set_up_commands(tmp_path):
 
 METHOD_FLAGS = {
     "cacheback.py": ["--ll", "--fl", "--lc", "--fc", "--tdl", "--crt", "--frozen", "--prune"],
-    "card.py": ["--target", "--draft", "--k", "--topk", "--ratio", "--mode", "--wait", "--max-lead", "--no-correct"],
+    "card.py": ["--target", "--draft", "--k", "--topk", "--ratio", "--mode", "--wait", "--no-correct"],
     "fafo.py": ["--n-guess", "--k", "--m", "--compress", "--sink", "--recent", "--page-size", "--top-pages", "--attn"],
 }
 
