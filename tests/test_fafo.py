@@ -345,23 +345,23 @@ def _one_step_both_ways(model, compress, attn):
     return want, got
 
 
-def test_split_plan_covers_exactly_the_allowed_entries():
-    """Oracle: rebuild the dense mask from the plan's groups (rows x gathered columns, where the group's mask
+def test_split_groups_cover_exactly_the_allowed_entries():
+    """Oracle: rebuild the dense mask from the groups (rows x gathered columns, where the group's mask
     allows) and compare with the mask it was cut from, for every compressor's selection."""
     lay = fafo.StepLayout(3, 3, 2)
-    groups = [np.nonzero(~lay.guess_rows())[0], np.nonzero(lay.guess_rows())[0]]  # verification rows, guess rows
     for selected in ([0, 1, 30, 31, 32, 33, 34, 35], list(range(8, 16)) + [40], list(range(41))):
         allowed = fafo.combined_mask(lay, 41, selected)  # [q, 41 + q]
-        plan = fafo.SplitPlan.from_mask(allowed, groups, torch.float32)
+        groups = fafo.split_groups(allowed, lay.guess_rows(), torch.float32)
         rebuilt = np.zeros_like(allowed)
-        for g in plan.groups:
-            cols = np.arange(allowed.shape[1]) if g.cols is None else g.cols.numpy()
-            rebuilt[np.ix_(g.rows.numpy(), cols)] = (g.mask[0, 0] == 0).numpy()
+        for rows, cols, mask in groups:
+            cols = np.arange(allowed.shape[1]) if cols is None else cols.numpy()
+            rebuilt[np.ix_(rows.numpy(), cols)] = (mask[0, 0] == 0).numpy()
         assert (rebuilt == allowed).all()
-        assert sorted(r for g in plan.groups for r in g.rows.tolist()) == list(range(lay.rows))
+        assert sorted(r for rows, _, _ in groups for r in rows.tolist()) == list(range(lay.rows))
     # StreamingLLM's 8 of 41: the guess rows read 8 cached + 1 + n*k step columns, not 41 + q
-    plan = fafo.SplitPlan.from_mask(fafo.combined_mask(lay, 41, [0, 1, 35, 36, 37, 38, 39, 40]), groups, torch.float32)
-    assert [None if g.cols is None else len(g.cols) for g in plan.groups] == [None, 8 + 1 + 9]
+    groups = fafo.split_groups(fafo.combined_mask(lay, 41, [0, 1, 35, 36, 37, 38, 39, 40]), lay.guess_rows(),
+                               torch.float32)
+    assert [None if cols is None else len(cols) for _, cols, _ in groups] == [None, 8 + 1 + 9]
 
 
 @pytest.mark.parametrize("compress", ["stream", "quest", "none"])
