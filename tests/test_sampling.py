@@ -1,4 +1,4 @@
-"""Sampling (verify.py section 4b): Gumbel-max noise keyed by (seed, position).
+"""Sampling (verify.py section 7): Gumbel-max noise keyed by (seed, position).
 
 Oracles: the exact filtered softmax (a chi-square test of the plain sampler, which must also FAIL for two
 deliberately broken samplers), greedy decoding (top-k 1, a tiny top-p), and the plain sampler itself: every
