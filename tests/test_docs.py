@@ -63,9 +63,9 @@ def test_every_tutorial_figure_is_made_by_make_figures_and_committed():
 
     figs = _figures_module()
     root = os.path.dirname(figs.HERE)
-    text = open(os.path.join(root, "TUTORIAL.md"), encoding="utf-8").read()
+    text = "".join(open(os.path.join(root, f), encoding="utf-8").read() for f in ("TUTORIAL.md", "RESULTS.md"))
     embedded = set(re.findall(r"\]\(docs/figures/([a-z_]+)\.png\)", text))
-    assert embedded == set(figs.FIGURES), "TUTORIAL.md embeds exactly the figures make_figures draws"
+    assert embedded == set(figs.FIGURES), "TUTORIAL.md and RESULTS.md embed exactly the figures make_figures draws"
     for name in embedded:
         assert os.path.getsize(os.path.join(figs.OUT, name + ".png")) > 5000, name
 
