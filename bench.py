@@ -232,8 +232,8 @@ def card_predicted_speedup(costs: dict, mode: str, r: int, wait: int, mat: float
 
 
 def card_costs(model, draft, cfg) -> dict:
-    """The cost model's step times after 256 cached tokens, each side on the threads it gets in cfg.mode
-    t_target, plain decoding's, on all of them."""
+    """The cost model's step times after 256 cached tokens: t_verify and t_draft each on the threads its side
+    gets in cfg.mode, t_target (plain decoding's) on all of them."""
     main_threads = torch.get_num_threads()
     split = cfg.mode == "parallel" and draft.device.type == "cpu"
     half = max(1, main_threads // 2)  # the draft process's share (card.DraftProcess), the target the rest

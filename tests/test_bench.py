@@ -1,12 +1,16 @@
 """bench.py's report, on hand-made rows: both speedup definitions, the acceptance rate and the drafting share;
-and which prompts it loads."""
+which prompts it loads; and CARD's cost model."""
 
 import os
+import types
 
 import pytest
+import torch
 
 import bench
+import card
 import verify
+from conftest import make_tiny_llama
 
 
 def row(method, qid, tokens, wall, forwards, **extra):
@@ -122,3 +126,15 @@ def test_cost_model_by_hand():
     assert bench.card_predicted_speedup(slow, "parallel", 4, 0, mat=3.6, hit_rate=1.0, hit_len=5) == pytest.approx(144 / 150)
 
 
+def test_card_predict_reads_a_run_and_card_costs_restores_the_threads():
+    costs = dict(t_target=0.040, t_verify=0.060, t_draft=0.012)
+    # 36 tokens in 10 target steps (mat 3.6), half of the queries hit and a hit emits c = 4 tokens:
+    # a hit costs max(60, 4 * 12) = 60 ms, a miss 60 + r * 12 = 108 ms (wait None = r = 4) -> mean 84 ms
+    gen = types.SimpleNamespace(tokens=[0] * 36, target_forwards=10, steps=10,
+                                extra=dict(hits=5, hit_rate=0.5, hit_tokens=20))
+    cfg = card.CardConfig(mode="parallel", ratio=4, k=1, topk=1)
+    assert bench.card_predict(gen, costs, cfg).extra["predicted_speedup"] == pytest.approx(144 / 84)
+    model, threads = make_tiny_llama(0), torch.get_num_threads()
+    measured = bench.card_costs(model, model, cfg)
+    assert set(measured) == {"t_target", "t_verify", "t_draft"} and all(t > 0 for t in measured.values())
+    assert torch.get_num_threads() == threads
