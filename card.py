@@ -233,8 +233,7 @@ class Drafter:
             # Catch up: feed the verified tokens the draft has not seen, ending with the root (causal).
             assert verify.cache_len(self.cache) == self.dp
             ids = torch.tensor([self.text[self.dp :]], device=model.device)
-            out = model(input_ids=ids, past_key_values=self.cache, use_cache=True,
-                        **verify.last_logits_only(model))
+            out = verify.model_forward(model, self.cache, input_ids=ids, **verify.last_logits_only(model))
             self.dp = len(self.text) - 1
             root.slot, root.cands = self.dp, self._topk(out.logits[0, -1:])[0]
         else:
@@ -244,8 +243,8 @@ class Drafter:
             mask = verify.additive_mask(allowed, model.dtype, model.device)  # [1, 1, n, c+n]
             ids = torch.tensor([[tree.nodes[i].token for i in front]], device=model.device)  # [1, n]
             pos = torch.tensor([[self.root_pos + tree.nodes[i].depth for i in front]], device=model.device)
-            out = model(input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=self.cache,
-                        use_cache=True)
+            out = verify.model_forward(model, self.cache, input_ids=ids, attention_mask=mask,
+                                       position_ids=pos)
             for row, (i, cands) in enumerate(zip(front, self._topk(out.logits[0]))):
                 tree.nodes[i].slot, tree.nodes[i].cands = c + row, cands
         self.layers_fed += 1

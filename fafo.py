@@ -405,9 +405,9 @@ class DenseKV:
         mask, attention = self.mask(layout or self.layout)
         only = {} if rows is None else verify.last_logits_only(self.model, torch.tensor(rows, device=dev))
         with attention:
-            out = self.model(input_ids=torch.tensor([tokens], device=dev), attention_mask=mask,
-                             position_ids=torch.tensor([positions], device=dev), past_key_values=self.cache,
-                             use_cache=True, output_hidden_states=hidden, **only)
+            out = verify.model_forward(self.model, self.cache, input_ids=torch.tensor([tokens], device=dev),
+                                       attention_mask=mask, position_ids=torch.tensor([positions], device=dev),
+                                       output_hidden_states=hidden, **only)
         logits = out.logits[0]  # [q, V] or [len(rows), V]; `rows` increase, so len q means every row
         return (logits if rows is None or len(logits) == len(rows) else logits[list(rows)]), \
             (out.hidden_states if hidden else None)
@@ -455,8 +455,8 @@ def generate(model, prompt_ids: Sequence[int], max_new_tokens: int, eos_ids: Seq
     layout = StepLayout(n, k, m)
     cache = verify.new_cache(model, len(prompt_ids) + max_new_tokens + layout.rows)
     ids = torch.tensor([list(prompt_ids)], device=model.device)
-    out = model(input_ids=ids, past_key_values=cache, use_cache=True, **verify.last_logits_only(model),
-                output_hidden_states=compressor.needs_query or compressor.window > 0)
+    out = verify.model_forward(model, cache, input_ids=ids, **verify.last_logits_only(model),
+                               output_hidden_states=compressor.needs_query or compressor.window > 0)
     verify.check_filled(cache, len(prompt_ids))  # as verify.prefill does: a recurrent model fills no cache
     pending = verify.first_token(out.logits[0, -1], len(prompt_ids), sampling)
     if gen.finish_prefill(pending):
@@ -788,7 +788,9 @@ def main(argv=None) -> int:
         + d("max_capacity_prompt"))
     add("--kernel-size", type=int, help="SnapKV: average-pooling width over the votes" + d("kernel_size"))
     add("--attn", choices=["dense", "split", "flex", "flex-compiled"], help="dense mask (the spec); split = "
-        "guess rows over C(kv) in their own SDPA call; flex = compacted blocks (§4.4)" + d("attn"))
+        "guess rows over C(kv) in their own SDPA call; flex = compacted blocks (§4.4) with FlexAttention run "
+        "eagerly (unfused: to check it, not for speed); flex-compiled = the same through torch.compile"
+        + d("attn"))
     add("--pool-cap", type=int, help="pool: k-grams kept per key, LRU (Appendix F; default: n)")
     add("--lookback", type=int, help="pool: longest key, §4.3's lookback window (default: k; 1 = Lookahead)")
     add("--prompt-pool", action="store_const", const=True, help="seed the pool with the prompt's k-grams too")

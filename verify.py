@@ -13,8 +13,9 @@ Only step 1 differs between methods, so steps 2-4 live here. To use a method els
 one; torch, transformers and numpy are all they import.
 
 The public names, section by section -- the mechanisms: 1 UserError, Tree; 2 ancestor_matrix,
-tree_attention_mask, additive_mask, tree_position_ids; 3 prefill, tree_forward; 4 accept_greedy; 5 rollback,
-compact_kv; 6 flex_mode, CompactedKVCache, CompactedLayer, attention_function (FAFO §4.4). Then the helpers:
+tree_attention_mask, additive_mask, tree_position_ids; 3 forward_parameters, cache_keyword, model_forward,
+prefill, tree_forward; 4 accept_greedy; 5 rollback, compact_kv; 6 flex_mode, CompactedKVCache,
+CompactedLayer, attention_function (FAFO §4.4). Then the helpers:
 7 Sampling, accept, first_token (sampling that stays token-exact); 8 check_supported, check_filled,
 last_logits_only, PreallocatedLayer, PreallocatedKVCache, new_cache, cache_len (plugging into transformers);
 9 Generation, vanilla_generate, hf_generate (the baselines); 10 sync, measure_step_times, measure_cost_curve
@@ -45,6 +46,7 @@ import os
 import random
 import sys
 import time
+import warnings
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
@@ -187,11 +189,34 @@ def tree_position_ids(depths: Sequence[int], prefix_len: int,
 
 # ---- 3. Verification: one forward pass over the tree -----------------------------------------------------
 
+# How the cache reaches the model. transformers 5.24 renamed forward's `past_key_values` keyword to `cache`
+# (the old name warns there, and goes in 5.40); older releases take only `past_key_values`. Which one a model
+# takes is read from its forward's signature, once per model class, never from a version string, and every
+# forward in this repository goes through model_forward().
+
+@functools.cache
+def forward_parameters(model_class) -> frozenset[str]:
+    """The keyword names `model_class.forward` takes, read once per class."""
+    return frozenset(inspect.signature(model_class.forward).parameters)
+
+def cache_keyword(model) -> str:
+    """"cache" where the model's forward takes it (transformers >= 5.24), else "past_key_values"."""
+    if "cache" in forward_parameters(type(model)):
+        return "cache"
+    return "past_key_values"
+
+def model_forward(model, cache, **inputs):
+    """The model's forward over `inputs` (input_ids, attention_mask, position_ids, ...), reading and then
+    extending the KV cache `cache` in place. Read .logits (and .hidden_states) of what it returns, never the
+    cache: `cache` is that object, and the output's attribute for it was renamed too."""
+    cache_argument = {cache_keyword(model): cache}
+    return model(**inputs, **cache_argument, use_cache=True)
+
 @torch.no_grad()
 def prefill(model, cache, prompt_ids: Sequence[int]) -> torch.Tensor:
     """Run the prompt through the model, filling the cache. Returns the last position's logits [V]."""
     ids = torch.tensor([list(prompt_ids)], device=model.device)  # [1, P]
-    out = model(input_ids=ids, past_key_values=cache, use_cache=True, **last_logits_only(model))
+    out = model_forward(model, cache, input_ids=ids, **last_logits_only(model))
     check_filled(cache, len(prompt_ids))
     return out.logits[0, -1]
 
@@ -204,8 +229,7 @@ def tree_forward(model, cache, tree: Tree) -> torch.Tensor:
     positions = tree_position_ids(tree.depths, prefix_len, model.device)  # [1, N]
     # note: for a chain the tree mask IS the causal mask: the model builds its own (sdpa's causal fast path)
     mask = None if tree.is_chain else tree_attention_mask(tree.parents, prefix_len, model.dtype, model.device)
-    out = model(input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=cache,
-                use_cache=True)
+    out = model_forward(model, cache, input_ids=ids, attention_mask=mask, position_ids=positions)
     return out.logits[0]  # [N, V]
 
 # ---- 4. Greedy acceptance --------------------------------------------------------------------------------
@@ -491,10 +515,17 @@ def _flex_forward(module, query, key, value, attention_mask, scaling=None, dropo
     compacted buffer), attention_mask = its BlockMask. Returns [B, q, H, D], as transformers expects."""
     from torch.nn.attention.flex_attention import flex_attention
 
-    fn = _compiled_flex() if compiled else flex_attention
     gqa = query.shape[1] != key.shape[1]
-    out = fn(query, key, value, block_mask=attention_mask, scale=scaling, enable_gqa=gqa)
-    return out.transpose(1, 2).contiguous(), None
+    if compiled:
+        out = _compiled_flex()(query, key, value, block_mask=attention_mask, scale=scaling, enable_gqa=gqa)
+        return out.transpose(1, 2).contiguous(), None
+    with warnings.catch_warnings():
+        # Eager flex is unfused by design (fafo.py --attn flex, for checking: --help says so); torch's 8-line
+        # advice to compile it is what --attn flex-compiled does, so it is not printed.
+        warnings.filterwarnings("ignore", message="flex_attention called without torch.compile",
+                                category=UserWarning)
+        out = flex_attention(query, key, value, block_mask=attention_mask, scale=scaling, enable_gqa=gqa)
+    return out.transpose(1, 2).contiguous(), None  # [B, q, H, D]
 
 @functools.lru_cache(maxsize=None)
 def _compiled_flex():  # made once per process (CPU: ~15 s of compilation on the first call)
@@ -631,7 +662,9 @@ def check_filled(cache, n: int) -> None:
 def last_logits_only(model, n: int = 1) -> dict:
     """{"logits_to_keep": n} (the last n rows, or a 1D tensor of rows) where the model's forward takes it: a
     prefill needs only the last row's logits (each row costs hidden x vocab multiply-adds), as HF's does."""
-    return {"logits_to_keep": n} if "logits_to_keep" in inspect.signature(model.forward).parameters else {}
+    if "logits_to_keep" in forward_parameters(type(model)):
+        return {"logits_to_keep": n}
+    return {}
 
 # The KV cache. transformers' DynamicCache appends with torch.cat, COPYING every layer's cache at every step,
 # and we keep rolling it back: one buffer per layer, allocated once (capacity: prompt + max_new_tokens + the
@@ -692,7 +725,7 @@ class PreallocatedLayer(DynamicLayer):
         self.crop(0)
 
 class PreallocatedKVCache(Cache):
-    """A transformers Cache of PreallocatedLayer, made on first use; pass it as `past_key_values`."""
+    """A transformers Cache of PreallocatedLayer, made on first use; model_forward() hands it to the model."""
 
     def __init__(self, capacity: int = 256):
         super().__init__(layer_class_to_replicate=functools.partial(PreallocatedLayer, capacity))

@@ -7,8 +7,11 @@ prompt for the whole session.
 """
 
 import copy
+import logging
 import os
+import re
 import sys
+import warnings
 
 import pytest
 import torch
@@ -174,3 +177,89 @@ def pytest_configure(config):
 def pytest_report_header(config):
     return (f"torch {torch.__version__}, {torch.get_num_threads()} thread(s), "
             f"quantized engine {torch.backends.quantized.engine}")
+
+
+# ---------------------------------------------------------------------------------------------- no deprecation of ours
+#
+# transformers renames things under us (5.24: forward's `past_key_values` became `cache`). Its keyword
+# deprecations arrive as a FutureWarning that `stacklevel` attributes to torch's nn.Module code, and some
+# arrive through its logger instead, so neither the module a warning names nor pytest's own filters can tell
+# our calls from the library's. This guard looks at the stack when the notice is raised:
+# - the deprecated API is the innermost frame outside the notifying machinery (warnings, logging);
+# - its caller, past torch's module dispatch and the decorators around a forward, is either a file of this
+#   repository (ours: the test fails) or library code warning about its own internals (ignored: a user could
+#   not act on it either).
+
+DEPRECATION_TEXT = re.compile(r"deprecat|will be removed|no longer supported", re.IGNORECASE)
+DEPRECATION_CATEGORIES = (DeprecationWarning, PendingDeprecationWarning, FutureWarning)
+NOTIFYING = (os.sep + "logging" + os.sep, os.sep + "warnings.py",
+             os.path.join("transformers", "utils", "logging.py"))
+DISPATCH = (os.path.join("torch", "nn", "modules"), os.path.join("torch", "utils", "_contextlib.py"),
+            os.path.join("transformers", "utils", "generic.py"),  # can_return_tuple and kin wrap forwards
+            os.sep + "accelerate" + os.sep, os.sep + "functools.py", os.sep + "contextlib.py")
+
+
+def is_ours(filename: str) -> bool:
+    """A file of this repository (its tests included), not a package installed into its venvs."""
+    path = os.path.abspath(filename)
+    return path.startswith(ROOT + os.sep) and "site-packages" not in path
+
+
+def deprecation_caller(frame):
+    """The file and line that called the deprecated API whose notice is being raised in `frame`'s stack."""
+    while frame is not None and (frame.f_code.co_filename.endswith("conftest.py")
+                                 or any(part in frame.f_code.co_filename for part in NOTIFYING)):
+        frame = frame.f_back  # this guard, then warnings/logging: the notifier
+    if frame is not None:
+        frame = frame.f_back  # skip the deprecated API itself (a decorator's wrapper, a property, a function)
+    while frame is not None and any(part in frame.f_code.co_filename for part in DISPATCH):
+        frame = frame.f_back  # torch's module call, no_grad's wrapper: not a caller
+    if frame is None:
+        return "?", 0
+    return frame.f_code.co_filename, frame.f_lineno
+
+
+class DeprecationLog(logging.Handler):
+    """Collects the deprecations our own calls raise, from `warnings` and from transformers' logger."""
+
+    def __init__(self):
+        super().__init__(level=logging.WARNING)
+        self.ours: list[str] = []
+
+    def note(self, text: str) -> None:
+        filename, line = deprecation_caller(sys._getframe(1))
+        if is_ours(filename):
+            self.ours.append(f"{os.path.relpath(filename, ROOT)}:{line}: {text.splitlines()[0]}")
+
+    def showwarning(self, message, category, filename, lineno, file=None, line=None):
+        if issubclass(category, DEPRECATION_CATEGORIES) or DEPRECATION_TEXT.search(str(message)):
+            self.note(f"{category.__name__}: {message}")
+        self.forward(message, category, filename, lineno, file, line)  # pytest still records it
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if DEPRECATION_TEXT.search(record.getMessage()):
+            self.note(f"transformers logger: {record.getMessage()}")
+
+
+@pytest.fixture(autouse=True)
+def no_deprecation_from_our_calls():
+    log = DeprecationLog()
+    library_logger = logging.getLogger("transformers")
+    level = library_logger.level
+    once = getattr(logging.Logger, "warning_once", None)  # transformers' once-per-process warnings
+    if hasattr(once, "cache_clear"):
+        once.cache_clear()  # so a notice already given in an earlier test is given again here
+    with warnings.catch_warnings():
+        warnings.simplefilter("always", FutureWarning)  # every occurrence, not once per place
+        warnings.simplefilter("always", DeprecationWarning)
+        log.forward = warnings.showwarning
+        warnings.showwarning = log.showwarning
+        library_logger.addHandler(log)
+        library_logger.setLevel(min(level or logging.WARNING, logging.WARNING))  # load_model sets ERROR
+        try:
+            yield log  # a test of the guard itself reads log.ours, then empties it
+        finally:
+            library_logger.removeHandler(log)
+            library_logger.setLevel(level)
+    if log.ours:
+        pytest.fail("a deprecation from our own call:\n" + "\n".join(sorted(set(log.ours))), pytrace=False)

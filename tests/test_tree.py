@@ -112,8 +112,8 @@ def test_chain_causal_path_equals_explicit_tree_mask(tiny):
     mask = verify.tree_attention_mask(tree.parents, len(prefix), torch.float32)
     pos = verify.tree_position_ids(tree.depths, len(prefix))
     with torch.no_grad():
-        b = tiny(input_ids=torch.tensor([tree.tokens]), attention_mask=mask, position_ids=pos,
-                 past_key_values=c2, use_cache=True).logits[0]
+        b = verify.model_forward(tiny, c2, input_ids=torch.tensor([tree.tokens]), attention_mask=mask,
+                                 position_ids=pos).logits[0]
     torch.testing.assert_close(a, b, atol=1e-5, rtol=0)
 
 
