@@ -1,7 +1,7 @@
 """
-cacheback.py -- Cacheback decoding: speculative decoding with nothing but LRU tables of token n-grams.
-Zhiyao Ma, In Gim & Lin Zhong, "Cacheback: Speculative Decoding With Nothing But Cache", EMNLP 2025,
-arXiv:2511.21699.
+cacheback.py -- Cacheback decoding: speculative decoding with nothing but LRU tables of token
+n-grams. Zhiyao Ma, In Gim & Lin Zhong, "Cacheback: Speculative Decoding With Nothing But Cache",
+EMNLP 2025, arXiv:2511.21699.
 
     DRAFT   query an LRU table  leader (last LL tokens) -> followers (FL-token continuations seen after it),
             recursively, breadth first, into a draft TREE of at most TDL tokens          (§3.1, §3.2)
@@ -9,20 +9,22 @@ arXiv:2511.21699.
     ACCEPT  the longest branch the model agrees with, plus the bonus token
     UPDATE  slide a window of LL + FL tokens over the newly accepted tokens into the dynamic table (§3.2)
 
-The paper, in its order: 0 its parameters LL, FL, LC, FC, TDL, CRT (§3, §4), 1 the two-level LRU table (§3.1),
-2 dual tables (§3.2, §3.3), 3 the draft tree (§3.2, Figure 2), 4 the decode loop. Beyond the paper: 5 our
-cost-aware pruning for CPUs, 6 frozen-table files (built offline by tools/build_frozen.py), 7 the CLI.
+The paper, in its order: 0 its parameters LL, FL, LC, FC, TDL, CRT (§3, §4), 1 the two-level LRU
+table (§3.1), 2 dual tables (§3.2, §3.3), 3 the draft tree (§3.2, Figure 2), 4 the decode loop.
+Beyond the paper: 5 our cost-aware pruning for CPUs, 6 frozen-table files (built offline by
+tools/build_frozen.py), 7 the CLI.
 
     python cacheback.py --prompt "Summarize: ..." --compare
 
     from cacheback import CachebackConfig, generate          # as a library
     gen = generate(model, prompt_ids, 128, eos_ids, CachebackConfig.cpu())
 
-Where this file differs from the published reference code (TUTORIAL.md §3): accepted tokens keep their KV
-(compaction) instead of being fed again, shared prefixes are merged so no token is verified twice,
-speculative lookups inside the tree do not refresh recency, and the frozen table fills only the budget the
-dynamic tree leaves. On a CPU the defaults differ from the paper's (CachebackConfig.cpu). Greedy and float32,
-the output is model.generate(do_sample=False)'s (tests/test_cacheback.py).
+Where this file differs from the published reference code (TUTORIAL.md §3): accepted tokens keep
+their KV (compaction) instead of being fed again, shared prefixes are merged so no token is verified
+twice, speculative lookups inside the tree do not refresh recency, and the frozen table fills only
+the budget the dynamic tree leaves. On a CPU the defaults differ from the paper's
+(CachebackConfig.cpu). Greedy and float32, the output is model.generate(do_sample=False)'s
+(tests/test_cacheback.py).
 """
 
 from __future__ import annotations
@@ -39,7 +41,8 @@ import torch
 import verify
 from verify import Generation, Tree
 
-CORPUS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "corpus")  # the shipped frozen tables
+# the shipped frozen tables
+CORPUS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "corpus")
 FROZEN_CORPORA = ("stdlib", "selfchat")
 
 # ---- 0. Configuration (§3, §4) -----------------------------------------------------------------------------
@@ -59,26 +62,30 @@ class CachebackConfig:
     fc: int = 128  # FC, follower capacity per leader (LRU)
     tdl: int = 96  # TDL, total draft length: tree tokens not yet in the KV cache, root included
     crt: int = 16  # CRT, chaining-reserved tokens: TDL budget kept for tree levels 2 and deeper
-    frozen: str = "none"  # the frozen table (§3.3): 'none', 'stdlib', 'selfchat' (section 6) or a file
-    prune: str = "none"  # 'none' verifies whole trees (the paper); 'cost' = our pruning pass (section 5)
+    # the frozen table (§3.3): 'none', 'stdlib', 'selfchat' (section 6) or a file
+    frozen: str = "none"
+    # 'none' verifies whole trees (the paper); 'cost' = our pruning pass (section 5)
+    prune: str = "none"
     dynamic_table: bool = True  # False leaves the dynamic table empty: Table 1's "only frozen" row
 
     @classmethod
     def paper(cls) -> "CachebackConfig":
-        """§4's values, whole trees, and a frozen table. The paper's corpus (1% of OpenWebText) is not
-        available offline; 'selfchat' is our stand-in with the most accepted tokens (RESULTS.md)."""
+        """§4's values, whole trees, and a frozen table. The paper's corpus (1% of OpenWebText) is
+        not available offline; 'selfchat' is our stand-in with the most accepted tokens
+        (RESULTS.md)."""
         return cls(frozen="selfchat")
 
     @classmethod
     def cpu(cls) -> "CachebackConfig":
-        """Chosen on the tuning half of the shipped prompts (RESULTS.md, "Cacheback on a CPU"): a forward over
-        many tokens is far from free on a CPU: small trees, cost pruning, a longer leader, no frozen table."""
+        """Chosen on the tuning half of the shipped prompts (RESULTS.md, "Cacheback on a CPU"): a
+        forward over many tokens is far from free on a CPU: small trees, cost pruning, a longer
+        leader, no frozen table."""
         return cls(ll=2, tdl=16, crt=4, frozen="none", prune="cost")
 
     @classmethod
     def for_device(cls, device) -> "CachebackConfig":
-        """The paper's configuration on CUDA, the CPU one elsewhere. note: the shipped tables live in corpus/;
-        a copy of only cacheback.py and verify.py runs without a frozen table."""
+        """The paper's configuration on CUDA, the CPU one elsewhere. note: the shipped tables live
+        in corpus/; a copy of only cacheback.py and verify.py runs without a frozen table."""
         if torch.device(device).type != "cuda":
             return cls.cpu()
         return cls.paper() if os.path.isdir(CORPUS_DIR) else cls()
@@ -131,7 +138,8 @@ class CacheTable:
         followers = self.leaders.get(leader)
         if followers is None:
             if len(self.leaders) >= self.lc:
-                self.leaders.popitem(last=False)  # evict the LRU leader, together with its followers
+                # evict the LRU leader, together with its followers
+                self.leaders.popitem(last=False)
             followers = self.leaders[leader] = OrderedDict()
         else:
             self.leaders.move_to_end(leader)  # insertion refreshes the leader
@@ -154,39 +162,43 @@ class CacheTable:
 
 # ---- 2. Dual tables: the dynamic table learns from the text, the frozen one is read-only (§3.3) ------------
 #
-# The dynamic table sees every window of LL + FL consecutive tokens of the text: the leader is its first
-# LL tokens, the follower the last FL. At the start it is filled by sliding the window over the whole
-# prompt (chat template included); after each step exactly the NEW windows are inserted -- those that end
-# at a newly emitted token (accepted drafts and the bonus token):
+# The dynamic table sees every window of LL + FL consecutive tokens of the text: the leader is its
+# first LL tokens, the follower the last FL. At the start it is filled by sliding the window over
+# the whole prompt (chat template included); after each step exactly the NEW windows are inserted --
+# those that end at a newly emitted token (accepted drafts and the bonus token):
 #
 #   LL=1, FL=2, text so far "At dawn the fox", the step emits "ran fast":
 #       new windows ending at "ran":  (the,) -> (fox, ran)
 #       new windows ending at "fast": (fox,) -> (ran, fast)
 
 def windows(tokens: Sequence[int], ll: int, fl: int, first_end: int = 0) -> Iterator[tuple[tuple, tuple]]:
-    """(leader, follower) for every window of ll + fl tokens whose LAST token has index >= first_end."""
+    """(leader, follower) for every window of ll + fl tokens whose LAST token has index >=
+    first_end."""
     n = ll + fl
     for end in range(max(first_end, n - 1), len(tokens)):
         window = tuple(tokens[end - n + 1 : end + 1])
         yield window[:ll], window[ll:]
 
 def update_table(table: CacheTable, tokens: Sequence[int], first_new: int) -> None:
-    """Insert the windows that end at tokens[first_new:], i.e. at the tokens emitted by the last step."""
+    """Insert the windows that end at tokens[first_new:], i.e. at the tokens emitted by the last
+    step."""
     for leader, follower in windows(tokens, table.ll, table.fl, first_new):
         table.insert(leader, follower)
 
 # ---- 3. The draft tree (§3.2): breadth-first growth under TDL and CRT --------------------------------------
 #
-# TDL (total draft length) bounds the tree: draft tokens + tokens not yet in the KV cache <= TDL. With KV
-# compaction only the root (the last emitted token) is not cached, so the tree gets TDL - 1 draft tokens.
-# (The reference code feeds the accepted tokens again each step; they count against TDL there.)
+# TDL (total draft length) bounds the tree: draft tokens + tokens not yet in the KV cache <= TDL.
+# With KV compaction only the root (the last emitted token) is not cached, so the tree gets TDL - 1
+# draft tokens. (The reference code feeds the accepted tokens again each step; they count against
+# TDL there.)
 #
-# CRT (chaining-reserved tokens) keeps the first level from eating the whole budget: level 1 (the followers
-# of the real context) may use TDL - 1 - CRT tokens; the CRT reserved ones are for level 2 and deeper,
-# where each leaf is extended by the followers of ITS last LL tokens (the tree "chains").
+# CRT (chaining-reserved tokens) keeps the first level from eating the whole budget: level 1 (the
+# followers of the real context) may use TDL - 1 - CRT tokens; the CRT reserved ones are for level 2
+# and deeper, where each leaf is extended by the followers of ITS last LL tokens (the tree
+# "chains").
 #
-# Each follower becomes a branch of FL tokens below its parent. Branches are merged into a trie (verify.Tree):
-# a follower that repeats a prefix already in the tree only costs its new tokens.
+# Each follower becomes a branch of FL tokens below its parent. Branches are merged into a trie
+# (verify.Tree): a follower that repeats a prefix already in the tree only costs its new tokens.
 #
 #   LL=2, FL=2, context "... the fox", TDL=8, CRT=2:
 #     level 1: query (the, fox) -> (ran, fast) (hid, deep) (sat, still)   6 tokens > 8-1-2 = 5 allowed:
@@ -194,10 +206,10 @@ def update_table(table: CacheTable, tokens: Sequence[int], first_new: int) -> No
 #     level 2: leaf "fast": query (ran, fast) -> (and, far) ...           2 more: 6 <= 7 tokens
 #     level 2: leaf "deep": query (hid, deep) -> nothing (or no budget left)
 #
-# Queries: the dynamic table first, then the frozen one "to further grow the tree if TDL still allows": the
-# whole dynamic tree is grown first, then the frozen table's followers are hung into it breadth first while
-# budget is left. A follower found in both is added once. A leaf whose leader is in neither table stays a
-# leaf (no backoff).
+# Queries: the dynamic table first, then the frozen one "to further grow the tree if TDL still
+# allows": the whole dynamic tree is grown first, then the frozen table's followers are hung into it
+# breadth first while budget is left. A follower found in both is added once. A leaf whose leader is
+# in neither table stays a leaf (no backoff).
 #
 # Design choice (ours): only the level-1 query, made with the real, verified context, refreshes the
 # leader's recency. Deeper queries are made with *speculative* tokens that may never
@@ -206,10 +218,11 @@ def update_table(table: CacheTable, tokens: Sequence[int], first_new: int) -> No
 
 @dataclass
 class DraftTree(Tree):
-    """A verify.Tree that also remembers where each node's token came from: origins[i] = (table, rank, pos,
-    fanout) -- the table (0 dynamic, 1 frozen), the follower's rank in that table's answer (0 = most recent;
-    3 = 4th or later), the node's position inside its follower, and how many followers its leader had (0:
-    one, 1: 2-3, 2: more). The growth below does not read them; section 4's pruning learns from them."""
+    """A verify.Tree that also remembers where each node's token came from: origins[i] = (table,
+    rank, pos, fanout) -- the table (0 dynamic, 1 frozen), the follower's rank in that table's
+    answer (0 = most recent; 3 = 4th or later), the node's position inside its follower, and how
+    many followers its leader had (0: one, 1: 2-3, 2: more). The growth below does not read them;
+    section 4's pruning learns from them."""
 
     origins: list = field(default_factory=list)  # None for the root
 
@@ -224,12 +237,14 @@ class DraftTree(Tree):
         """Hang a follower below `parent` (merged into the trie); returns its node indices."""
         nodes = self.add_branch(follower, parent=parent)
         for pos, n in enumerate(nodes):
-            if n == len(self.origins):  # a new node (a shared prefix keeps the origin it was created with)
+            # a new node (a shared prefix keeps the origin it was created with)
+            if n == len(self.origins):
                 self.origins.append((table, min(rank, 3), pos, fanout))
         return nodes
 
     def subtree(self, keep) -> "DraftTree":
-        """A copy with the nodes for which keep(i) is true (a kept node's parent must be kept too)."""
+        """A copy with the nodes for which keep(i) is true (a kept node's parent must be kept
+        too)."""
         out = DraftTree.root_only(self.tokens[0])
         remap = {0: 0}
         for i in range(1, len(self)):
@@ -240,28 +255,30 @@ class DraftTree(Tree):
 
 def grow_tree(root: int, context: Sequence[int], dynamic: CacheTable, frozen: CacheTable | None, tdl: int,
               crt: int) -> DraftTree:
-    """Build the draft tree for one step. `context` = the text so far, ending with `root` (the pending
-    token). Returns a DraftTree whose node 0 is `root`."""
+    """Build the draft tree for one step. `context` = the text so far, ending with `root` (the
+    pending token). Returns a DraftTree whose node 0 is `root`."""
     ll = dynamic.ll
     tree = DraftTree.root_only(root)
     budget = tdl - 1  # draft tokens; the root is the one token not yet in the KV cache
-    # Pass 1 grows the tree from the dynamic table alone; pass 2 walks it again, breadth first, with both
-    # tables: the dynamic followers are already there (they merge for free), the frozen ones fill what
-    # budget is left. (One pass with both tables would let frozen followers at level 1 take the budget
-    # that the dynamic table's deeper levels -- the text's own continuations -- should get.)
+    # Pass 1 grows the tree from the dynamic table alone; pass 2 walks it again, breadth first, with
+    # both tables: the dynamic followers are already there (they merge for free), the frozen ones
+    # fill what budget is left. (One pass with both tables would let frozen followers at level 1
+    # take the budget that the dynamic table's deeper levels -- the text's own continuations --
+    # should get.)
     passes = [[dynamic]] + ([[dynamic, frozen]] if frozen is not None else [])
     for n_pass, tables in enumerate(passes):
-        # Level 1 may not use the CRT reserved tokens. subtle: the check below counts the WHOLE tree, so in
-        # pass 2 the limit must not be below what pass 1 already grew (all levels): else the first existing
-        # dynamic follower (0 new tokens) would already "not fit", and the frozen table could never add
-        # anything once the dynamic tree holds more than TDL-1-CRT tokens, against §3.3's "then the frozen
-        # one to further grow the tree if TDL still allows".
+        # Level 1 may not use the CRT reserved tokens. subtle: the check below counts the WHOLE
+        # tree, so in pass 2 the limit must not be below what pass 1 already grew (all levels): else
+        # the first existing dynamic follower (0 new tokens) would already "not fit", and the frozen
+        # table could never add anything once the dynamic tree holds more than TDL-1-CRT tokens,
+        # against §3.3's "then the frozen one to further grow the tree if TDL still allows".
         limit = max(budget - crt, len(tree) - 1)
         # The leaves to extend, each with the last LL tokens of its root-to-leaf text (its leader).
         frontier = [(0, tuple(context[-ll:]))] if len(context) >= ll else []
         level = 1
         while frontier:
-            next_frontier: dict[int, tuple] = {}  # follower-end node -> its leader (dict: each node once)
+            # follower-end node -> its leader (dict: each node once)
+            next_frontier: dict[int, tuple] = {}
             for node, leader in frontier:
                 _add_followers(tree, node, leader, tables, limit, refresh=(level == 1 and n_pass == 0),
                                out=next_frontier)
@@ -275,19 +292,22 @@ def grow_tree(root: int, context: Sequence[int], dynamic: CacheTable, frozen: Ca
 
 def _add_followers(tree: DraftTree, node: int, leader: tuple, tables: list[CacheTable], limit: int,
                    refresh: bool, out: dict[int, tuple]) -> None:
-    """Hang the followers of `leader` below `node`: the dynamic table's first, then the frozen table's, each
-    follower once, until one does not fit in `limit` draft tokens. Records each new branch end in `out`."""
+    """Hang the followers of `leader` below `node`: the dynamic table's first, then the frozen
+    table's, each follower once, until one does not fit in `limit` draft tokens. Records each new
+    branch end in `out`."""
     ll = tables[0].ll
     seen = set()
     for source, table in enumerate(tables):
-        fanout = len(table.leaders.get(leader, ()))  # how many continuations this leader has been seen with
+        # how many continuations this leader has been seen with
+        fanout = len(table.leaders.get(leader, ()))
         fanout = 0 if fanout <= 1 else 1 if fanout <= 3 else 2
         for rank, follower in enumerate(table.query(leader, refresh=refresh)):
             if follower in seen:
                 continue  # in both tables: add once
             seen.add(follower)
             if len(tree) - 1 + _new_tokens(tree, node, follower) > limit:
-                return  # this follower does not fit: stop querying this leader (frozen table included)
+                # this follower does not fit: stop querying this leader (frozen table included)
+                return
             nodes = tree.add_follower(node, follower, source, rank, fanout)
             out.setdefault(nodes[-1], (leader + follower)[-ll:])  # the last LL tokens of its text
 
@@ -307,19 +327,23 @@ def generate(model, prompt_ids: Sequence[int], max_new_tokens: int, eos_ids: Seq
              cfg: CachebackConfig, *, frozen_table: CacheTable | None = None,
              cost: dict[int, float] | None = None, sampling: verify.Sampling = verify.GREEDY,
              on_emit=None, on_step=None) -> Generation:
-    """Cacheback decoding. A fresh dynamic table per call (stateful methods start from scratch for every
-    prompt, as in the paper's SpecBench runs). frozen_table: the table cfg.frozen names (`frozen_table_for`;
-    `prepare` loads it once per process), shared and never modified. cost: the pruning's curve {n: t(n)/t(1)}
-    (measured now if not given). `sampling`: greedy by default; sampled, the plain sampler's tokens."""
+    """Cacheback decoding. A fresh dynamic table per call (stateful methods start from scratch for
+    every prompt, as in the paper's SpecBench runs). frozen_table: the table cfg.frozen names
+    (`frozen_table_for`; `prepare` loads it once per process), shared and never modified. cost: the
+    pruning's curve {n: t(n)/t(1)} (measured now if not given). `sampling`: greedy by default;
+    sampled, the plain sampler's tokens."""
     cfg.check()
     check_frozen(cfg, frozen_table)
-    pruner = CostPruner(cost or measure_cost(model, cfg.tdl)) if cfg.prune == "cost" else None  # section 5
+    # section 5
+    pruner = CostPruner(cost or measure_cost(model, cfg.tdl)) if cfg.prune == "cost" else None
     gen = Generation(max_new_tokens, eos_ids, on_emit=on_emit, on_step=on_step)
-    gen.extra.update(grown=0, pruned=0)  # draft tokens grown / removed by the pruning, over all steps
+    # draft tokens grown / removed by the pruning, over all steps
+    gen.extra.update(grown=0, pruned=0)
     dynamic = CacheTable(cfg.ll, cfg.fl, cfg.lc, cfg.fc)
     learn = update_table if cfg.dynamic_table else (lambda *a: None)
     text = list(prompt_ids)  # prompt + emitted tokens: the context the tables are queried with
-    learn(dynamic, text, 0)  # §3.3: initialise the dynamic table with a sliding window over the prompt
+    # §3.3: initialise the dynamic table with a sliding window over the prompt
+    learn(dynamic, text, 0)
 
     # the cache's capacity: prompt + output + the largest step (the root and up to TDL tree tokens)
     cache = verify.new_cache(model, len(prompt_ids) + max_new_tokens + cfg.tdl + 1)
@@ -334,11 +358,13 @@ def generate(model, prompt_ids: Sequence[int], max_new_tokens: int, eos_ids: Seq
         t0 = time.perf_counter()
         tree = grow_tree(pending, text, dynamic, frozen_table, cfg.tdl, cfg.crt)
         grown = len(tree) - 1
-        room = max_new_tokens - len(gen.tokens)  # a step emits at most depth + 1 tokens; deeper is wasted
+        # a step emits at most depth + 1 tokens; deeper is wasted
+        room = max_new_tokens - len(gen.tokens)
         if max(tree.depths) >= room:
             depths = tree.depths
             tree = tree.subtree(lambda i: depths[i] < room)
-        if pruner is not None:  # our deviation (section 5): keep what is worth its cost on this device
+        # our deviation (section 5): keep what is worth its cost on this device
+        if pruner is not None:
             tree = prune(tree, pruner)
         gen.extra["grown"] += grown
         gen.extra["pruned"] += grown - (len(tree) - 1)
@@ -365,10 +391,10 @@ def generate(model, prompt_ids: Sequence[int], max_new_tokens: int, eos_ids: Seq
 # ---- Beyond the paper --------------------------------------------------------------------------------------
 # ---- 5. Cost-aware pruning: a separate pass after the tree is built (our deviation, for CPUs) --------------
 #
-# The paper verifies the whole tree every step: on a GPU a 96-token forward costs about what a 1-token one
-# does. On a small CPU it costs several times more (RESULTS.md, "What a forward costs"), and a tree that is
-# mostly rejected makes the step slower than plain decoding.
-# So before verifying we keep only the part of the tree that is worth its cost -- the per-step rule of
+# The paper verifies the whole tree every step: on a GPU a 96-token forward costs about what a
+# 1-token one does. On a small CPU it costs several times more (RESULTS.md, "What a forward costs"),
+# and a tree that is mostly rejected makes the step slower than plain decoding. So before verifying
+# we keep only the part of the tree that is worth its cost -- the per-step rule of
 # ngram_predictor.py's cost gate, applied per node:
 #
 #   q(o)    = P(node accepted | its parent accepted), learned online for each origin o = (table, rank, pos,
@@ -379,15 +405,16 @@ def generate(model, prompt_ids: Sequence[int], max_new_tokens: int, eos_ids: Seq
 #                                                            mutually exclusive, so)
 #   E[tokens of the step] = 1 + sum over kept draft nodes of P(node)
 #
-# Keep the k nodes with the highest P (a subtree: a child's P never exceeds its parent's), with k chosen to
+# Keep the k nodes with the highest P (a subtree: a child's P never exceeds its parent's), with k
+# chosen to
 # maximise  E[tokens] / cost(1 + k)  over k = 0 .. N-1, where cost(n) = t(n)/t(1) is measured at start-up
 # (verify.measure_cost_curve). k = 0 is a plain one-token step: 1 token for 1 unit of cost.
 #
 #   q: dynamic rank 0 pos 0 = 0.5, pos 1 = 0.8;  cost(1)=1, cost(2)=1.65, cost(3)=1.7
 #   tree root -> a (P .5) -> b (P .4):  k=0: 1/1 = 1.00  k=1: 1.5/1.65 = 0.91  k=2: 1.9/1.7 = 1.12: keep both
 #
-# subtle: as in the n-gram gate the prior must be optimistic (q = 3/4 until measured): a node that is never
-# verified teaches nothing, so a pessimistic prior would prune every tree forever.
+# subtle: as in the n-gram gate the prior must be optimistic (q = 3/4 until measured): a node that
+# is never verified teaches nothing, so a pessimistic prior would prune every tree forever.
 
 class CostPruner:
     def __init__(self, cost: dict[int, float], prior_hits: float = 0.75, prior_trials: float = 1.0):
@@ -398,11 +425,13 @@ class CostPruner:
         self.trials: dict[tuple, float] = {}
 
     def q(self, origin: tuple) -> float:
-        """P(node accepted | parent accepted) for nodes of this origin: hits / trials, with the prior."""
+        """P(node accepted | parent accepted) for nodes of this origin: hits / trials, with the
+        prior."""
         return (self.hits.get(origin, 0) + self.prior[0]) / (self.trials.get(origin, 0) + self.prior[1])
 
     def cost_of(self, n: int) -> float:
-        """cost(n) = t(n)/t(1), linearly interpolated between the measured sizes (extrapolated past them)."""
+        """cost(n) = t(n)/t(1), linearly interpolated between the measured sizes (extrapolated past
+        them)."""
         xs = self.sizes
         if n in self.cost:
             return self.cost[n]
@@ -420,7 +449,8 @@ class CostPruner:
         return p
 
     def choose(self, tree: DraftTree) -> set[int]:
-        """The nodes to verify, root included: the k most probable, k maximising E[tokens] / cost(1 + k)."""
+        """The nodes to verify, root included: the k most probable, k maximising E[tokens] / cost(1
+        + k)."""
         p = self.node_probs(tree)
         order = sorted(range(1, len(tree)), key=lambda i: (-p[i], i))  # parent before child on ties
         best_k, best_rate, e = 0, 1.0, 1.0  # k = 0: a plain step, 1 token for 1 unit of cost
@@ -432,8 +462,8 @@ class CostPruner:
         return {0, *order[:best_k]}
 
     def update(self, tree: DraftTree, path: Sequence[int]) -> None:
-        """Every verified node whose parent was accepted is one trial of its origin; a hit if it was accepted
-        too. (Nodes below a rejected node were never really tested.)"""
+        """Every verified node whose parent was accepted is one trial of its origin; a hit if it was
+        accepted too. (Nodes below a rejected node were never really tested.)"""
         on_path = set(path)
         for i in range(1, len(tree)):
             if tree.parents[i] in on_path:
@@ -457,8 +487,9 @@ def measure_cost(model, tdl: int) -> dict[int, float]:
 # File format: gzipped JSON, no pickled classes --
 #   {"format": "cacheback-frozen/1", "tokenizer": {"vocab_size": V, "vocab_sha1": "..."}, "ll", "fl", "lc",
 #    "fc", "corpus", "seed", "tokens", "leaders": [[leader, [follower, ...]], ...]}
-# leaders and followers as lists of token ids, followers least frequent first, so that loading them with
-# insert() leaves the most frequent one as the most recent, i.e. drafted first (as the reference does).
+# leaders and followers as lists of token ids, followers least frequent first, so that loading them
+# with insert() leaves the most frequent one as the most recent, i.e. drafted first (as the
+# reference does).
 
 FROZEN_FORMAT = "cacheback-frozen/1"
 
@@ -512,8 +543,9 @@ def check_frozen(cfg: CachebackConfig, frozen_table: CacheTable | None) -> None:
                                f"this run uses LL={cfg.ll}, FL={cfg.fl}")
 
 def frozen_path(tok, cfg: CachebackConfig, model_name: str = verify.DEFAULT_MODEL, built: bool = False):
-    """Where the table of corpus cfg.frozen for this tokenizer and LL, FL, LC, FC lies: shipped in corpus/,
-    else built by tools/build_frozen.py into the cache folder; None if neither (built=True: the latter)."""
+    """Where the table of corpus cfg.frozen for this tokenizer and LL, FL, LC, FC lies: shipped in
+    corpus/, else built by tools/build_frozen.py into the cache folder; None if neither (built=True:
+    the latter)."""
     ident = tokenizer_identity(tok)["vocab_sha1"][:10]
     if cfg.frozen == "selfchat":  # the answers are this model's: the name says whose
         ident += "-" + os.path.basename(str(model_name).rstrip("/"))
@@ -524,8 +556,9 @@ def frozen_path(tok, cfg: CachebackConfig, model_name: str = verify.DEFAULT_MODE
     return next((p for p in (os.path.join(CORPUS_DIR, name), cached) if os.path.exists(p)), None)
 
 def frozen_table_for(tok, cfg: CachebackConfig, model_name: str = verify.DEFAULT_MODEL) -> CacheTable:
-    """The frozen table cfg.frozen names: a table file, or a corpus ('stdlib': the Python standard library's
-    source; 'selfchat': the model's own answers), shipped for the default model or built by the tool."""
+    """The frozen table cfg.frozen names: a table file, or a corpus ('stdlib': the Python standard
+    library's source; 'selfchat': the model's own answers), shipped for the default model or built
+    by the tool."""
     if cfg.frozen not in FROZEN_CORPORA:
         return load_frozen(cfg.frozen, tok, cfg.ll, cfg.fl)
     path = frozen_path(tok, cfg, model_name)
@@ -538,8 +571,8 @@ def frozen_table_for(tok, cfg: CachebackConfig, model_name: str = verify.DEFAULT
 # ---- 7. CLI ------------------------------------------------------------------------------------------------
 
 def prepare(model, tok, cfg: CachebackConfig, name: str = verify.DEFAULT_MODEL):
-    """Once per process, before timing: the frozen table cfg.frozen names (`name`, the --model given, says
-    whose selfchat table) and the pruning's cost curve."""
+    """Once per process, before timing: the frozen table cfg.frozen names (`name`, the --model
+    given, says whose selfchat table) and the pruning's cost curve."""
     extra = {}
     if cfg.frozen != "none":
         extra["frozen_table"] = frozen_table_for(tok, cfg, name)

