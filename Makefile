@@ -12,7 +12,7 @@ COMPAT_VENV ?= .venv-compat
 COMPAT_TRANSFORMERS ?= transformers==4.57.6
 COMPAT_STAMP := $(COMPAT_VENV)/.installed
 
-.PHONY: install demo test compat bench gpu-bench figures clean
+.PHONY: install demo test lint compat bench gpu-bench figures clean
 
 $(STAMP): requirements.txt
 	$(PYTHON) -m venv $(VENV)
@@ -29,6 +29,12 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q tests
+
+# The lint floor (ruff.toml: pyflakes, pycodestyle's errors, 110 columns in the main files).
+RUFF ?= ruff==0.17.6
+lint: $(STAMP)
+	$(BIN)/pip install --quiet "$(RUFF)"
+	$(BIN)/ruff check .
 
 $(COMPAT_STAMP): requirements.txt
 	$(PYTHON) -m venv $(COMPAT_VENV)

@@ -69,8 +69,8 @@ PROJECT_METHODS = {
     "card": ("card", {"mode": "parallel"}),
     "card-lockstep": ("card", {"mode": "lockstep"}),
     # Table 2's ablation needs a cache with branches: K = 4, k = 2, with and without correction
-    "card-k4": ("card", {"mode": "lockstep", "k": 4, "topk": 2}),
-    "card-nocorrect": ("card", {"mode": "lockstep", "k": 4, "topk": 2, "correct": False}),
+    "card-k4": ("card", {"mode": "lockstep", "K": 4, "k": 2}),
+    "card-nocorrect": ("card", {"mode": "lockstep", "K": 4, "k": 2, "correct": False}),
     "fafo": ("fafo", {}),  # StreamingLLM guesses
     "fafo-quest": ("fafo", {"compress": "quest"}),
     "fafo-snapkv": ("fafo", {"compress": "snapkv"}),  # SnapKV's prompt selection + the recent positions
@@ -188,7 +188,10 @@ def make_runner(spec: str, model, tok, args, sampled: bool = False):
 
             tools.build_frozen.ensure_table(tok, cfg, model, args.model)
         cfg, extra = module.prepare(model, tok, cfg, args.model) if hasattr(module, "prepare") else (cfg, {})
-        run = lambda ids, n, eos, s, first: module.generate(model, ids, n, eos, cfg, sampling=s, on_emit=first, **extra)
+
+        def run(ids, n, eos, s, first):
+            return module.generate(model, ids, n, eos, cfg, sampling=s, on_emit=first, **extra)
+
         if module_name == "card":  # its cost model's prediction beside each measurement
             costs = card_costs(model, getattr(extra["draft"], "model", extra["draft"]), cfg)
             return lambda *a: _gen(card_predict(run(*a), costs, cfg))
@@ -243,7 +246,7 @@ def card_costs(model, draft, cfg) -> dict:
         torch.set_num_threads(target_threads)
         t_verify = verify.measure_step_times(model, [cfg.ratio + 1], repeats=3)[cfg.ratio + 1]
         torch.set_num_threads(draft_threads)
-        t_draft = verify.measure_step_times(draft, [cfg.k], repeats=3)[cfg.k]
+        t_draft = verify.measure_step_times(draft, [cfg.K], repeats=3)[cfg.K]
     finally:
         torch.set_num_threads(main_threads)
     return {"t_target": t_target, "t_verify": t_verify, "t_draft": t_draft}

@@ -9,10 +9,16 @@ EMNLP 2025, arXiv:2511.21699.
     ACCEPT  the longest branch the model agrees with, plus the bonus token
     UPDATE  slide a window of LL + FL tokens over the newly accepted tokens into the dynamic table (§3.2)
 
-The paper, in its order: 0 its parameters LL, FL, LC, FC, TDL, CRT (§3, §4), 1 the two-level LRU
-table (§3.1), 2 dual tables (§3.2, §3.3), 3 the draft tree (§3.2, Figure 2), 4 the decode loop.
-Beyond the paper: 5 our cost-aware pruning for CPUs, 6 frozen-table files (built offline by
-tools/build_frozen.py), 7 the CLI.
+The paper, section by section, and where it is here (this file's sections in brackets):
+
+    §3, §4          LL, FL, LC, FC, TDL, CRT           CachebackConfig                         [0]
+    §3.1            the two-level LRU table            CacheTable: insert, query               [1]
+    §3.2, §3.3      dual tables, dynamic and frozen    update_table, windows, check_frozen     [2]
+    §3.2, Figure 2  the draft tree under TDL and CRT   grow_tree, DraftTree                    [3]
+    §3.2            draft, verify, accept, update      generate                                [4]
+    beyond the paper: cost-aware pruning for CPUs      CostPruner, NoPruning, prune            [5]
+    §3.3, §4        the frozen table's file            load_frozen, frozen_table_for           [6]
+                    (built offline by tools/build_frozen.py); the CLI: prepare, main         [7]
 
     python cacheback.py --prompt "Summarize: ..." --compare
 
@@ -29,6 +35,7 @@ the budget the dynamic tree leaves. On a CPU the defaults differ from the paper'
 
 from __future__ import annotations
 
+import functools
 import os
 import sys
 import time
@@ -171,7 +178,8 @@ class CacheTable:
 #       new windows ending at "ran":  (the,) -> (fox, ran)
 #       new windows ending at "fast": (fox,) -> (ran, fast)
 
-def windows(tokens: Sequence[int], ll: int, fl: int, first_end: int = 0) -> Iterator[tuple[tuple, tuple]]:
+def windows(tokens: Sequence[int], ll: int, fl: int,
+            first_end: int = 0) -> Iterator[tuple[tuple, tuple]]:
     """(leader, follower) for every window of ll + fl tokens whose LAST token has index >=
     first_end."""
     n = ll + fl
@@ -184,6 +192,15 @@ def update_table(table: CacheTable, tokens: Sequence[int], first_new: int) -> No
     step."""
     for leader, follower in windows(tokens, table.ll, table.fl, first_new):
         table.insert(leader, follower)
+
+def check_frozen(cfg: CachebackConfig, frozen_table: CacheTable | None) -> None:
+    """The frozen table generate() was given must be the one cfg names, with its LL and FL."""
+    if cfg.frozen != "none" and frozen_table is None:
+        raise verify.UserError(f"cfg.frozen = {cfg.frozen!r}: pass "
+                               "frozen_table=frozen_table_for(tok, cfg)")
+    if frozen_table is not None and (frozen_table.ll, frozen_table.fl) != (cfg.ll, cfg.fl):
+        raise verify.UserError(f"frozen table has LL={frozen_table.ll}, FL={frozen_table.fl}; "
+                               f"this run uses LL={cfg.ll}, FL={cfg.fl}")
 
 # ---- 3. The draft tree (§3.2): breadth-first growth under TDL and CRT --------------------------------------
 #
@@ -216,13 +233,29 @@ def update_table(table: CacheTable, tokens: Sequence[int], first_new: int) -> No
 # appear in the text; letting them promote leaders would let guesses evict what the text actually
 # contained. The reference code refreshes on every lookup.
 
+MAX_RANK = 3  # ranks 3, 4, ... share one origin (DraftTree's docstring says why)
+
+def fanout_bucket(followers: int) -> int:
+    """0: the leader has one follower (or none yet); 1: two or three; 2: four or more."""
+    if followers <= 1:
+        return 0
+    if followers <= 3:
+        return 1
+    return 2
+
 @dataclass
 class DraftTree(Tree):
     """A verify.Tree that also remembers where each node's token came from: origins[i] = (table,
     rank, pos, fanout) -- the table (0 dynamic, 1 frozen), the follower's rank in that table's
     answer (0 = most recent; 3 = 4th or later), the node's position inside its follower, and how
     many followers its leader had (0: one, 1: 2-3, 2: more). The growth below does not read them;
-    section 4's pruning learns from them."""
+    section 5's pruning learns an acceptance rate per origin from them.
+
+    Why these buckets: an origin's rate is learned from the steps of one prompt, a few hundred
+    trials spread over every origin, so there must be few origins. FC = 4 to 16 followers per leader
+    puts ranks 4 and later in one bucket (rank 3: they are rarely reached and alike). A leader seen
+    with one follower is a text repeating itself (the best bet), 2-3 a list or a template, more a
+    common phrase ("of the") whose followers are weak guesses: three fanout buckets."""
 
     origins: list = field(default_factory=list)  # None for the root
 
@@ -239,7 +272,7 @@ class DraftTree(Tree):
         for pos, n in enumerate(nodes):
             # a new node (a shared prefix keeps the origin it was created with)
             if n == len(self.origins):
-                self.origins.append((table, min(rank, 3), pos, fanout))
+                self.origins.append((table, min(rank, MAX_RANK), pos, fanout))
         return nodes
 
     def subtree(self, keep) -> "DraftTree":
@@ -253,7 +286,8 @@ class DraftTree(Tree):
                 out.origins.append(self.origins[i])
         return out
 
-def grow_tree(root: int, context: Sequence[int], dynamic: CacheTable, frozen: CacheTable | None, tdl: int,
+def grow_tree(root: int, context: Sequence[int], dynamic: CacheTable, frozen: CacheTable | None,
+              tdl: int,
               crt: int) -> DraftTree:
     """Build the draft tree for one step. `context` = the text so far, ending with `root` (the
     pending token). Returns a DraftTree whose node 0 is `root`."""
@@ -280,7 +314,8 @@ def grow_tree(root: int, context: Sequence[int], dynamic: CacheTable, frozen: Ca
             # follower-end node -> its leader (dict: each node once)
             next_frontier: dict[int, tuple] = {}
             for node, leader in frontier:
-                _add_followers(tree, node, leader, tables, limit, refresh=(level == 1 and n_pass == 0),
+                _add_followers(tree, node, leader, tables, limit,
+                               refresh=(level == 1 and n_pass == 0),
                                out=next_frontier)
             if level == 1:
                 limit = budget  # from level 2 on, the reserved CRT tokens are available too
@@ -298,9 +333,8 @@ def _add_followers(tree: DraftTree, node: int, leader: tuple, tables: list[Cache
     ll = tables[0].ll
     seen = set()
     for source, table in enumerate(tables):
-        # how many continuations this leader has been seen with
-        fanout = len(table.leaders.get(leader, ()))
-        fanout = 0 if fanout <= 1 else 1 if fanout <= 3 else 2
+        # how many continuations this leader has been seen with, bucketed (DraftTree says why)
+        fanout = fanout_bucket(len(table.leaders.get(leader, ())))
         for rank, follower in enumerate(table.query(leader, refresh=refresh)):
             if follower in seen:
                 continue  # in both tables: add once
@@ -334,56 +368,44 @@ def generate(model, prompt_ids: Sequence[int], max_new_tokens: int, eos_ids: Seq
     sampled, the plain sampler's tokens."""
     cfg.check()
     check_frozen(cfg, frozen_table)
-    # section 5
-    pruner = CostPruner(cost or measure_cost(model, cfg.tdl)) if cfg.prune == "cost" else None
+    pruner = CostPruner.for_run(model, cfg, cost)  # section 5 (ours); prune = "none": keeps all
     gen = Generation(max_new_tokens, eos_ids, on_emit=on_emit, on_step=on_step)
-    # draft tokens grown / removed by the pruning, over all steps
-    gen.extra.update(grown=0, pruned=0)
+    gen.extra.update(grown=0, pruned=0)  # draft tokens grown / removed by the pruning, all steps
     dynamic = CacheTable(cfg.ll, cfg.fl, cfg.lc, cfg.fc)
-    learn = update_table if cfg.dynamic_table else (lambda *a: None)
-    text = list(prompt_ids)  # prompt + emitted tokens: the context the tables are queried with
-    # §3.3: initialise the dynamic table with a sliding window over the prompt
-    learn(dynamic, text, 0)
-
     # the cache's capacity: prompt + output + the largest step (the root and up to TDL tree tokens)
     cache = verify.new_cache(model, len(prompt_ids) + max_new_tokens + cfg.tdl + 1)
     pending = verify.first_token(verify.prefill(model, cache, prompt_ids), len(prompt_ids), sampling)
-    text.append(pending)
-    learn(dynamic, text, len(text) - 1)
+    text = list(prompt_ids) + [pending]  # prompt + emitted tokens: what the tables are queried with
+    if cfg.dynamic_table:  # §3.3: the dynamic table starts from a sliding window over the prompt
+        update_table(dynamic, text, 0)
     if gen.finish_prefill(pending):
         return gen
-
     while True:
         # -- DRAFT (§3.2): a tree below the pending token, at most TDL tokens including it
         t0 = time.perf_counter()
         tree = grow_tree(pending, text, dynamic, frozen_table, cfg.tdl, cfg.crt)
         grown = len(tree) - 1
-        # a step emits at most depth + 1 tokens; deeper is wasted
-        room = max_new_tokens - len(gen.tokens)
+        room = max_new_tokens - len(gen.tokens)  # a step emits at most depth + 1 tokens
         if max(tree.depths) >= room:
             depths = tree.depths
             tree = tree.subtree(lambda i: depths[i] < room)
-        # our deviation (section 5): keep what is worth its cost on this device
-        if pruner is not None:
-            tree = prune(tree, pruner)
+        tree = pruner.prune(tree)  # our deviation (section 5): keep what is worth its cost here
         gen.extra["grown"] += grown
         gen.extra["pruned"] += grown - (len(tree) - 1)
         draft_s = time.perf_counter() - t0
-
         # -- VERIFY with tree attention, ACCEPT the longest agreeing branch + bonus, COMPACT the KV
         prefix_len = verify.cache_len(cache)
         logits = verify.tree_forward(model, cache, tree)  # [N, V]
         path, bonus = verify.accept(tree, logits, prefix_len, sampling)
         verify.compact_kv(cache, prefix_len, path)
-        if pruner is not None:
-            pruner.update(tree, path)
-
+        pruner.update(tree, path)
         n_before = len(gen.tokens)
         done = gen.finish_step(tree, path, bonus, draft_s)
         # -- UPDATE the dynamic table with the windows ending at the newly emitted tokens (§3.2)
         first_new = len(text)
         text += gen.tokens[n_before:]
-        learn(dynamic, text, first_new)
+        if cfg.dynamic_table:  # False: Table 1's "only frozen" row
+            update_table(dynamic, text, first_new)
         if done:
             return gen
         pending = bonus
@@ -397,26 +419,47 @@ def generate(model, prompt_ids: Sequence[int], max_new_tokens: int, eos_ids: Seq
 # we keep only the part of the tree that is worth its cost -- the per-step rule of
 # ngram_predictor.py's cost gate, applied per node:
 #
-#   q(o)    = P(node accepted | its parent accepted), learned online for each origin o = (table, rank, pos,
-#             fanout) (DraftTree.origins): a leader seen with one follower so far is a far safer bet than
-#             one with twenty
+#   q(o)    = P(node accepted | its parent accepted), learned online for each origin
+#             o = (table, rank, pos, fanout) (DraftTree.origins): a leader seen with one follower
+#             so far is a far safer bet than one with twenty
 #   P(node) = P(parent) * q(origin(node)),   P(root) = 1    (the probability that the node is on the
 #                                                            accepted path: the tree's branches are
 #                                                            mutually exclusive, so)
 #   E[tokens of the step] = 1 + sum over kept draft nodes of P(node)
 #
 # Keep the k nodes with the highest P (a subtree: a child's P never exceeds its parent's), with k
-# chosen to
-# maximise  E[tokens] / cost(1 + k)  over k = 0 .. N-1, where cost(n) = t(n)/t(1) is measured at start-up
-# (verify.measure_cost_curve). k = 0 is a plain one-token step: 1 token for 1 unit of cost.
+# chosen to maximise
+#
+#     E[tokens] / cost(1 + k)    over k = 0 .. N-1
+#
+# where cost(n) = t(n)/t(1) is measured at start-up (verify.measure_cost_curve). k = 0 is a plain
+# one-token step: 1 token for 1 unit of cost.
 #
 #   q: dynamic rank 0 pos 0 = 0.5, pos 1 = 0.8;  cost(1)=1, cost(2)=1.65, cost(3)=1.7
-#   tree root -> a (P .5) -> b (P .4):  k=0: 1/1 = 1.00  k=1: 1.5/1.65 = 0.91  k=2: 1.9/1.7 = 1.12: keep both
+#   tree root -> a (P .5) -> b (P .4):
+#     k=0: 1/1 = 1.00   k=1: 1.5/1.65 = 0.91   k=2: 1.9/1.7 = 1.12   -> keep both
 #
 # subtle: as in the n-gram gate the prior must be optimistic (q = 3/4 until measured): a node that
 # is never verified teaches nothing, so a pessimistic prior would prune every tree forever.
 
+class NoPruning:
+    """cfg.prune = "none", the paper: every tree is verified whole."""
+
+    def prune(self, tree: DraftTree) -> DraftTree:
+        return tree
+
+    def update(self, tree: DraftTree, path: Sequence[int]) -> None:
+        pass
+
 class CostPruner:
+    @classmethod
+    def for_run(cls, model, cfg: "CachebackConfig", cost: dict[int, float] | None):
+        """The pruner generate() uses: a CostPruner on `cost` (measured now if None) when
+        cfg.prune = "cost", else NoPruning."""
+        if cfg.prune != "cost":
+            return NoPruning()
+        return cls(cost or measure_cost(model, cfg.tdl))
+
     def __init__(self, cost: dict[int, float], prior_hits: float = 0.75, prior_trials: float = 1.0):
         self.sizes = sorted(cost)  # measured sizes, 1 first
         self.cost = cost  # {n: t(n)/t(1)}
@@ -471,6 +514,9 @@ class CostPruner:
                 self.trials[o] = self.trials.get(o, 0) + 1
                 self.hits[o] = self.hits.get(o, 0) + (i in on_path)
 
+    def prune(self, tree: DraftTree) -> DraftTree:
+        return prune(tree, self)
+
 def prune(tree: DraftTree, pruner: CostPruner) -> DraftTree:
     """The pruning pass: the part of the tree worth verifying on this device."""
     if len(tree) == 1:
@@ -505,9 +551,10 @@ def save_frozen(table: CacheTable, path: str, tok, meta: dict) -> None:
     import gzip
     import json
 
-    doc = {"format": FROZEN_FORMAT, "tokenizer": tokenizer_identity(tok), "ll": table.ll, "fl": table.fl,
+    doc = {"format": FROZEN_FORMAT, "tokenizer": tokenizer_identity(tok), "ll": table.ll,
+           "fl": table.fl,
            "lc": table.lc, "fc": table.fc, **meta,
-           "leaders": [[list(l), [list(f) for f in fs]] for l, fs in table.leaders.items()]}
+           "leaders": [[list(lead), [list(f) for f in fs]] for lead, fs in table.leaders.items()]}
     with gzip.open(path, "wt", encoding="utf-8") as f:
         json.dump(doc, f, separators=(",", ":"))
 
@@ -535,14 +582,8 @@ def load_frozen(path: str, tok, ll: int, fl: int) -> CacheTable:
     table.frozen = True
     return table
 
-def check_frozen(cfg: CachebackConfig, frozen_table: CacheTable | None) -> None:
-    if cfg.frozen != "none" and frozen_table is None:
-        raise verify.UserError(f"cfg.frozen = {cfg.frozen!r}: pass frozen_table=frozen_table_for(tok, cfg)")
-    if frozen_table is not None and (frozen_table.ll, frozen_table.fl) != (cfg.ll, cfg.fl):
-        raise verify.UserError(f"frozen table has LL={frozen_table.ll}, FL={frozen_table.fl}; "
-                               f"this run uses LL={cfg.ll}, FL={cfg.fl}")
-
-def frozen_path(tok, cfg: CachebackConfig, model_name: str = verify.DEFAULT_MODEL, built: bool = False):
+def frozen_path(tok, cfg: CachebackConfig, model_name: str = verify.DEFAULT_MODEL,
+                built: bool = False):
     """Where the table of corpus cfg.frozen for this tokenizer and LL, FL, LC, FC lies: shipped in
     corpus/, else built by tools/build_frozen.py into the cache folder; None if neither (built=True:
     the latter)."""
@@ -555,7 +596,8 @@ def frozen_path(tok, cfg: CachebackConfig, model_name: str = verify.DEFAULT_MODE
         return cached
     return next((p for p in (os.path.join(CORPUS_DIR, name), cached) if os.path.exists(p)), None)
 
-def frozen_table_for(tok, cfg: CachebackConfig, model_name: str = verify.DEFAULT_MODEL) -> CacheTable:
+def frozen_table_for(tok, cfg: CachebackConfig,
+                     model_name: str = verify.DEFAULT_MODEL) -> CacheTable:
     """The frozen table cfg.frozen names: a table file, or a corpus ('stdlib': the Python standard
     library's source; 'selfchat': the model's own answers), shipped for the default model or built
     by the tool."""
@@ -583,10 +625,12 @@ def prepare(model, tok, cfg: CachebackConfig, name: str = verify.DEFAULT_MODEL):
 def main(argv=None) -> int:
     parser = verify.common_parser(__doc__.split("\n\n")[0].strip() + "\n\nFrozen tables of other corpora, "
                                   "models or LL/FL/LC/FC: python tools/build_frozen.py --help")
-    default = lambda name: verify.defaults_help(CachebackConfig, name)
+    default = functools.partial(verify.defaults_help, CachebackConfig)  # ' (default: ...)' for a help line
     g = parser.add_argument_group("Cacheback (the paper's names; CUDA defaults: §4's; CPU: RESULTS.md)")
-    g.add_argument("--ll", type=int, help="LL, leader length: tokens a lookup is keyed by" + default("ll"))
-    g.add_argument("--fl", type=int, help="FL, follower length: tokens per follower / branch" + default("fl"))
+    g.add_argument("--ll", type=int,
+                   help="LL, leader length: tokens a lookup is keyed by" + default("ll"))
+    g.add_argument("--fl", type=int,
+                   help="FL, follower length: tokens per follower / branch" + default("fl"))
     g.add_argument("--lc", type=int, help="LC, leader capacity of a table" + default("lc"))
     g.add_argument("--fc", type=int, help="FC, follower capacity per leader" + default("fc"))
     g.add_argument("--tdl", type=int,
@@ -597,8 +641,7 @@ def main(argv=None) -> int:
                    "tools/build_frozen.py" + default("frozen"))
     g.add_argument("--prune", choices=["cost", "none"],
                    help="ours: cost = verify only what is worth its measured cost" + default("prune"))
-    config = lambda args, device: verify.config_from_args(CachebackConfig.for_device(device), args)
-    return verify.run_cli(parser, "cacheback", generate, config, prepare, argv=argv)
+    return verify.run_cli(parser, "cacheback", generate, CachebackConfig, prepare, argv=argv)
 
 if __name__ == "__main__":
     sys.exit(main())

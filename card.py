@@ -12,6 +12,17 @@ banner): the draft's own process, and drafts derived from the target (int8 on a 
 CUDA). bench.py holds a cost model that predicts the speedup from measured step times (RESULTS.md,
 "CARD on a CPU").
 
+The paper, section by section, and where it is here (this file's sections in brackets):
+
+    §2.2, Eq. 2-9   the candidate cache: C^(l), B^(l), top-K    CandidateCache                 [1]
+    §2.3            draft forwards: causal history inheritance,  draft_mask, Drafter.step        [2]
+                    intra-step independence
+    §2.4            correction: keep the subtree, or restart     Drafter.correct                [2]
+    §2, Figure 2    draft, query, verify, correct: the loop      Drafter.draft, .query, generate [3]
+    §3.1            r, the communication ratio; K and k          CardConfig [0], measure_ratio  [5]
+    beyond the paper: the draft in its own process (parallel)    DraftProcess                   [4]
+                      drafts derived from the target (int8)      int8_draft, load_draft         [5]
+
     python card.py --prompt "Explain what a hash map is." --compare
     python card.py --prompt "..." --draft HuggingFaceTB/SmolLM2-135M-Instruct --target DIR_OF_A_1.7B_MODEL
 
@@ -47,12 +58,12 @@ from verify import Generation, Tree
 class CardConfig:
     """CARD's parameters under the paper's names, and how this reference runs them.
 
-    >>> CardConfig.paper().k, CardConfig.cpu().k
-    (100, 1)
+    >>> CardConfig.paper().K, CardConfig.paper().ratio, CardConfig.paper_7b("DRAFT").ratio
+    (100, 'auto', 5)
     """
 
-    k: int = 100  # K, the primary cache size: candidate sequences kept per tree layer (Eq. 7)
-    topk: int = 100  # k, children proposed per node from the draft's top-k (Eq. 2)
+    K: int = 100  # the primary cache size: candidate sequences kept per tree layer (Eq. 7)
+    k: int = 100  # children proposed per node, from the draft's top-k (Eq. 2)
     # r, the communication ratio ~ t(target step) / t(draft layer); "auto" = measured
     ratio: int | str = 7
     # "parallel": the draft in its own process; "lockstep": r layers, then verify
@@ -66,29 +77,44 @@ class CardConfig:
     draft_dtype: str = "bfloat16"  # the dtype of draft "self" or a named draft
 
     @classmethod
-    def paper(cls) -> "CardConfig":
-        """§3.1 for a 1B draft: K = 100, r = 7, in parallel. note: the paper gives no value for Eq.
-        2's k; its reference code expands each node by its own top-K, i.e. k = K (10^4 candidates
-        per layer)."""
-        return cls()
+    def paper(cls, draft: str = "self") -> "CardConfig":
+        """§3.1 for a 1B draft: K = 100, in parallel, and r by §3.1's own rule, r = ceil(t_target /
+        t_draft), measured at start-up ("auto"). The paper's 1B draft beside a 70B target gives 7;
+        the self-draft (the target's own weights in bfloat16) gives about 1 on a GPU and 1-2 on a
+        CPU, so a fixed r = 7 would make the target wait for seven draft layers a step.
+        note: the paper gives no value for Eq. 2's k; its reference code expands each node by its
+        own top-K, i.e. k = K (10^4 candidates per layer)."""
+        return cls(ratio="auto", draft=draft)
+
+    @classmethod
+    def paper_7b(cls, draft: str) -> "CardConfig":
+        """§3.1's other row, for a 7B-class draft beside a 70B target: K = 50, r = 5 (k = K)."""
+        return cls(K=50, k=50, ratio=5, draft=draft)
+
+    @classmethod
+    def gpu(cls) -> "CardConfig":
+        """The CUDA default: §3.1's 1B-draft numbers (K = 100, r = 7) with the self-draft, as run on
+        an H100 (RESULTS.md, "On one GPU"). deviation: not §3.1's rule for this draft (that is
+        paper()); kept until a GPU run tunes it, since no GPU was at hand to measure a change."""
+        return cls(K=100, k=100, ratio=7)
 
     @classmethod
     def cpu(cls) -> "CardConfig":
         """Chosen on the tuning half of the shipped prompts (RESULTS.md, "CARD on a CPU"): the int8
         draft in its own process, a one-node-wide cache (CARD's loop, not its width), r = 5, a query
         waits 3 layers."""
-        return cls(k=1, topk=1, ratio=5, mode="parallel", wait=3, draft="int8")
+        return cls(K=1, k=1, ratio=5, mode="parallel", wait=3, draft="int8")
 
     @classmethod
     def for_device(cls, device) -> "CardConfig":
-        return cls.paper() if torch.device(device).type == "cuda" else cls.cpu()
+        return cls.gpu() if torch.device(device).type == "cuda" else cls.cpu()
 
     def check(self) -> None:
         """Raise verify.UserError (a ValueError) for an impossible value; accept r as text too."""
         if self.ratio != "auto" and not str(self.ratio).lstrip("-").isdigit():
             raise verify.UserError(f"--ratio must be a whole number or 'auto' (got {self.ratio!r})")
         self.ratio = self.ratio if self.ratio == "auto" else int(self.ratio)
-        for name, low in (("k", 1), ("topk", 1), ("ratio", 1), ("wait", 0), ("max_lead", 1)):
+        for name, low in (("K", 1), ("k", 1), ("ratio", 1), ("wait", 0), ("max_lead", 1)):
             v = getattr(self, name)
             if v not in (None, "auto") and v < low:
                 raise verify.UserError(f"--{name.replace('_', '-')} must be at least {low} (got {v})")
@@ -124,8 +150,10 @@ class Node:
     children: dict = field(default_factory=dict)  # token -> node id (materialized children)
 
 class CandidateCache:
-    def __init__(self, k: int, topk: int):
-        self.K, self.k, self._next = k, topk, 0
+    def __init__(self, K: int, k: int):
+        self.K = K  # nodes kept per layer (the primary cache C^(l))
+        self.k = k  # children proposed per fed node (its top-k)
+        self._next = 0  # the next node id
         self.nodes: dict[int, Node] = {}
         self.layers: list[list[int]] = []
 
@@ -145,7 +173,10 @@ class CandidateCache:
         self.layers[depth].append(i)
         return i
 
-    depth = property(lambda self: len(self.layers) - 1)
+    @property
+    def depth(self) -> int:
+        """The newest layer's depth (the root's layer is 0)."""
+        return len(self.layers) - 1
 
     def frontier(self) -> list[int]:
         """The unfed newest layer ([] if every layer has been fed)."""
@@ -155,7 +186,8 @@ class CandidateCache:
     def secondary(self, layer: int) -> list[tuple[int, float, int]]:
         """B^(l) (Eq. 3, 5): (token, w = p * sigma(parent), parent) over the fed nodes of
         `layer`."""
-        return [(t, p * self.nodes[i].sigma, i) for i in self.layers[layer] for t, p in self.nodes[i].cands]
+        return [(t, p * self.nodes[i].sigma, i) for i in self.layers[layer] for t,
+                p in self.nodes[i].cands]
 
     def grow(self) -> list[int]:
         """The next layer from the newest (fed) layer: sort B by score, keep the top K (Eq. 6-9)."""
@@ -172,14 +204,24 @@ class CandidateCache:
         return out[::-1]
 
     def query(self, r: int, below: int | None = None) -> list[int]:
-        """QUERY: the best path of up to r tokens below the root (or node `below`): the best sigma
-        that deep (sigma only falls along a path, so that node ends the best path of that
-        length)."""
+        """QUERY: the best path of up to r tokens below the root (or node `below`): the node of best
+        sigma at depth min(r, depth), and the path to it (sigma only falls along a path, so that
+        node ends the best path of that length).
+
+        deviation: the released code walks greedily instead, the best node of the first layer, then
+        the best child at each layer. Both take the paper's "highest-confidence path"; ours is the
+        best path of that length by the cache's own score (Eq. 4), the greedy walk can miss it when
+        a weaker first token has a much stronger continuation (TUTORIAL.md, the appendix)."""
         top = self.root if below is None else below
         base = self.nodes[top].depth
         d = min(r, self.depth - base)
-        ends = [i for i in self.layers[base + d] if top == self.root or top in self.path_to(i)] if d else []
-        return self.path_to(max(ends, key=lambda i: self.nodes[i].sigma))[base:] if ends else []
+        if d == 0:
+            return []
+        ends = [i for i in self.layers[base + d] if top == self.root or top in self.path_to(i)]
+        if not ends:
+            return []
+        best = max(ends, key=lambda i: self.nodes[i].sigma)
+        return self.path_to(best)[base:]
 
 # ---- 2. The drafter: draft forwards (§2.2, §2.3) and correction (§2.4) -------------------------------------
 #
@@ -214,21 +256,41 @@ def draft_mask(tree: CandidateCache, front: Sequence[int], dp: int, cache_len: i
     return allowed
 
 class Drafter:
-    def __init__(self, model, k: int, topk: int, correct: bool = True):
-        self.model, self.tree, self.cache = model, CandidateCache(k, topk), None
+    """The draft side of CARD: the draft model, its KV cache and the candidate cache it grows.
+    generate() drives it in four calls: start() once, then per step draft(r), query(r) and, after
+    the target's verification, correct(). (The parallel mode's DraftProcess, below the banner,
+    answers the same four calls from its own process, where this same class does the work.)"""
+
+    def __init__(self, model, K: int, k: int, correct: bool = True):
+        self.model = model
+        self.tree = CandidateCache(K, k)
+        self.cache = None
         self.correcting = correct  # False: Table 2's "cache only" ablation (see correct())
         self.layers_fed = 0  # draft forwards done (one per layer)
+        self.hits = 0  # corrections whose bonus token was in the cache
+        self.misses = 0  # corrections that restarted the cache
+        self.hit_tokens = 0  # the tokens of the steps that hit (accepted + bonus)
 
-    def start(self, text: Sequence[int], capacity: int = 256) -> None:
+    def start(self, text: Sequence[int], capacity: int = 256, max_lead: int = 14,
+              wait: int | None = None) -> None:
         """text = the verified tokens, its last one the (unfed) root; capacity: the draft cache's
-        size."""
+        size; max_lead: the most layers the cache may lead the verified text by (the reference's 2r;
+        14 = 2 x §3.1's r = 7). `wait` is the draft process's (it drafts while the target waits)."""
         self.text = list(text)
         self.cache = verify.new_cache(self.model, capacity)
+        self.max_lead = max_lead
         self.dp = 0  # verified tokens whose KV is in the draft cache (text[:dp])
         self.tree.reset(self.text[-1])
         self.root_pos = len(self.text) - 1  # the text position of the tree's root
         # cache only: the node the verified text has reached in the tree (None: the root)
         self.qroot = None
+
+    def draft(self, r: int) -> None:
+        """DRAFT: up to r more layers, one draft forward each, while the cache leads by fewer than
+        max_lead layers (lockstep: exactly the r layers a query of r tokens needs)."""
+        for _ in range(r):
+            if self.lead() < self.max_lead:
+                self.step()
 
     def _topk(self, logits: torch.Tensor) -> list[list[tuple[int, float]]]:
         """Eq. 1-2: the draft's distribution at each fed node, reduced to its top-k (token, p)."""
@@ -246,7 +308,8 @@ class Drafter:
             # (causal).
             assert verify.cache_len(self.cache) == self.dp
             ids = torch.tensor([self.text[self.dp :]], device=model.device)
-            out = verify.model_forward(model, self.cache, input_ids=ids, **verify.last_logits_only(model))
+            out = verify.model_forward(model, self.cache, input_ids=ids,
+                                       **verify.last_logits_only(model))
             self.dp = len(self.text) - 1
             root.slot, root.cands = self.dp, self._topk(out.logits[0, -1:])[0]
         else:
@@ -256,7 +319,8 @@ class Drafter:
             mask = verify.additive_mask(allowed, model.dtype, model.device)  # [1, 1, n, c+n]
             # [1, n]
             ids = torch.tensor([[tree.nodes[i].token for i in front]], device=model.device)
-            pos = torch.tensor([[self.root_pos + tree.nodes[i].depth for i in front]], device=model.device)
+            pos = torch.tensor([[self.root_pos + tree.nodes[i].depth for i in front]],
+                               device=model.device)
             out = verify.model_forward(model, self.cache, input_ids=ids, attention_mask=mask,
                                        position_ids=pos)
             for row, (i, cands) in enumerate(zip(front, self._topk(out.logits[0]))):
@@ -275,12 +339,26 @@ class Drafter:
     def correct(self, accepted: Sequence[int], bonus: int) -> bool:
         """CORRECT (§2.4) after the target accepted `accepted` (tokens of the queried path) and
         emitted `bonus`. Returns True on a cache hit (the bonus token is in the cache below the
-        accepted path).
+        accepted path), and counts it.
 
         Table 2's "cache only" ablation (correct=False) queries but does not correct: on a hit it
         follows the text down the cache (`qroot`) and prunes nothing, so the draft keeps growing
         branches the text has left; only on a miss is the cache restarted from the target's token,
         as the full method does."""
+        hit = self._correct_or_follow(accepted, bonus)
+        if hit:
+            self.hits += 1
+            self.hit_tokens += len(accepted) + 1
+        else:
+            self.misses += 1
+        return hit
+
+    def statistics(self) -> dict:
+        """The counts generate() reports: draft forwards, hits and misses, the tokens of hit steps."""
+        return dict(draft_layers=self.layers_fed, hits=self.hits, misses=self.misses,
+                    hit_tokens=self.hit_tokens)
+
+    def _correct_or_follow(self, accepted: Sequence[int], bonus: int) -> bool:
         self.text += list(accepted) + [int(bonus)]
         start = self.tree.root if self.qroot is None else self.qroot
         if not self.correcting:
@@ -358,72 +436,89 @@ class Drafter:
 
 # ---- 3. The decode loop ------------------------------------------------------------------------------------
 #
-# Both modes put the draft behind the same two calls: start(text, ...) for a new prompt, and
-# query(accepted, bonus), which CORRECTs the cache with the target's last step, then QUERYs it ->
-# (chain, hit).
-# lockstep  the draft does exactly r layers per query, in this process: deterministic, what the released code
-#           effectively does, and what the tests pin down.
-# parallel  the draft lives in its own process (section 4) and drafts while it leads the verified text by
-#           fewer than max_lead layers, so after a hit the next chain is (partly) ready:
+# Per step (§2, Figure 2): the draft DRAFTS layers into the candidate cache, the target QUERIES the
+# cache's best chain of up to r tokens, VERIFIES it in one forward, and the draft CORRECTS the cache
+# with what the target accepted. Where the draft runs is the caller's choice, made by what it passes
+# as `draft` (draft_side):
+#   lockstep  a model: a Drafter in this process, exactly r layers per step. Deterministic, what the
+#             released code effectively does, and what the tests pin down.
+#   parallel  a DraftProcess (section 4): the same Drafter in its own process, drafting all the time
+#             while it leads the verified text by fewer than max_lead layers, so after a hit the next
+#             chain is (partly) ready when the target asks:
 #
-#     target:  query ─> verify the chain (r + 1 rows) ─────────────> correct+query ─> verify ...
+#     target:  query ─> verify the chain (r + 1 rows) ─────────────> correct, query ─> verify ...
 #     draft:   answer   layer  layer  layer  layer (below the chain)  answer          layer ...
 
+@contextlib.contextmanager
+def draft_side(draft, cfg: CardConfig):
+    """The object behind generate()'s draft(r) / query(r) / correct(): a Drafter in this process
+    (lockstep mode), or a DraftProcess (parallel mode: the caller's, or one started for this call
+    and stopped after it)."""
+    if cfg.mode == "lockstep":
+        model = draft.model if isinstance(draft, DraftProcess) else draft
+        yield Drafter(model, cfg.K, cfg.k, cfg.correct)
+    elif isinstance(draft, DraftProcess):
+        with draft.serving(cfg):
+            yield draft
+    else:
+        with DraftProcess(draft, cfg) as process, process.serving(cfg):
+            yield process
+
 @torch.no_grad()
-def generate(model, prompt_ids: Sequence[int], max_new_tokens: int, eos_ids: Sequence[int], cfg: CardConfig,
-             *, draft, sampling: verify.Sampling = verify.GREEDY, on_emit=None, on_step=None) -> Generation:
+def generate(model, prompt_ids: Sequence[int], max_new_tokens: int, eos_ids: Sequence[int],
+             cfg: CardConfig, *, draft, sampling: verify.Sampling = verify.GREEDY, on_emit=None,
+             on_step=None) -> Generation:
     """CARD decoding. `model` is the target, `draft` the draft model (same tokenizer; `load_draft`
     builds the one cfg names) or a running DraftProcess. Both modes emit the same tokens, greedy or
-    sampled (verify.py section 7): the target decides every one; timing decides only how long the
+    sampled (verify.Sampling): the target decides every one; timing decides only how long the
     chains are."""
     cfg.check()
     if draft is None or cfg.ratio == "auto":
-        raise verify.UserError("CARD needs a draft model (draft=...) and a whole r (prepare() measures auto)")
-    ratio = cfg.ratio
-    max_lead = 2 * ratio if cfg.max_lead is None else cfg.max_lead  # the reference's 2r
-    # parallel: a query waits until the cache leads by this
-    wait = ratio if cfg.wait is None else cfg.wait
+        raise verify.UserError("CARD needs a draft model (draft=...) and a whole r (prepare() "
+                               "measures auto)")
+    r = cfg.ratio
+    max_lead = 2 * r if cfg.max_lead is None else cfg.max_lead  # the reference's 2r
+    wait = r if cfg.wait is None else cfg.wait  # parallel: a query waits until the cache leads by this
     gen = Generation(max_new_tokens, eos_ids, on_emit=on_emit, on_step=on_step)
-    gen.extra.update(hits=0, misses=0, verified=0, hit_tokens=0)
+    gen.extra.update(verified=0)
     # the target's cache: prompt + output + the largest step (the pending token and a chain of r)
-    cache = verify.new_cache(model, len(prompt_ids) + max_new_tokens + ratio + 1)
-    pending = verify.first_token(verify.prefill(model, cache, prompt_ids), len(prompt_ids), sampling)
+    cache = verify.new_cache(model, len(prompt_ids) + max_new_tokens + r + 1)
+    pending = verify.first_token(verify.prefill(model, cache, prompt_ids), len(prompt_ids),
+                                 sampling)
     if gen.finish_prefill(pending):
         return gen
-    # a step emits at most len(chain) + 1
-    budget = lambda: max(max_new_tokens - len(gen.tokens) - 1, 0)
-
-    # lockstep: here; parallel: its own process, its share of the cores
-    with draft_side(draft, cfg) as side:
-        # the draft's cache: the verified text + up to max_lead + 1 layers of K nodes ahead of it
-        capacity = len(prompt_ids) + max_new_tokens + (max_lead + 2) * cfg.k
-        side.start(list(prompt_ids) + [pending], capacity, ratio, max_lead, wait)
-        accepted = None
+    # the draft's cache: the verified text + up to max_lead + 1 layers of K nodes ahead of it
+    capacity = len(prompt_ids) + max_new_tokens + (max_lead + 2) * cfg.K
+    with draft_side(draft, cfg) as drafter:
+        drafter.start(list(prompt_ids) + [pending], capacity, max_lead, wait)
         while True:
-            # -- CORRECT the cache with what the target accepted, then QUERY it. draft_s: the time
-            # the target
-            #    waited for the draft (lockstep: all of the drafting)
-            t0 = time.perf_counter()
-            chain, hit = side.query(accepted, pending if accepted is not None else None)
-            chain, draft_s = chain[: budget()], time.perf_counter() - t0
-            if accepted is not None:
-                gen.extra["hits" if hit else "misses"] += 1
-                # the step's accepted + its bonus
-                gen.extra["hit_tokens"] += len(accepted) + 1 if hit else 0
-
-            # -- VERIFY the chain with the target (in parallel mode the draft keeps drafting
-            # meanwhile)
+            started = time.perf_counter()
+            # -- DRAFT: r layers of the candidate cache (parallel: the process drafts on its own)
+            drafter.draft(r)
+            # -- QUERY: the cache's best chain of at most r tokens below the verified text
+            chain = drafter.query(r)
+            room = max(max_new_tokens - len(gen.tokens) - 1, 0)  # a step emits <= len(chain) + 1
+            chain = chain[:room]
+            draft_s = time.perf_counter() - started  # what the target waited for the draft
+            # -- VERIFY the chain in one target forward (parallel: the draft keeps drafting)
             tree = Tree.chain(pending, chain)
             prefix_len = verify.cache_len(cache)
-            path, bonus = verify.accept(tree, verify.tree_forward(model, cache, tree), prefix_len, sampling)
+            logits = verify.tree_forward(model, cache, tree)
+            path, bonus = verify.accept(tree, logits, prefix_len, sampling)
             verify.rollback(cache, prefix_len + len(path))
             gen.extra["verified"] += len(tree)
             if gen.finish_step(tree, path, bonus, draft_s):
                 break
-            pending, accepted = bonus, [tree.tokens[i] for i in path[1:]]
-    steps, layers, queries = max(gen.steps, 1), side.layers_fed, gen.extra["hits"] + gen.extra["misses"]
-    gen.extra.update(draft_layers=layers, hit_rate=gen.extra["hits"] / max(queries, 1),
-                     draft_layers_per_step=layers / steps, verified_per_step=gen.extra["verified"] / steps)
+            # -- CORRECT the cache: keep the subtree below the accepted text, or restart on a miss
+            accepted = [tree.tokens[i] for i in path[1:]]
+            drafter.correct(accepted, bonus)
+            pending = bonus
+        gen.extra.update(drafter.statistics())
+    steps = max(gen.steps, 1)
+    corrections = max(gen.extra["hits"] + gen.extra["misses"], 1)
+    gen.extra.update(hit_rate=gen.extra["hits"] / corrections,
+                     draft_layers_per_step=gen.extra["draft_layers"] / steps,
+                     verified_per_step=gen.extra["verified"] / steps)
     return gen
 
 # ---- Beyond the paper --------------------------------------------------------------------------------------
@@ -433,65 +528,22 @@ def generate(model, prompt_ids: Sequence[int], max_new_tokens: int, eos_ids: Seq
 # process take turns on the GIL (RESULTS.md). The published code also runs two processes. They share
 # only a pipe, and the messages are token ids (a few hundred bytes), never tensors:
 #
-#   target -> draft   ("start", run, text, capacity, max_lead)
-#                     ("query", run, accepted, bonus, r, wait)  correct (accepted None: nothing to correct),
-#                                                  then answer once the cache leads by wait (or max_lead)
-#                     ("done",)                    generate() returned: stop drafting, keep the model
-#                     ("stop",)                    exit
-#   draft -> target   ("ready",) once, after start-up;  ("chain", run, tokens, hit, layers_fed)
-#                     ("error", "ValueError: ...") the draft failed; it then exits
+#   target -> draft   ("start", run, text, capacity, max_lead)   a new prompt: a new Drafter
+#                     ("correct", run, accepted, bonus)           CORRECT the cache (§2.4)
+#                     ("query", run, r, wait)    answer once the cache leads by wait (or max_lead)
+#                     ("done",)                  generate() returned: stop drafting, keep the model
+#                     ("stop",)                  exit
+#   draft -> target   ("ready",)                 once, after start-up
+#                     ("chain", run, tokens, statistics)      the queried chain, Drafter.statistics()
+#                     ("error", "ValueError: ...")            the draft failed; it then exits
 # `run` numbers the generate() calls, so an answer that an earlier, interrupted call left behind is
-# dropped.
-
-@contextlib.contextmanager
-def draft_side(draft, cfg: "CardConfig"):
-    """The draft behind start() / query(): a LockstepDraft, or a DraftProcess (the caller's, or one
-    started for this call and stopped after it). On a CPU the target keeps the threads the draft
-    process leaves."""
-    main_threads = torch.get_num_threads()
-    owned = cfg.mode == "parallel" and not isinstance(draft, DraftProcess)
-    if cfg.mode == "parallel":
-        side = DraftProcess(draft, cfg) if owned else draft
-        if (side.k, side.topk, side.correct) != (cfg.k, cfg.topk, cfg.correct):
-            raise verify.UserError(f"this DraftProcess drafts with K={side.k}, k={side.topk}, correct="
-                                   f"{side.correct}, unlike the config")
-        if side.threads:
-            torch.set_num_threads(max(1, main_threads - side.threads))
-    else:
-        side = LockstepDraft(draft.model if isinstance(draft, DraftProcess) else draft, cfg)
-    try:
-        yield side
-    finally:
-        torch.set_num_threads(main_threads)
-        side.close() if owned else side.done()
-
-class LockstepDraft:
-    """The draft in the target's process: r layers per query (the lockstep mode)."""
-
-    def __init__(self, draft, cfg: "CardConfig"):
-        self.drafter = Drafter(draft, cfg.k, cfg.topk, cfg.correct)
-
-    def start(self, text: Sequence[int], capacity: int, ratio: int, max_lead: int, wait: int) -> None:
-        # (wait: lockstep always has its r layers before a query)
-        self.ratio, self.max_lead = ratio, max_lead
-        self.drafter.start(text, capacity)
-
-    def query(self, accepted, bonus) -> tuple[list[int], bool | None]:
-        hit = None if accepted is None else self.drafter.correct(accepted, bonus)
-        for _ in range(self.ratio):
-            if self.drafter.lead() < self.max_lead:
-                self.drafter.step()
-        return self.drafter.query(self.ratio), hit
-
-    layers_fed = property(lambda self: self.drafter.layers_fed)
-
-    done = close = lambda self: None  # nothing runs in the background
+# dropped. Between two messages the process drafts: one layer, then it looks at the pipe again.
 
 class DraftProcessError(verify.UserError):
     """The draft process died or failed (a UserError: the CLI prints it as one line and exits
     non-zero)."""
 
-def _draft_process(conn, k: int, topk: int, correct: bool, threads: int | None) -> None:
+def _draft_process(conn, K: int, k: int, correct: bool, threads: int | None) -> None:
     """The draft process's whole life (spawned by DraftProcess)."""
     # Ctrl-C reaches us too; the target's process stops us
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -511,7 +563,7 @@ def _draft_process(conn, k: int, topk: int, correct: bool, threads: int | None) 
         while True:
             # QUERY, once far enough
             if asked is not None and drafter.lead() >= min(asked[1], max_lead):
-                conn.send(("chain", run, drafter.query(asked[0]), asked[2], drafter.layers_fed))
+                conn.send(("chain", run, drafter.query(asked[0]), drafter.statistics()))
                 asked = None
             if drafter is not None and drafter.lead() < max_lead and not conn.poll():
                 drafter.step()  # nothing asked of us right now: draft one more layer
@@ -525,13 +577,14 @@ def _draft_process(conn, k: int, topk: int, correct: bool, threads: int | None) 
                 drafter, asked = None, None
             elif msg[0] == "start":
                 _, run, text, capacity, max_lead = msg
-                drafter, asked = Drafter(draft, k, topk, correct), None
-                drafter.start(text, capacity)
+                drafter, asked = Drafter(draft, K, k, correct), None
+                drafter.start(text, capacity, max_lead)
+            elif msg[0] == "correct":
+                _, run, accepted, bonus = msg
+                drafter.correct(accepted, bonus)  # CORRECT (§2.4)
             elif msg[0] == "query":
-                _, run, accepted, bonus, r, wait = msg
-                # CORRECT (§2.4)
-                hit = None if accepted is None else drafter.correct(accepted, bonus)
-                asked = (r, wait, hit)
+                _, run, r, wait = msg
+                asked = (r, wait)
     except (EOFError, OSError):
         return  # the target's process is gone: nothing left to draft for
     except BaseException as e:  # reported to the target, which raises DraftProcessError
@@ -555,21 +608,23 @@ class DraftProcess:
     caller that decodes many prompts starts it once (generate() given a plain model starts one per
     call):
 
-        with card.DraftProcess(draft, cfg) as proc:           # cfg: the K, k and correction it drafts with
+        with card.DraftProcess(draft, cfg) as proc:      # cfg: the K, k and correction it drafts with
             for ids in prompts: card.generate(target, ids, 128, eos, cfg, draft=proc)
 
     It stops at close(), garbage collection or exit, and by itself if its parent dies."""
 
     def __init__(self, draft, cfg: "CardConfig", threads: int | None = None):
         ctx = torch.multiprocessing.get_context("spawn")  # fork is unsafe with threads and CUDA
-        self.model, self.k, self.topk, self.correct = draft, cfg.k, cfg.topk, cfg.correct
+        self.model = draft
+        self.drafts_with = (cfg.K, cfg.k, cfg.correct)  # what its Drafter is made with
         # on a CPU: half the threads (on 2 cores: one)
         if threads is None and draft.device.type == "cpu":
             threads = max(1, torch.get_num_threads() // 2)
-        self.threads, self.run, self.layers_fed = threads, 0, 0
+        self.threads = threads
+        self.run = 0  # generate() calls served so far
         self.conn, child_end = ctx.Pipe()
         self.process = ctx.Process(target=_draft_process, name="card-draft", daemon=True,
-                                   args=(child_end, cfg.k, cfg.topk, cfg.correct, threads))
+                                   args=(child_end, cfg.K, cfg.k, cfg.correct, threads))
         self.process.start()
         # subtle: now only the child holds that end, so its death reads here as EOF
         child_end.close()
@@ -609,16 +664,44 @@ class DraftProcess:
             if msg[0] == kind and (kind == "ready" or msg[1] == self.run):
                 return msg  # (an answer left over from an interrupted run is dropped)
 
-    def start(self, text: Sequence[int], capacity: int, ratio: int, max_lead: int, wait: int) -> None:
+    @contextlib.contextmanager
+    def serving(self, cfg: CardConfig):
+        """For one generate() call: the target takes the threads this process leaves (a CPU has only
+        so many cores), and afterwards the process stops drafting."""
+        if self.drafts_with != (cfg.K, cfg.k, cfg.correct):
+            K, k, correct = self.drafts_with
+            raise verify.UserError(f"this DraftProcess drafts with K={K}, k={k}, correct={correct}, "
+                                   "unlike the config")
+        main_threads = torch.get_num_threads()
+        if self.threads:
+            torch.set_num_threads(max(1, main_threads - self.threads))
+        try:
+            yield self
+        finally:
+            torch.set_num_threads(main_threads)
+            self.done()
+
+    # generate()'s four calls, as the Drafter takes them (section 3)
+
+    def start(self, text: Sequence[int], capacity: int, max_lead: int, wait: int) -> None:
         self.run += 1
-        self.ratio, self.wait = ratio, wait
+        self.wait = wait
+        self.counts = dict(draft_layers=0, hits=0, misses=0, hit_tokens=0)  # until an answer
         self._send(("start", self.run, list(text), capacity, max_lead))
 
-    def query(self, accepted, bonus) -> tuple[list[int], bool | None]:
-        accepted = None if accepted is None else list(accepted)
-        self._send(("query", self.run, accepted, bonus, self.ratio, self.wait))
-        _, _, chain, hit, self.layers_fed = self._receive("chain")
-        return chain, hit
+    def draft(self, r: int) -> None:
+        pass  # the process drafts all the time, while it leads by fewer than max_lead layers
+
+    def query(self, r: int) -> list[int]:
+        self._send(("query", self.run, r, self.wait))
+        _, _, chain, self.counts = self._receive("chain")
+        return chain
+
+    def correct(self, accepted: Sequence[int], bonus: int) -> None:
+        self._send(("correct", self.run, list(accepted), int(bonus)))  # the answer: with the chain
+
+    def statistics(self) -> dict:
+        return self.counts
 
     def done(self) -> None:  # generate() is over: stop drafting, leave the cores to the caller
         if self.process.is_alive():
@@ -704,18 +787,19 @@ def load_draft(model, tok, cfg: CardConfig, target_name: str = verify.DEFAULT_MO
 def step_time(model, n: int) -> float:  # one forward over n new tokens after 256 cached ones
     return verify.measure_step_times(model, [n], repeats=3)[n]
 
-def measure_ratio(model, draft, k: int) -> int:
+def measure_ratio(model, draft, K: int) -> int:
     """§3.1's r = ceil(t_target / t_draft): how many K-node draft layers fit in one one-token target
     step."""
-    return max(1, math.ceil(step_time(model, 1) / step_time(draft, k)))
+    return max(1, math.ceil(step_time(model, 1) / step_time(draft, K)))
 
-def prepare(model, tok, cfg: CardConfig, name: str = verify.DEFAULT_MODEL) -> tuple[CardConfig, dict]:
+def prepare(model, tok, cfg: CardConfig, name: str = verify.DEFAULT_MODEL) -> tuple[CardConfig,
+                                                                                    dict]:
     """Once per process, untimed, like loading: the draft cfg names, r if 'auto', and in parallel
     mode the draft process (it lives until this process exits or the caller closes it; generate()
     skips start-up)."""
     draft = load_draft(model, tok, cfg, name)
     if cfg.ratio == "auto":
-        cfg = dataclasses.replace(cfg, ratio=measure_ratio(model, draft, cfg.k))
+        cfg = dataclasses.replace(cfg, ratio=measure_ratio(model, draft, cfg.K))
         print(f"[card] --ratio auto: measured r = {cfg.ratio}", file=sys.stderr)
     if cfg.mode == "parallel":
         draft = DraftProcess(draft, cfg)
@@ -727,26 +811,31 @@ def main(argv=None) -> int:
     import argparse
 
     parser = verify.common_parser(__doc__.split("\n\n")[0].strip())
-    default = lambda name: verify.defaults_help(CardConfig, name)
-    g = parser.add_argument_group("CARD (the paper's names; CUDA defaults: §3.1's; CPU: RESULTS.md)")
+    default = functools.partial(verify.defaults_help, CardConfig)  # ' (default: ...)' for a help line
+    g = parser.add_argument_group("CARD (the paper's names; CUDA: CardConfig.gpu(); CPU: RESULTS.md)")
     add = g.add_argument
-    add("--target", dest="model", default=argparse.SUPPRESS, help="the target model (same as --model)")
-    add("--draft", help="the draft: int8 (the target's linear layers in int8; CPU), self (the target's "
+    add("--target", dest="model", default=argparse.SUPPRESS,
+        help="the target model (same as --model)")
+    add("--draft",
+        help="the draft: int8 (the target's linear layers in int8; CPU), self (the target's "
         "weights in --draft-dtype), or a model name/path with the same tokenizer" + default("draft"))
     add("--draft-dtype", choices=["auto", "float32", "bfloat16", "float16"],
         help="the dtype of --draft self or a named draft (default: bfloat16)")
-    add("--k", type=int, help="K, the primary cache size: candidates kept per layer (Eq. 7)" + default("k"))
-    add("--topk", type=int, help="k, children proposed per node (Eq. 2)" + default("topk"))
-    add("--ratio", help="r, the communication ratio: chain length per target step; auto = measured (§3.1)"
+    add("--K", type=int, help="K, the primary cache size: candidates kept per layer (Eq. 7)"
+        + default("K"))
+    add("--k", type=int, help="k, children proposed per node from the draft's top-k (Eq. 2)"
+        + default("k"))
+    add("--ratio",
+        help="r, the communication ratio: chain length per target step; auto = measured (§3.1)"
         + default("ratio"))
     add("--mode", choices=["parallel", "lockstep"],
         help="parallel: the draft in its own process; lockstep: r layers, then verify" + default("mode"))
-    add("--wait", type=int, help="parallel: layers the cache must lead by before a query is answered; 0 = "
+    add("--wait", type=int,
+        help="parallel: layers the cache must lead by before a query is answered; 0 = "
         "take what it holds (default: r on CUDA, 3 on CPU)")
     add("--no-correct", dest="correct", action="store_const", const=False,
         help="Table 2's 'cache only' ablation: query without correcting")
-    config = lambda args, device: verify.config_from_args(CardConfig.for_device(device), args)
-    return verify.run_cli(parser, "card", generate, config, prepare, argv=argv)
+    return verify.run_cli(parser, "card", generate, CardConfig, prepare, argv=argv)
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -21,6 +21,20 @@ target's. §4.4's buffer (C(kv) kept at its head, so FlexAttention skips other b
 CompactedKVCache (`--attn flex`). Beyond the paper: the split back-end (the CPU default); the
 deviations are listed in TUTORIAL.md §5.5.
 
+The paper, section by section, and where it is here (this file's sections in brackets):
+
+    §4.2, §4.3, App. F  n, k, m (Lookahead's W, N - 1, G), C   FafoConfig                      [0]
+    App. F, Alg. 2, 3   the n-gram pool: add, retrieve (LRU)   NgramPool                       [1]
+    §4.2, Eq. 1         Fumble Around: the n guess streams     Streams                         [2]
+    §4.2, Table 8       the compression C                      Compressor, StreamingLLM        [3]
+                                                               (Quest, SnapKV below: [8])
+    App. E, Figure 4    one step's rows and attention mask     StepLayout, combined_mask       [4]
+    §4.3, Alg. 4        Find Out: verify, accept               find_out                        [5]
+    the loop            fumble, find out, pool, compress       generate                        [7]
+    §4.4, Alg. 1, App. H  compacted blocks for FlexAttention   FlexKV [10],
+                                                               verify.CompactedKVCache
+    beyond the paper: the KV back-ends (dense [6], split [9]: the CPU default)
+
     python fafo.py --prompt "Write a limerick about a cat." --compare
     python fafo.py --prompt "..." --compress none --lookback 1   # Lookahead Decoding: full-KV guesses
 
@@ -101,7 +115,8 @@ class FafoConfig:
         return cls.paper() if torch.device(device).type == "cuda" else cls.cpu()
 
     def check(self) -> None:  # raise verify.UserError (a ValueError) for an impossible value
-        for name in ("n_guess", "k", "m", "recent", "page_size", "top_pages", "window_size", "kernel_size",
+        for name in ("n_guess", "k", "m", "recent", "page_size", "top_pages", "window_size",
+                     "kernel_size",
                      "sink", "pool_cap"):
             low, v = 0 if name == "sink" else 1, getattr(self, name)
             if v is not None and v < low:
@@ -112,7 +127,8 @@ class FafoConfig:
                           f"--compress must be stream, quest, snapkv or none (got {self.compress!r})"),
                          (self.max_capacity_prompt > self.window_size,
                           "--max-capacity-prompt must exceed --window-size (SnapKV keeps the window)"),
-                         (self.kernel_size % 2 == 1, "--kernel-size must be odd (pooling keeps the length)"),
+                         (self.kernel_size % 2 == 1,
+                          "--kernel-size must be odd (pooling keeps the length)"),
                          (self.attn in ("dense", "split", "flex", "flex-compiled"),
                           f"--attn must be dense, split, flex or flex-compiled (got {self.attn!r})"),
                          (not (self.attn.startswith("flex") and self.compress == "none"),
@@ -238,9 +254,10 @@ class Streams:
 #
 # A compressor answers one question per step: which cached (logical) positions may the guess rows
 # see? The KV back-end turns them into a mask or the buffer's head; `budget` bounds the answer (flex
-# allocates the head from it). To add one (H2O), subclass Compressor: `observe` sees every step's KV
-# and the last verified row's queries (needs_query), `observe_prompt` the prompt's last rows'
-# queries (window).
+# allocates the head from it). The decode loop calls after_prefill() once and after_step() per step;
+# they hand observe() every step's KV and, where a compressor reads them (needs_query: Quest), the
+# last verified row's queries, and observe_prompt() the prompt's last `window` rows' queries
+# (SnapKV). To add one (H2O), subclass Compressor.
 
 class Compressor:
     # the base class is --compress none: guess rows see everything (Lookahead)
@@ -253,6 +270,15 @@ class Compressor:
 
     def observe_prompt(self, kv, queries: torch.Tensor, scale: float) -> None:
         pass
+
+    def after_prefill(self, model, kv, hidden_states, prompt_len: int) -> None:
+        """What the compressor learns from the prompt (Quest and SnapKV read queries: section 8)."""
+        self.observe(kv, None)
+
+    def after_step(self, model, kv, hidden_states, row: int, position: int) -> None:
+        """What it learns from a verified step: the cache as it now is (and, Quest, the queries of
+        input `row`, the one that produced the bonus token, at `position`)."""
+        self.observe(kv, None)
 
     def select(self, length: int) -> list[int]:
         return list(range(length))
@@ -389,10 +415,13 @@ def combined_mask(layout: StepLayout, cache_len: int, selected: Sequence[int]) -
 #   B: ' ran' != ' sat'                                        -> 0
 #   => emit ' sat', ' on' (from A) + ' the' (bonus)
 
-def find_out(cands: Sequence[Sequence[int]], first_choice: int, cand_choices: Sequence[Sequence[int]]):
+def find_out(cands: Sequence[Sequence[int]], first_choice: int,
+             cand_choices: Sequence[Sequence[int]]):
     """Returns (winner index or -1, accepted count, bonus token). cand_choices[c][t] = the model's
     argmax on candidate c's row t (what comes after a_1..a_t)."""
-    best, best_len, bonus = -1, 0, first_choice
+    best = -1  # no candidate matched yet: accept nothing, the bonus is x's own choice
+    best_len = 0
+    bonus = first_choice
     for c, cand in enumerate(cands):
         a, nxt = 0, first_choice
         while a < len(cand) and cand[a] == nxt:
@@ -418,9 +447,15 @@ class DenseKV:
     step."""
 
     def __init__(self, model, cache, layout: StepLayout):
-        self.model, self.cache, self.layout, self.selected = model, cache, layout, []
+        self.model = model
+        self.cache = cache
+        self.layout = layout  # a full step's rows; a shorter step passes its own to forward()
+        self.selected: list[int] = []  # C(kv): the positions the guess rows see
 
-    length = property(lambda self: verify.cache_len(self.cache))
+    @property
+    def length(self) -> int:
+        """The logical cache's length p (the KV of x_1 .. x_p)."""
+        return verify.cache_len(self.cache)
 
     def select(self, positions: Sequence[int]) -> None:
         self.selected = list(positions)
@@ -434,15 +469,19 @@ class DenseKV:
         row, and we pick."""
         dev = self.model.device
         mask, attention = self.mask(layout or self.layout)
-        only = {} if rows is None else verify.last_logits_only(self.model, torch.tensor(rows, device=dev))
+        only = {}  # logits of every row, unless rows are named
+        if rows is not None:
+            only = verify.last_logits_only(self.model, torch.tensor(rows, device=dev))
+        ids = torch.tensor([tokens], device=dev)  # [1, q]
+        position_ids = torch.tensor([positions], device=dev)  # [1, q]
         with attention:
-            out = verify.model_forward(self.model, self.cache, input_ids=torch.tensor([tokens], device=dev),
-                                       attention_mask=mask, position_ids=torch.tensor([positions], device=dev),
-                                       output_hidden_states=hidden, **only)
-        # [q, V] or [len(rows), V]; `rows` increase, so len q means every row
-        logits = out.logits[0]
-        return (logits if rows is None or len(logits) == len(rows) else logits[list(rows)]), \
-            (out.hidden_states if hidden else None)
+            out = verify.model_forward(self.model, self.cache, input_ids=ids, attention_mask=mask,
+                                       position_ids=position_ids, output_hidden_states=hidden, **only)
+        logits = out.logits[0]  # [q, V] or [len(rows), V]; `rows` increase: len q = every row
+        if rows is not None and len(logits) != len(rows):
+            logits = logits[list(rows)]  # a model without logits_to_keep computed every row
+        hidden_states = out.hidden_states if hidden else None
+        return logits, hidden_states
 
     def mask(self, layout: StepLayout):
         """(the attention mask, the attention function's context): the spec mask, the model's
@@ -462,93 +501,123 @@ class DenseKV:
         # [L, H_kv, n, D]
         return torch.stack([layer.keys[0, :, start:end] for layer in self.cache.layers])
 
+    def statistics(self, steps: int) -> dict:
+        return {}
+
 # ---- 7. The decode loop ------------------------------------------------------------------------------------
 
 @torch.no_grad()
-def generate(model, prompt_ids: Sequence[int], max_new_tokens: int, eos_ids: Sequence[int], cfg: FafoConfig,
-             *, pool: NgramPool | None = None, sampling: verify.Sampling = verify.GREEDY, on_emit=None,
-             on_step=None) -> Generation:
-    """FAFO decoding, greedy or sampled (the verification rows take verify.py's keyed sample; the
-    guess rows stay greedy, they only need to be plausible). gen.extra gets the pool size and the
-    rows per step. Pass your own `pool` (an NgramPool with the same k) to inspect it or carry it to
-    the next prompt."""
-    cfg.check()
-    n, k, m = cfg.n_guess, cfg.k, cfg.m
+def prefill(model, prompt_ids: Sequence[int], max_new_tokens: int, cfg: FafoConfig, compressor,
+            layout: StepLayout):
+    """The prompt through the model, into a cache for prompt + output + one whole step's rows.
+    Returns (the cache, the last position's logits [V], the hidden states when the compressor reads
+    queries, else None)."""
     check_reach(model, cfg, len(prompt_ids), max_new_tokens)
+    cache = verify.new_cache(model, len(prompt_ids) + max_new_tokens + layout.rows)
+    ids = torch.tensor([list(prompt_ids)], device=model.device)
+    hidden = compressor.needs_query or compressor.window > 0
+    out = verify.model_forward(model, cache, input_ids=ids, output_hidden_states=hidden,
+                               **verify.last_logits_only(model))
+    verify.check_filled(cache, len(prompt_ids))  # as verify.prefill: a recurrent model fills none
+    return cache, out.logits[0, -1], out.hidden_states
+
+def check_reach(model, cfg: FafoConfig, prompt_len: int, max_new_tokens: int) -> None:
+    """subtle: guess rows run ahead of the text (up to position p + n + k - 1), so the context check
+    counts them (a model with absolute positions fails past its table)."""
+    if cfg.compress in ("quest", "snapkv"):
+        check_llama_layout(model, cfg.compress)
+    n = cfg.n_guess
+    k = cfg.k
+    reach = prompt_len + max_new_tokens + n + k
+    if reach > verify.context_length(model):
+        raise UserError(f"prompt ({prompt_len}) + max new tokens ({max_new_tokens}) + the guess rows' "
+                        f"lead (n + k = {n + k}) exceeds the model's context of "
+                        f"{verify.context_length(model)}")
+
+def make_backend(model, cache, layout: StepLayout, cfg: FafoConfig, compressor, capacity: int):
+    """The KV back-end cfg.attn names (section 6's interface), over the prefilled cache: DenseKV
+    here, SplitKV and FlexKV below the banner (sections 9 and 10)."""
+    if cfg.attn == "dense":
+        return DenseKV(model, cache, layout)
+    if cfg.attn == "split":
+        return SplitKV(model, cache, layout)
+    return FlexKV(model, cache, layout, compressor.budget, capacity + cfg.k + 1, cfg.block_size,
+                  compiled=cfg.attn == "flex-compiled")
+
+def step_statistics(gen: Generation, pool, kv) -> Generation:
+    """gen.extra's counts as per-step rates, with the pool's size and the back-end's own."""
+    steps = gen.steps
+    gen.extra["pool_ngrams"] = len(pool)
+    gen.extra["guess_rows_per_step"] = gen.extra.pop("guess_rows") / steps
+    gen.extra["candidates_per_step"] = gen.extra.pop("candidates") / steps
+    gen.extra.update(kv.statistics(steps))
+    return gen
+
+
+@torch.no_grad()
+def generate(model, prompt_ids: Sequence[int], max_new_tokens: int, eos_ids: Sequence[int],
+             cfg: FafoConfig, *, pool: NgramPool | None = None, sampling: verify.Sampling = verify.GREEDY,
+             on_emit=None, on_step=None) -> Generation:
+    """FAFO decoding, greedy or sampled (verification rows sampled, guess rows greedy: they need only
+    be plausible). Pass a `pool` (an NgramPool, same k) to inspect it or carry it to the next prompt."""
+    cfg.check()
+    n = cfg.n_guess  # guess streams (Lookahead's W)
+    k = cfg.k  # tokens per stream, the n-gram length (Lookahead's N - 1)
+    m = cfg.m  # candidates verified per step (Lookahead's G)
     gen = Generation(max_new_tokens, eos_ids, on_emit=on_emit, on_step=on_step)
     compressor = make_compressor(cfg)
     pool = NgramPool(k, cfg.pool_cap or n, cfg.lookback) if pool is None else pool
     if pool.k != k:
         raise UserError(f"the pool given was built for k = {pool.k}, not k = {k}")
-    streams = Streams.from_prompt(prompt_ids, n, k, cfg.seed)
+    streams = Streams.from_prompt(prompt_ids, n, k, cfg.seed)  # the n guess streams, Algorithm 2
     if cfg.prompt_pool:
         pool.seed(prompt_ids)
-    # subtle: dense and split take as many candidates as the pool has (their mask is rebuilt
-    # anyway); flex pads to exactly m (static shapes) with dummy candidates that can never be
-    # accepted.
-    static = cfg.attn.startswith("flex")
-
-    # -- prefill and the first token; the cache holds prompt + output + one whole step's rows
-    layout = StepLayout(n, k, m)
-    cache = verify.new_cache(model, len(prompt_ids) + max_new_tokens + layout.rows)
-    ids = torch.tensor([list(prompt_ids)], device=model.device)
-    out = verify.model_forward(model, cache, input_ids=ids, **verify.last_logits_only(model),
-                               output_hidden_states=compressor.needs_query or compressor.window > 0)
-    # as verify.prefill does: a recurrent model fills no cache
-    verify.check_filled(cache, len(prompt_ids))
-    pending = verify.first_token(out.logits[0, -1], len(prompt_ids), sampling)
+    layout = StepLayout(n, k, m)  # the rows of a full step (Figure 4)
+    cache, last_logits, hidden = prefill(model, prompt_ids, max_new_tokens, cfg, compressor, layout)
+    pending = verify.first_token(last_logits, len(prompt_ids), sampling)
     if gen.finish_prefill(pending):
         return gen
     context = list(prompt_ids) + [pending]  # x_1 .. x_|x|; the last one is not in the KV cache yet
     kv = make_backend(model, cache, layout, cfg, compressor, len(prompt_ids) + max_new_tokens)
-    observe_prompt(model, kv, compressor, out.hidden_states, len(prompt_ids))
+    compressor.after_prefill(model, kv, hidden, len(prompt_ids))
     gen.extra.update(compress=compressor.name, guess_rows=0, candidates=0)
-
     while True:
-        t0 = time.perf_counter()
+        started = time.perf_counter()
         p = kv.length  # = len(context) - 1
-        cands = pool.retrieve(context, m)  # Algorithm 3
+        # -- Find Out, retrieve (Algorithm 3): up to m pool candidates keyed by the text's tail
+        cands = pool.retrieve(context, m)
         real = len(cands)
-        cands = cands + [(pending,) * k] * (m - real) if static else cands
-        step = layout if static else StepLayout(n, k, len(cands))
-        kv.select(compressor.select(p))  # C(kv_1..p)
+        step = StepLayout(n, k, real)
+        if cfg.attn.startswith("flex"):  # static shapes: exactly m, padded with never-accepted dummies
+            cands = cands + [(pending,) * k] * (m - real)
+            step = layout
+        kv.select(compressor.select(p))  # C(kv_1..p): what the guess rows see
         tokens, positions = step.inputs(pending, p, streams.windows, cands)
-        draft_s = time.perf_counter() - t0
-
-        # x, the streams' newest rows, the candidates: the predictions we use
-        read = step.read_rows()
-        logits, hidden = kv.forward(tokens, positions, hidden=compressor.needs_query, layout=step, rows=read)
-        # input row -> the model's token
-        choice = choices(logits, read, step, real, positions, sampling)
-
-        # Find Out (Algorithm 4) on the real candidates only
+        draft_s = time.perf_counter() - started
+        # -- one forward: x, the guess rows (Fumble Around), the candidates (Find Out)
+        read = step.read_rows()  # the rows whose predictions we use
+        logits, hidden = kv.forward(tokens, positions, compressor.needs_query, step, rows=read)
+        choice = choices(logits, read, step, real, positions, sampling)  # input row -> model's token
+        # -- Find Out, verify and accept (Algorithm 4), on the real candidates only
         cand_choices = [[choice[step.cand_row(c, t)] for t in range(k)] for c in range(real)]
         best, a, bonus = find_out(cands[:real], choice[0], cand_choices)
         accepted = list(cands[best][:a]) if a else []
-        rows = [0] + [step.cand_row(best, t) for t in range(a)]
-
-        # Fumble Around: every stream's newest row predicted its next token (Eq. 1) -> pool
-        # (Algorithm 2)
+        rows = [0] + [step.cand_row(best, t) for t in range(a)]  # the verification rows kept
+        # -- Fumble Around (Eq. 1): each stream's newest row guessed its next token; new n-grams -> pool
         streams.advance([choice[step.fumble_row(i, k - 1)] for i in range(n)], pool)
-
-        # keep the KV of x and the accepted tokens -- from the VERIFICATION rows, never from guess
-        # rows
-        kv.keep(rows, [p + j for j in range(len(rows))])
-        last = rows[-1]  # the row that produced the bonus token (Quest reads its queries)
-        compressor.observe(kv, layer_queries(model, hidden, [last], [positions[last]])[:, :, 0]
-                           if compressor.needs_query else None)
-
-        # the verified candidates as a draft tree, for the common book-keeping (accepted is a path
-        # in it)
-        tree = Tree.from_branches(pending, [list(c) for c in cands[:real]])
+        kv.keep(rows, [p + j for j in range(len(rows))])  # -- keep x's and the accepted tokens' KV
+        compressor.after_step(model, kv, hidden, rows[-1], positions[rows[-1]])
+        tree = Tree.from_branches(pending, [list(c) for c in cands[:real]])  # for the book-keeping
         path = [0] + tree.add_branch(accepted)  # finds the accepted tokens' nodes (adds none)
         gen.extra["guess_rows"] += n * k
         gen.extra["candidates"] += real
-        context, pending = context + accepted + [bonus], bonus
+        context = context + accepted + [bonus]
+        pending = bonus
         if gen.finish_step(tree, path, bonus, draft_s):
-            return finish_statistics(gen, pool, kv if static else None)
+            return step_statistics(gen, pool, kv)
 
-def choices(logits, read, step: StepLayout, real: int, positions, sampling: verify.Sampling) -> dict:
+def choices(logits, read, step: StepLayout, real: int, positions,
+            sampling: verify.Sampling) -> dict:
     """Input row -> the model's token after it: its argmax, or for the verification rows, sampled,
     the keyed sample at the position the row predicts. logits [len(read), V], one row per input row
     in `read`."""
@@ -561,41 +630,6 @@ def choices(logits, read, step: StepLayout, real: int, positions, sampling: veri
     return choice
 
 # ---- Beyond the paper --------------------------------------------------------------------------------------
-def check_reach(model, cfg: FafoConfig, prompt_len: int, max_new_tokens: int) -> None:
-    """subtle: guess rows run ahead of the text (up to position p + n + k - 1), so the context check
-    counts them (a model with absolute positions fails past its table)."""
-    if cfg.compress in ("quest", "snapkv"):
-        check_llama_layout(model, cfg.compress)
-    reach, n, k = prompt_len + max_new_tokens + cfg.n_guess + cfg.k, cfg.n_guess, cfg.k
-    if reach > verify.context_length(model):
-        raise UserError(f"prompt ({prompt_len}) + max new tokens ({max_new_tokens}) + the guess rows' lead "
-                        f"(n + k = {n + k}) exceeds the model's context of {verify.context_length(model)}")
-
-def make_backend(model, cache, layout: StepLayout, cfg: FafoConfig, compressor, capacity: int):
-    """The KV back-end cfg.attn names (section 6's interface), over the prefilled cache."""
-    if cfg.attn.startswith("flex"):
-        return FlexKV(model, cache, layout, compressor.budget, capacity + cfg.k + 1, cfg.block_size,
-                      compiled=cfg.attn == "flex-compiled")
-    return (SplitKV if cfg.attn == "split" else DenseKV)(model, cache, layout)
-
-def observe_prompt(model, kv, compressor, hidden_states, prompt_len: int) -> None:
-    """What a compressor learns from the prefill: SnapKV's window votes; Quest reads the last row's
-    query."""
-    if compressor.window:
-        window = list(range(max(0, prompt_len - compressor.window), prompt_len))
-        queries = layer_queries(model, hidden_states, window, window)  # [L, H, w, D]
-        compressor.observe_prompt(kv, queries, attention_scale(model))
-    last = [prompt_len - 1]
-    compressor.observe(kv, layer_queries(model, hidden_states, last, last)[:, :, 0] if compressor.needs_query
-                       else None)
-
-def finish_statistics(gen: Generation, pool, flex) -> Generation:
-    rows, cands, steps = gen.extra.pop("guess_rows"), gen.extra.pop("candidates"), gen.steps
-    gen.extra.update(pool_ngrams=len(pool), guess_rows_per_step=rows / steps,
-                     candidates_per_step=cands / steps)
-    if flex is not None:
-        gen.extra["slots_swapped_per_step"] = flex.kv.moved / steps
-    return gen
 
 # ---- 8. Two more compressions: Quest (pages) and SnapKV (the prompt's votes) -------------------------------
 
@@ -623,28 +657,45 @@ class Quest(Compressor):
     needs_query = True
 
     def __init__(self, page_size: int, top_pages: int):
-        self.page_size, self.top_pages, self.budget = page_size, top_pages, page_size * top_pages
+        self.page_size = page_size
+        self.top_pages = top_pages
+        self.budget = page_size * top_pages
         self.kmin = self.kmax = None  # [L, P, H_kv, D]: each page's channel-wise min / max key
         self.pages_done = 0  # pages whose min/max are final (complete pages)
         self.scores: torch.Tensor | None = None  # [P] of the last selection
 
     def observe(self, kv, queries: torch.Tensor | None) -> None:
-        length, ps, done = kv.length, self.page_size, self.pages_done
+        length = kv.length
+        ps = self.page_size
+        done = self.pages_done
         # only the pages that changed (the newest, partial ones): keys [L, H_kv, n, D] each
         pages = [kv.keys(p * ps, min(length, (p + 1) * ps)) for p in range(done, -(-length // ps))]
         if pages:
             new_min = torch.stack([k.amin(dim=2) for k in pages], 1)  # [L, P', H_kv, D]
             new_max = torch.stack([k.amax(dim=2) for k in pages], 1)
-            self.kmin = new_min if self.kmin is None else torch.cat([self.kmin[:, :done], new_min], 1)
-            self.kmax = new_max if self.kmax is None else torch.cat([self.kmax[:, :done], new_max], 1)
+            if self.kmin is None:
+                self.kmin = new_min
+                self.kmax = new_max
+            else:  # the complete pages stay, the changed ones are replaced
+                self.kmin = torch.cat([self.kmin[:, :done], new_min], 1)
+                self.kmax = torch.cat([self.kmax[:, :done], new_max], 1)
         self.pages_done, self.queries = length // ps, queries  # queries [L, H, D]
+
+    def after_prefill(self, model, kv, hidden_states, prompt_len: int) -> None:
+        last = [prompt_len - 1]
+        self.observe(kv, layer_queries(model, hidden_states, last, last)[:, :, 0])  # [L, H, D]
+
+    def after_step(self, model, kv, hidden_states, row: int, position: int) -> None:
+        self.observe(kv, layer_queries(model, hidden_states, [row], [position])[:, :, 0])
 
     def select(self, length: int) -> list[int]:
         ps = self.page_size
         if -(-length // ps) <= self.top_pages:
             return list(range(length))
-        q, lo, hi = self.queries.float(), self.kmin.float(), self.kmax.float()
-        self.scores = sum(quest_page_scores(q[l], lo[l], hi[l]) for l in range(len(lo)))  # [P]
+        q = self.queries.float()  # [L, H, D]
+        lo = self.kmin.float()  # [L, P, H_kv, D]
+        hi = self.kmax.float()
+        self.scores = sum(quest_page_scores(q[i], lo[i], hi[i]) for i in range(len(lo)))  # [P], i: layer
         pages = sorted(torch.topk(self.scores, self.top_pages).indices.tolist())
         return [x for p in pages for x in range(p * ps, min(length, (p + 1) * ps))]
 
@@ -657,9 +708,9 @@ def snapkv_votes(queries: torch.Tensor, keys: torch.Tensor, scale: float) -> tor
     row_pos = torch.arange(P - w, P, device=keys.device)  # where the window's rows sit
     future = torch.arange(P, device=keys.device)[None, :] > row_pos[:, None]  # [w, P]: causal mask
     votes = torch.zeros(P - w, device=keys.device)
-    for l in range(L):  # one layer at a time: [H, w, P] stays small at long context
-        k = keys[l].float().repeat_interleave(G, dim=0)  # [H, P, D]
-        logits = (queries[l].float() @ k.transpose(-1, -2)) * scale  # [H, w, P]
+    for layer in range(L):  # one layer at a time: [H, w, P] stays small at long context
+        k = keys[layer].float().repeat_interleave(G, dim=0)  # [H, P, D]
+        logits = (queries[layer].float() @ k.transpose(-1, -2)) * scale  # [H, w, P]
         attn = logits.masked_fill(future, float("-inf")).softmax(dim=-1)
         votes += attn[:, :, : P - w].sum(dim=(0, 1))
     return votes
@@ -694,6 +745,11 @@ class SnapKV(Compressor):
         top = torch.topk(pooled, self.capacity - w).indices
         self.kept = sorted(top.tolist()) + list(range(P - w, P))
 
+    def after_prefill(self, model, kv, hidden_states, prompt_len: int) -> None:
+        window = list(range(max(0, prompt_len - self.window), prompt_len))
+        queries = layer_queries(model, hidden_states, window, window)  # [L, H, w, D]
+        self.observe_prompt(kv, queries, attention_scale(model))
+
     def select(self, length: int) -> list[int]:
         return sorted(set(self.kept).union(range(max(0, length - self.recent), length)))
 
@@ -701,25 +757,31 @@ def check_llama_layout(model, compress: str = "quest") -> None:
     """Quest and SnapKV recompute each layer's queries (layer_queries below): Llama-family layout
     only."""
     inner = getattr(model, "model", None)
-    if not (hasattr(inner, "rotary_emb") and all(hasattr(l, "input_layernorm") and hasattr(
-            getattr(l, "self_attn", None), "q_proj") for l in getattr(inner, "layers", [None]))):
+    layers = getattr(inner, "layers", [None])
+    llama_like = all(hasattr(layer, "input_layernorm")
+                     and hasattr(getattr(layer, "self_attn", None), "q_proj") for layer in layers)
+    if not (hasattr(inner, "rotary_emb") and llama_like):
         raise UserError(f"--compress {compress} needs a Llama-style layout (input_layernorm, q_proj, "
                         f"rotary); {model.config.model_type} has another: use --compress stream or none")
 
-def layer_queries(model, hidden_states, rows: Sequence[int], positions: Sequence[int]) -> torch.Tensor:
+def layer_queries(model, hidden_states, rows: Sequence[int],
+                  positions: Sequence[int]) -> torch.Tensor:
     """The query vectors every layer computed for input rows `rows` at `positions`: [L, H, r, D],
     RoPE applied (as on the cached keys, so q.k times the layer's scaling is the attention logit).
     hidden_states[l] is layer l's input, as transformers returns it with
     output_hidden_states=True."""
-    inner, cfg, r, H = model.model, model.config, len(rows), model.config.num_attention_heads
+    inner = model.model
+    cfg = model.config
+    r = len(rows)
+    H = cfg.num_attention_heads
     D = getattr(cfg, "head_dim", None) or cfg.hidden_size // H
     # [L, r, hid]
-    hs = torch.stack([hidden_states[l][0, list(rows)] for l in range(cfg.num_hidden_layers)])
+    hs = torch.stack([hidden_states[i][0, list(rows)] for i in range(cfg.num_hidden_layers)])
     pos = torch.tensor([list(positions)], device=hs.device)
     cos, sin = inner.rotary_emb(hs[:1], position_ids=pos)  # [1, r, D]
     qs = []
-    for l, layer in enumerate(inner.layers):
-        q = layer.self_attn.q_proj(layer.input_layernorm(hs[l])).view(r, H, D)  # [r, H, D]
+    for i, layer in enumerate(inner.layers):
+        q = layer.self_attn.q_proj(layer.input_layernorm(hs[i])).view(r, H, D)  # [r, H, D]
         # QK-norm (Qwen3): each head's query is normalised before RoPE
         if hasattr(layer.self_attn, "q_norm"):
             q = layer.self_attn.q_norm(q)
@@ -769,7 +831,8 @@ def split_groups(allowed: np.ndarray, guess: np.ndarray, dtype, device="cpu") ->
                            verify.additive_mask(vis, dtype, device)))
     return groups
 
-def _split_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0, groups=(), **kwargs):
+def _split_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0, groups=(),
+                   **kwargs):
     """A transformers attention function: query [B, H, q, D], key/value [B, H_kv, n_keys, D] (the
     cache after this step's update). `attention_mask` (the dense spec) is not read: `groups` hold
     it, by rows."""
@@ -781,7 +844,8 @@ def _split_forward(module, query, key, value, attention_mask, scaling=None, drop
         k = key if cols is None else key.index_select(2, cols)  # [B, H_kv, c, D]
         v = value if cols is None else value.index_select(2, cols)
         assert mask.shape[-1] == k.shape[-2], "split path: the mask was cut for another number of keys"
-        out[:, :, rows] = F.scaled_dot_product_attention(query.index_select(2, rows), k, v, scale=scaling,
+        out[:, :, rows] = F.scaled_dot_product_attention(query.index_select(2, rows), k, v,
+                                                         scale=scaling,
                                                          attn_mask=mask.to(query.dtype), enable_gqa=gqa)
     # [B, q, H, D], as every transformers attention returns
     return out.transpose(1, 2).contiguous(), None
@@ -796,7 +860,8 @@ class SplitKV(DenseKV):
 
     def attention(self, allowed: np.ndarray, layout: StepLayout):
         groups = split_groups(allowed, layout.guess_rows(), self.model.dtype, self.model.device)
-        return verify.attention_function(self.model, SPLIT, functools.partial(_split_forward, groups=groups))
+        return verify.attention_function(self.model, SPLIT,
+                                         functools.partial(_split_forward, groups=groups))
 
 # ---- 10. The flex back-end: FlexAttention over verify.py's CompactedKVCache (§4.4) -------------------------
 
@@ -806,14 +871,17 @@ class FlexKV(DenseKV):
 
     def __init__(self, model, cache, layout: StepLayout, budget: int, max_len: int, block_size: int,
                  compiled: bool):
-        kv = verify.CompactedKVCache(model, head_slots=budget, input_rows=layout.rows, tail_slots=max_len,
+        kv = verify.CompactedKVCache(model, head_slots=budget, input_rows=layout.rows,
+                                     tail_slots=max_len,
                                      block_size=block_size)
         kv.load(cache)  # everything to the tail; the first select() swaps C(kv) in
         super().__init__(model, kv, layout)
         self.kv, self.compiled = kv, compiled
         self.block_mask = kv.block_mask(layout.inner_mask(), layout.guess_rows())  # built ONCE
 
-    length = property(lambda self: self.kv.length)
+    @property
+    def length(self) -> int:
+        return self.kv.length
 
     def select(self, positions: Sequence[int]) -> None:
         self.kv.reselect(positions)
@@ -825,38 +893,47 @@ class FlexKV(DenseKV):
         self.kv.commit(rows, positions)
 
     def keys(self, start: int, end: int) -> torch.Tensor:
-        return self.kv.K[:, 0][:, :, self.kv.logical_slots(start, end)]  # [L, H_kv, n, D]
+        return self.kv.key_buffer[:, 0][:, :, self.kv.logical_slots(start, end)]  # [L, H_kv, n, D]
+
+    def statistics(self, steps: int) -> dict:
+        return {"slots_swapped_per_step": self.kv.moved / steps}
 
 # ---- 11. CLI -----------------------------------------------------------------------------------------------
 
 def main(argv=None) -> int:
     parser = verify.common_parser(__doc__.split("\n\n")[0].strip())
-    d = lambda name: verify.defaults_help(FafoConfig, name)
+    default = functools.partial(verify.defaults_help, FafoConfig)  # ' (default: ...)' for a help line
     g = parser.add_argument_group("FAFO (the paper's names; CPU defaults are small: every row costs time)")
     add = g.add_argument
-    add("--n-guess", type=int, help="n: guess streams in the fumble branch (§4.2)" + d("n_guess"))
-    add("--k", type=int, help="k: tokens per stream = guessed n-gram length = longest pool key" + d("k"))
-    add("--m", type=int, help="m: pool candidates verified per step (Algorithm 3)" + d("m"))
-    add("--compress", choices=["stream", "quest", "snapkv", "none"], help="C: StreamingLLM, Quest pages, "
-        "SnapKV's prompt selection + the recent positions, or none = full KV (Lookahead) (default: stream)")
-    add("--sink", type=int, help="StreamingLLM: attention-sink tokens kept" + d("sink"))
-    add("--recent", type=int, help="StreamingLLM: most recent tokens kept" + d("recent"))
-    add("--page-size", type=int, help="Quest: positions per page" + d("page_size"))
-    add("--top-pages", type=int, help="Quest: pages selected per step" + d("top_pages"))
-    add("--window-size", type=int, help="SnapKV: the prompt's last rows, which vote" + d("window_size"))
+    add("--n-guess", type=int,
+        help="n: guess streams in the fumble branch (§4.2)" + default("n_guess"))
+    add("--k", type=int,
+        help="k: tokens per stream = guessed n-gram length = longest pool key" + default("k"))
+    add("--m", type=int, help="m: pool candidates verified per step (Algorithm 3)" + default("m"))
+    add("--compress", choices=["stream", "quest", "snapkv", "none"],
+        help="C: StreamingLLM, Quest pages, SnapKV's prompt selection + the recent positions, or "
+        "none = full KV (Lookahead) (default: stream)")
+    add("--sink", type=int, help="StreamingLLM: attention-sink tokens kept" + default("sink"))
+    add("--recent", type=int, help="StreamingLLM: most recent tokens kept" + default("recent"))
+    add("--page-size", type=int, help="Quest: positions per page" + default("page_size"))
+    add("--top-pages", type=int, help="Quest: pages selected per step" + default("top_pages"))
+    add("--window-size", type=int,
+        help="SnapKV: the prompt's last rows, which vote" + default("window_size"))
     add("--max-capacity-prompt", type=int, help="SnapKV: prompt positions kept, window included"
-        + d("max_capacity_prompt"))
-    add("--kernel-size", type=int, help="SnapKV: average-pooling width over the votes" + d("kernel_size"))
-    add("--attn", choices=["dense", "split", "flex", "flex-compiled"], help="dense mask (the spec); split = "
-        "guess rows over C(kv) in their own SDPA call; flex = compacted blocks (§4.4) with FlexAttention run "
-        "eagerly (unfused: to check it, not for speed); flex-compiled = the same through torch.compile"
-        + d("attn"))
+        + default("max_capacity_prompt"))
+    add("--kernel-size", type=int,
+        help="SnapKV: average-pooling width over the votes" + default("kernel_size"))
+    add("--attn", choices=["dense", "split", "flex", "flex-compiled"],
+        help="dense mask (the spec); split = guess rows over C(kv) in their own SDPA call; flex = "
+        "compacted blocks (§4.4) with FlexAttention run eagerly (unfused: to check it, not for "
+        "speed); flex-compiled = the same through torch.compile" + default("attn"))
     add("--pool-cap", type=int, help="pool: k-grams kept per key, LRU (Appendix F; default: n)")
-    add("--lookback", type=int, help="pool: longest key, §4.3's lookback window (default: k; 1 = Lookahead)")
-    add("--prompt-pool", action="store_const", const=True, help="seed the pool with the prompt's k-grams too")
+    add("--lookback", type=int,
+        help="pool: longest key, §4.3's lookback window (default: k; 1 = Lookahead)")
+    add("--prompt-pool", action="store_const", const=True,
+        help="seed the pool with the prompt's k-grams too")
     add("--block-size", type=int, help="flex: KV block size, B_z in Algorithm 1 (default: 128)")
-    config = lambda args, device: verify.config_from_args(FafoConfig.for_device(device), args)
-    return verify.run_cli(parser, "fafo", generate, config, argv=argv)
+    return verify.run_cli(parser, "fafo", generate, FafoConfig, argv=argv)
 
 if __name__ == "__main__":
     sys.exit(main())

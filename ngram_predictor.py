@@ -10,10 +10,16 @@ The simplest complete speculative decoder there is; read it first:
     ACCEPT  the longest prefix where draft == the model's argmax, plus the bonus token
     ROLL    KV cache rolled back to prefix + accepted
 
-The chapter, section by section: 0 its constants, 1 FNV-1a hashing ("Hashing"), 2 the predictor
-("The N-gram Predictor"), 3 the arithmetic ("Speedup Analysis", corrected), 4 the decode loop
-("The Verification Loop", "Buffer Capacity Guard"). Beyond the paper: 5 our cost gate (skip drafts
-not worth their measured cost on this device), 6 the CLI.
+The chapter, section by section, and where it is here (this file's sections in brackets):
+
+    its constants                   MAX_ORDER, DRAFT_COUNT, MAX_HISTORY, MAX_BATCH, NgramConfig  [0]
+    "Hashing"                       fnv1a_64                                                    [1]
+    "The N-gram Predictor"          NGramPredictor: update, lookup (backoff), draft (a chain)   [2]
+    "Speedup Analysis" (corrected)  expected_accepted, estimate_alpha, predicted_speedup        [3]
+    "The Verification Loop",        generate                                                    [4]
+    "Buffer Capacity Guard"
+    beyond the chapter              CostGate: skip drafts not worth their measured cost here    [5]
+                                    the CLI: prepare, report, main                              [6]
 
     python ngram_predictor.py --prompt "Write a Python class Stack with push and pop." --compare
 
@@ -41,7 +47,7 @@ from verify import Generation, Tree
 
 MAX_ORDER = 4  # up to 4-grams: a context of up to 3 tokens
 DRAFT_COUNT = 4  # predict up to 4 tokens per round
-MAX_HISTORY = 512  # sliding window of recent tokens used as context
+MAX_HISTORY = 512  # the chapter's "sliding window" of recent tokens (what it bounds: NGramPredictor)
 # "buffer capacity": at most this many tokens in one verification forward (known + drafts)
 MAX_BATCH = 64
 
@@ -134,10 +140,11 @@ class NGramPredictor:
         # The recent tokens, used only as the *context* for update() and predict().
         self.history: deque[int] = deque(maxlen=max_history)
         self.tables: list[dict[int, dict[int, int]]] = [{} for _ in range(max_order - 1)]
-        # note: as in the chapter, the tables are never pruned when a token leaves the window:
-        # memory grows with the distinct contexts ever seen, and counts are cumulative (an old
-        # favourite can outvote a recent one). The window only bounds the deque, i.e. which contexts
-        # can be looked up.
+        # subtle: what the window bounds. The chapter says it bounds memory and adds a recency bias,
+        # but as there the tables are never pruned when a token leaves the window (memory grows with
+        # the distinct contexts ever seen; counts are cumulative, so an old favourite can outvote a
+        # recent one), and update() and draft() read only the history's last MAX_ORDER - 1 = 3
+        # tokens. So the window bounds the deque alone: any MAX_HISTORY >= 3 gives the same drafts.
 
     def update(self, token: int) -> None:
         """Count `token` after its 1-, 2- and 3-token contexts, then append it to the history."""
@@ -236,27 +243,24 @@ def predicted_speedup(alpha: float, d: int, cost_ratio: float) -> float:
 # ---- 4. The decode loop ------------------------------------------------------------------------------------
 
 @torch.no_grad()
-def generate(model, prompt_ids: Sequence[int], max_new_tokens: int, eos_ids: Sequence[int], cfg: NgramConfig,
-             *, draft_costs: dict[int, float] | None = None, sampling: verify.Sampling = verify.GREEDY,
-             on_emit=None, on_step=None) -> Generation:
+def generate(model, prompt_ids: Sequence[int], max_new_tokens: int, eos_ids: Sequence[int],
+             cfg: NgramConfig, *, draft_costs: dict[int, float] | None = None,
+             sampling: verify.Sampling = verify.GREEDY, on_emit=None, on_step=None) -> Generation:
     """Speculative decoding with n-gram drafts. draft_costs = {n: t(1+n)/t(1)}, the cost gate's
     curve (measured once per process by `prepare`, else now); cfg.draft_cost replaces it (1.0 = the
     chapter: always verify). `sampling`: greedy by default; sampled, exactly the plain sampler's
-    tokens (verify.py §7)."""
+    tokens (verify.Sampling)."""
     cfg.check()
     gen = Generation(max_new_tokens, eos_ids, on_emit=on_emit, on_step=on_step)
     predictor = NGramPredictor(cfg.max_order, cfg.draft_count, cfg.max_history)
     predictor.update_batch(prompt_ids)  # seed the tables with the prompt (chat template included)
-    # section 5; with draft_cost = 1 it lets every draft by
-    gate = CostGate.for_run(model, cfg, draft_costs)
-
+    gate = CostGate.for_run(model, cfg, draft_costs)  # section 5; draft_cost = 1 lets all drafts by
     # the cache's capacity: prompt + output + the largest step (the pending token and a full draft)
     cache = verify.new_cache(model, len(prompt_ids) + max_new_tokens + cfg.draft_count + 1)
     known = verify.first_token(verify.prefill(model, cache, prompt_ids), len(prompt_ids), sampling)
     predictor.update(known)
     if gen.finish_prefill(known):
         return gen
-
     while True:
         # -- DRAFT
         t0 = time.perf_counter()
@@ -265,9 +269,7 @@ def generate(model, prompt_ids: Sequence[int], max_new_tokens: int, eos_ids: Seq
         # 1;`): the verification batch is [known, d0 .. dn], so at most max_batch - 1 drafts fit.
         if len(drafted) + 1 > cfg.max_batch:
             drafted = drafted[: cfg.max_batch - 1]
-        # note: a step emits at most len(drafts) + 1 tokens, so drafting past max_new_tokens is
-        # wasted work.
-        drafted = drafted[: max_new_tokens - len(gen.tokens) - 1]
+        drafted = drafted[: max_new_tokens - len(gen.tokens) - 1]  # a step emits <= len + 1
         orders = [order for _, order in drafted]
         # deviation (section 5): not worth its cost on this hardware
         if drafted and not gate.allows(orders):
@@ -275,28 +277,23 @@ def generate(model, prompt_ids: Sequence[int], max_new_tokens: int, eos_ids: Seq
         drafts = [token for token, _ in drafted]
         draft_s = time.perf_counter() - t0
 
-        # -- VERIFY. With no draft this is the chapter's "no-draft fallback": a plain one-token
-        # forward.
+        # -- VERIFY (no draft: the chapter's "no-draft fallback", a plain one-token forward)
         tree = Tree.chain(known, drafts)  # [known, d0, ..., dn] at positions pos, pos+1, ...
         pos = verify.cache_len(cache)
         logits = verify.tree_forward(model, cache, tree)  # [1 + n_draft, V]
-
         # -- ACCEPT: longest prefix where draft == the model's token (argmax, or the keyed sample),
         # plus the bonus token at the first mismatch.
         path, bonus = verify.accept(tree, logits, pos, sampling)
         # the known token + accepted drafts (= accepted + 1 in the chapter's words)
         keep = len(path)
         gate.update(orders, keep - 1)
-
         # -- ROLL BACK: the KV of rejected drafts was computed from a wrong context; forget it.
         verify.rollback(cache, pos + keep)
-
         n_before = len(gen.tokens)
         done = gen.finish_step(tree, path, bonus, draft_s)
         predictor.update_batch(gen.tokens[n_before:])  # the predictor learns every emitted token
         if done:
-            # t(1+D)/t(1), the cost of a full draft
-            gen.extra["draft_cost"] = gate.cost_of(cfg.draft_count)
+            gen.extra["draft_cost"] = gate.cost_of(cfg.draft_count)  # t(1+D)/t(1): a full draft
             gen.extra["gated_drafts"] = gate.skipped
             return gen
         known = bonus
@@ -386,7 +383,8 @@ def measure_draft_costs(model, d: int) -> dict[int, float]:
 
 # ---- 6. CLI ------------------------------------------------------------------------------------------------
 
-def prepare(model, tok, cfg: NgramConfig, name: str = verify.DEFAULT_MODEL) -> tuple[NgramConfig, dict]:
+def prepare(model, tok, cfg: NgramConfig, name: str = verify.DEFAULT_MODEL) -> tuple[NgramConfig,
+                                                                                     dict]:
     """Once per process, before any timing: measure the cost gate's curve unless cfg.draft_cost
     fixes it."""
     if cfg.draft_cost is not None:
@@ -399,7 +397,8 @@ def report(model, prompt_ids, gen: Generation, cfg: NgramConfig, extra: dict) ->
     them."""
     alpha = estimate_alpha(gen.accepted, gen.drafted)
     d = cfg.draft_count
-    ratio = gen.extra["draft_cost"] if cfg.draft_cost is None else measure_draft_costs(model, d).get(d, 1.0)
+    ratio = gen.extra["draft_cost"] if cfg.draft_cost is None else measure_draft_costs(model,
+                                                                                       d).get(d, 1.0)
     out = {"alpha": alpha, "cost_ratio": ratio, "draft_steps": sum(1 for d in gen.drafted if d)}
     out["predicted_speedup"] = predicted_speedup(alpha, d, ratio) if alpha is not None else None
     return out
@@ -408,16 +407,20 @@ def main(argv=None) -> int:
     parser = verify.common_parser(__doc__.split("\n\n")[0].strip() + "\n\nDrafts come from n-gram counts "
                                   "of the prompt and the generated text; no draft model.")
     g = parser.add_argument_group("n-gram predictor (the chapter's parameters)")
-    g.add_argument("--max-order", type=int, help="MAX_ORDER: largest n-gram (backs off) (default: 4)")
-    g.add_argument("--draft-count", type=int, help="DRAFT_COUNT: draft tokens per step at most (default: 4)")
-    g.add_argument("--max-history", type=int, help="MAX_HISTORY: recent tokens used as context; tables are "
+    g.add_argument("--max-order", type=int,
+                   help="MAX_ORDER: largest n-gram (backs off) (default: 4)")
+    g.add_argument("--draft-count", type=int,
+                   help="DRAFT_COUNT: draft tokens per step at most (default: 4)")
+    g.add_argument("--max-history", type=int,
+                   help="MAX_HISTORY: recent tokens used as context; tables are "
                    f"never pruned (default: {MAX_HISTORY})")
-    g.add_argument("--max-batch", type=int, help="buffer capacity guard: tokens per verification forward at "
+    g.add_argument("--max-batch", type=int,
+                   help="buffer capacity guard: tokens per verification forward at "
                    f"most (default: {MAX_BATCH})")
-    g.add_argument("--draft-cost", help="cost gate (our deviation, section 5): auto = measure t(1+n)/t(1); a "
+    g.add_argument("--draft-cost",
+                   help="cost gate (our deviation, section 5): auto = measure t(1+n)/t(1); a "
                    "number c = t(1+D)/t(1); 1 = the chapter, always verify (default: auto)")
-    config = lambda args, device: verify.config_from_args(NgramConfig.for_device(device), args)
-    return verify.run_cli(parser, "ngram", generate, config, prepare, report, argv=argv)
+    return verify.run_cli(parser, "ngram", generate, NgramConfig, prepare, report, argv=argv)
 
 if __name__ == "__main__":
     sys.exit(main())

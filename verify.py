@@ -13,22 +13,39 @@ step:
 Only step 1 differs between methods, so steps 2-4 live here. To use a method elsewhere, copy its
 file and this one; torch, transformers and numpy are all they import.
 
-The public names, section by section -- the mechanisms: 1 UserError, Tree; 2 ancestor_matrix,
-tree_attention_mask, additive_mask, tree_position_ids; 3 forward_parameters, cache_keyword,
-model_forward, prefill, tree_forward; 4 accept_greedy; 5 rollback, compact_kv; 6 flex_mode,
-CompactedKVCache, CompactedLayer, attention_function (FAFO §4.4). Then the helpers: 7 Sampling,
-accept, first_token (sampling that stays token-exact); 8 check_supported, check_filled,
-last_logits_only, PreallocatedLayer, PreallocatedKVCache, new_cache, cache_len (plugging into
-transformers); 9 Generation, vanilla_generate, hf_generate (the baselines); 10 sync,
-measure_step_times, measure_cost_curve (what a forward costs here); 11 converted_dir, resolve_model,
-pick_device, pick_dtype, load_model, eos_ids_of, encode_prompt, context_length; 12 common_parser,
-Printer, make_tracer, config_from_args, defaults_help, run_cli, print_comparison,
-rounding_tolerance, first_difference (the command line every script shares).
+The public names, section by section, in the order a reader needs them:
+
+    the spine every method uses
+     1  the draft tree                  UserError, Tree
+     2  tree attention                  ancestor_matrix, tree_attention_mask, additive_mask,
+                                        tree_position_ids
+     3  verification: one forward       forward_parameters, cache_keyword, model_forward, prefill,
+                                        tree_forward
+     4  greedy acceptance               accept_greedy
+     5  rollback and compaction         rollback, compact_kv
+     6  sampling that stays lossless    Sampling, accept, first_token
+     7  the KV cache; which models can be rolled back
+                                        check_supported, check_filled, last_logits_only,
+                                        PreallocatedLayer, PreallocatedKVCache, new_cache, cache_len
+     8  bookkeeping and the baselines   Generation, vanilla_generate, hf_generate
+     9  what a forward costs here       sync, measure_step_times, measure_cost_curve
+    FAFO's flex and split back-ends only
+    10  compacted blocks, FlexAttention flex_mode, CompactedKVCache, CompactedLayer, attention_function
+    running a method file as a script
+    11  loading a model                 converted_dir, resolve_model, pick_device, pick_dtype,
+                                        load_model, eos_ids_of, encode_prompt, context_length
+    12  the command line                common_parser, Printer, make_tracer, config_from_args,
+                                        defaults_help, run_cli, seed_everything, streaming_hooks,
+                                        print_statistics, print_comparison, rounding_tolerance,
+                                        first_difference
+
+Copying it for one method: ngram_predictor.py, cacheback.py and card.py use sections 1-9 (9: the
+cost gate, the pruning, CARD's measured r), fafo.py 1-10; sections 11-12 serve `python FILE.py`.
 
 Greedy speculative decoding is *lossless*: a token is only emitted if it is the target's argmax
 given exactly the tokens before it, so in float32 the output is `model.generate(do_sample=False)`'s
 (but for exact ties within rounding; `--compare` shows the margin where two outputs part). Sampling
-(section 7) keeps this.
+(section 6) keeps this.
 
     python verify.py --prompt "Write a haiku about caches." --compare      # plain greedy, same machinery
 
@@ -130,7 +147,10 @@ class Tree:
         return len(self.tokens)
 
     # node i's parent is i - 1: the tree mask is the ordinary causal mask
-    is_chain = property(lambda self: all(p == i - 1 for i, p in enumerate(self.parents)))
+    @property
+    def is_chain(self) -> bool:
+        """One branch: every node's parent is the node before it."""
+        return all(parent == i - 1 for i, parent in enumerate(self.parents))
 
     def branches(self) -> list[list[int]]:
         """Root-to-leaf node-index paths (root excluded), for printing."""
@@ -246,7 +266,8 @@ def tree_forward(model, cache, tree: Tree) -> torch.Tensor:
     positions = tree_position_ids(tree.depths, prefix_len, model.device)  # [1, N]
     # note: for a chain the tree mask IS the causal mask: the model builds its own (sdpa's causal
     # fast path)
-    mask = None if tree.is_chain else tree_attention_mask(tree.parents, prefix_len, model.dtype, model.device)
+    mask = None if tree.is_chain else tree_attention_mask(tree.parents, prefix_len, model.dtype,
+                                                          model.device)
     out = model_forward(model, cache, input_ids=ids, attention_mask=mask, position_ids=positions)
     return out.logits[0]  # [N, V]
 
@@ -266,7 +287,7 @@ def accept_greedy(tree: Tree, logits: torch.Tensor,
                   choose: Callable[[int], int] | None = None) -> tuple[list[int], int]:
     """Returns (path, bonus): path = node indices from the root (included) down the longest accepted
     branch; bonus = the model's argmax after its last node. `choose(i)`, if given, picks the token
-    after node i instead (sampled: `accept`, section 7), only for the nodes the walk reaches."""
+    after node i instead (sampled: `accept`, section 6), only for the nodes the walk reaches."""
     if choose is None:
         choice = logits.argmax(dim=-1).tolist()  # [N] the model's greedy token after each node
         choose = choice.__getitem__
@@ -316,276 +337,7 @@ def compact_kv(cache, prefix_len: int, path: Sequence[int]) -> None:
         layer.values[:, :, prefix_len : prefix_len + m] = layer.values[:, :, src]
     rollback(cache, prefix_len + m)
 
-# ---- 6. The FlexAttention compacted-block path (FAFO §4.4, Algorithm 1, Appendix H) ----------------------
-#
-# FAFO's guess rows see only a selection C(kv) of the cache. FlexAttention skips KV blocks a
-# BlockMask marks invisible, but a scattered selection touches almost every block, and a new
-# BlockMask each step costs more than it saves. The trick: an entry's LOGICAL position is baked into
-# its key (RoPE), so its PHYSICAL slot is free (attention is a sum over pairs): keep the selection
-# together at the head of a fixed buffer,
-#
-#     slot:  0 ........ H-1 | H ....... H+Q-1 | H+Q ................... H+Q+T-1
-#            [ head: C(kv)  | input: this step | tail: every other cached entry ]
-#
-# with ONE BlockMask from these static shapes (guess rows visit the head and input blocks,
-# verification rows all), and between steps a device-to-device swap (`reselect`) of entries into and
-# out of the head. subtle: the used slot counts live in two 0-d tensors the mask_mod reads, and no
-# block is "full" (a full block skips the mask_mod). FAFO's reference code leaves zero-filled unused
-# slots visible: a zero key adds exp(0 - max) to the softmax denominator, enough to flip a near-tie.
-# Here they are masked (tested).
-
-FLEX_EAGER, FLEX_COMPILED = "specdec_flex", "specdec_flex_compiled"
-
-def flex_mode(model, compiled: bool = False):
-    """`with flex_mode(model, compiled):` the model's attention is `_flex_forward` (reads the
-    BlockMask)."""
-    name = FLEX_COMPILED if compiled else FLEX_EAGER
-    return attention_function(model, name, functools.partial(_flex_forward, compiled=compiled))
-
-class CompactedKVCache(Cache):
-    """A fixed KV buffer [head H | input Q | tail T] for all layers (one gather + scatter a swap);
-    its layers are CompactedLayer. On the host: slot_pos[s] = the logical position in slot s
-    (-1: unused), slot_of[x] = the slot of position x; on the device only the two bounds the mask
-    reads. The logical cache (the used slots sorted by position) never changes under reselect and
-    commit (tested)."""
-
-    def __init__(self, model, head_slots: int, input_rows: int, tail_slots: int, block_size: int = 128):
-        cfg, n_layers = model.config, model.config.num_hidden_layers
-        h_kv = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
-        d = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-        self.block = block_size
-        # the head: whole blocks (B_fixed of them)
-        self.H = -(-head_slots // block_size) * block_size
-        self.Q, self.T, self.slots = input_rows, tail_slots, self.H + input_rows + tail_slots
-        dev, dt = model.device, model.dtype
-        # [L, 1, H_kv, slots, D]
-        self.K = torch.zeros(n_layers, 1, h_kv, self.slots, d, device=dev, dtype=dt)
-        self.V = torch.zeros_like(self.K)
-        self.head_len = torch.zeros((), dtype=torch.int64, device=dev)  # the valid-length bounds
-        self.tail_len = torch.zeros((), dtype=torch.int64, device=dev)
-        self.slot_pos = np.full(self.slots, -1, dtype=np.int64)
-        self.slot_of: dict[int, int] = {}
-        self.n_head = self.n_tail = 0  # host copies of the bounds
-        self.moved = 0  # slots written by reselect() so far (the D2D swap traffic)
-        super().__init__(layers=[CompactedLayer(self, i) for i in range(n_layers)])
-
-    length = property(lambda self: self.n_head + self.n_tail)  # the logical cache's length
-    tail0 = property(lambda self: self.H + self.Q)  # the tail's first slot
-
-    def get_seq_length(self, layer_idx: int = 0) -> int:
-        return self.length
-
-    def logical_slots(self, start: int = 0, end: int | None = None) -> torch.Tensor:
-        """The slots of positions start .. end - 1, in logical order."""
-        end = self.length if end is None else end
-        return torch.tensor([self.slot_of[x] for x in range(start, end)], device=self.K.device)
-
-    def _sync_bounds(self):
-        self.head_len.fill_(self.n_head)
-        self.tail_len.fill_(self.n_tail)
-
-    def load(self, dense_cache) -> None:
-        """Move a prefilled cache in, every position to the tail (the first reselect() fills the
-        head)."""
-        n = dense_cache.get_seq_length()
-        if n > self.T:
-            raise ValueError(f"CompactedKVCache: {n} entries do not fit the tail ({self.T} slots)")
-        for i, layer in enumerate(dense_cache.layers):
-            self.K[i, :, :, self.tail0 : self.tail0 + n] = layer.keys.to(self.K.dtype)
-            self.V[i, :, :, self.tail0 : self.tail0 + n] = layer.values.to(self.V.dtype)
-        self.slot_pos[self.tail0 : self.tail0 + n] = np.arange(n)
-        self.slot_of = {x: self.tail0 + x for x in range(n)}
-        self.n_head, self.n_tail = 0, n
-        self._sync_bounds()
-
-    def commit(self, rows: Sequence[int], positions: Sequence[int]) -> None:
-        """After a forward: keep the KV of input rows `rows` (the accepted ones) as logical
-        `positions`, appended to the tail. Everything else written to the input region is simply
-        overwritten next step."""
-        if self.n_tail + len(rows) > self.T:
-            raise ValueError("CompactedKVCache: tail is full (allocate more tail_slots)")
-        dst = list(range(self.tail0 + self.n_tail, self.tail0 + self.n_tail + len(rows)))
-        src = torch.tensor([self.H + r for r in rows], device=self.K.device)
-        self.K[:, :, :, dst] = self.K[:, :, :, src]
-        self.V[:, :, :, dst] = self.V[:, :, :, src]
-        for x, s in zip(positions, dst):
-            self.slot_pos[s], self.slot_of[int(x)] = int(x), s
-        self.n_tail += len(rows)
-        self._sync_bounds()
-
-    def reselect(self, selected: Sequence[int]) -> int:
-        """Appendix H's swap: afterwards head[:len(selected)] holds exactly the positions
-        `selected`. Each newly selected entry (in the tail) trades places with one that left the
-        selection (in the head); if more enter than leave, the head grows and the tail's last entry
-        fills the hole, and vice versa. The moves are simulated on the host, then applied as ONE
-        gather + scatter. Returns the slots written."""
-        want = set(int(x) for x in selected)
-        if len(want) > self.H:
-            raise ValueError(f"reselect: {len(want)} entries do not fit the head ({self.H} slots)")
-        # origin[s]: which slot's ORIGINAL content sits in slot s now
-        origin = np.arange(self.slots)
-        pos = self.slot_pos.copy()
-        # updated in place by every move/swap below: O(moves), not O(slots), per step
-        where = self.slot_of
-
-        def move(a, b):  # content of slot a -> slot b (a's content stays too until overwritten)
-            origin[b], pos[b] = origin[a], pos[a]
-            where[int(pos[b])] = b
-
-        def swap(a, b):
-            origin[[a, b]], pos[[a, b]] = origin[[b, a]], pos[[b, a]]
-            where[int(pos[a])], where[int(pos[b])] = a, b
-
-        def close(hole, last):  # a region's last entry fills the hole an entry left; `last` is then unused
-            if hole != last:
-                move(last, hole)
-            pos[last] = -1
-
-        n_head, n_tail = self.n_head, self.n_tail
-        leaving = [s for s in range(n_head) if pos[s] not in want]
-        for x in sorted(x for x in want if where[x] >= self.tail0):
-            t = where[x]
-            if leaving:  # the common case: swap the new entry with an evicted one
-                swap(leaving.pop(), t)
-            else:  # the head grows by one; the tail's last entry fills the hole
-                move(t, n_head)
-                n_head, n_tail = n_head + 1, n_tail - 1
-                close(t, self.tail0 + n_tail)
-        for h in sorted(leaving, reverse=True):  # the head shrinks; its last entry fills the hole
-            move(h, self.tail0 + n_tail)
-            n_head, n_tail = n_head - 1, n_tail + 1
-            close(h, n_head)
-        dst = np.nonzero(origin != np.arange(self.slots))[0]
-        if len(dst):
-            d = torch.tensor(dst, device=self.K.device)
-            s = torch.tensor(origin[dst], device=self.K.device)
-            # subtle: the right-hand side is gathered (copied) before the scatter, so chains of
-            # moves and swaps within one call are safe.
-            self.K[:, :, :, d] = self.K[:, :, :, s]
-            self.V[:, :, :, d] = self.V[:, :, :, s]
-        self.slot_pos, self.n_head, self.n_tail = pos, n_head, n_tail
-        self._sync_bounds()
-        self.moved += len(dst)
-        return len(dst)
-
-    def block_mask(self, inner: np.ndarray, guess_rows: np.ndarray):
-        """The BlockMask, built ONCE: inner [Q, Q] bool, which input row sees which; guess_rows [Q]
-        bool, rows restricted to the head. Its blocks are what a row could ever see; `mask_mod` is
-        exact per step."""
-        dev = self.K.device
-        inner_t = torch.as_tensor(inner, device=dev)
-        guess_t = torch.as_tensor(guess_rows, device=dev)
-        H, Q, tail0 = self.H, self.Q, self.tail0
-        head_len, tail_len = self.head_len, self.tail_len  # captured: read at every call
-
-        def mask_mod(b, h, q_idx, kv_idx):
-            j = kv_idx - H
-            inner_ok = (j >= 0) & (j < Q) & inner_t[q_idx, j.clamp(0, Q - 1)]
-            head_ok = kv_idx < head_len
-            tail_ok = (kv_idx >= tail0) & (kv_idx < tail0 + tail_len) & ~guess_t[q_idx]
-            return head_ok | inner_ok | tail_ok
-
-        B = self.block
-        nq, nk = -(-Q // B), -(-self.slots // B)
-        # what each input row could EVER see (block-padded)
-        bound = np.zeros((nq * B, nk * B), dtype=bool)
-        bound[:Q, :H] = True  # everyone may see the head
-        bound[:Q, H:tail0] = inner  # the step's own structure
-        # only verification rows see the tail
-        bound[np.nonzero(~guess_rows)[0], tail0 : self.slots] = True
-        # [nq, nk]: i may see j?
-        blocks = torch.from_numpy(bound.reshape(nq, B, nk, B).any(axis=(1, 3)))
-        counts = blocks.sum(-1, dtype=torch.int32).view(1, 1, nq).to(dev)
-        # each row's visible blocks first
-        order = blocks.int().argsort(dim=-1, descending=True, stable=True)
-        indices = order.int().view(1, 1, nq, nk).to(dev)
-        # note: no full_kv_* arguments -> every visited block is "partial" -> mask_mod runs on every
-        # element.
-        return _block_mask_class().from_kv_blocks(counts, indices, BLOCK_SIZE=B, mask_mod=mask_mod,
-                                                  seq_lengths=(Q, self.slots))
-
-class CompactedLayer(DynamicLayer):
-    """One layer of CompactedKVCache, a view of its buffer: update() writes this step's rows to the
-    fixed INPUT region and hands attention the WHOLE buffer (the BlockMask decides what is seen)."""
-
-    def __init__(self, owner, index):
-        super().__init__()
-        self.owner, self.is_initialized = owner, True
-        self.k_buf, self.v_buf = owner.K[index], owner.V[index]  # views: [1, H_kv, slots, D]
-        self.dtype, self.device = owner.K.dtype, owner.K.device
-
-    def update(self, key_states, value_states, *args, **kwargs):
-        o, q = self.owner, key_states.shape[-2]
-        assert q == o.Q, f"flex path: a forward of {q} rows, an input region of {o.Q} (static shapes)"
-        self.k_buf[:, :, o.H : o.H + q] = key_states  # [1, H_kv, Q, D]
-        self.v_buf[:, :, o.H : o.H + q] = value_states
-        return self.k_buf, self.v_buf  # [1, H_kv, slots, D]
-
-    def get_mask_sizes(self, *args):  # the masks span every slot (5.x and 4.57 pass different arguments)
-        return self.owner.slots, 0
-
-    def get_seq_length(self, *args):
-        return self.owner.length
-
-    def get_max_length(self):  # a fixed buffer
-        return self.owner.slots
-
-    get_max_cache_shape = get_max_length  # its transformers 4.57 name
-
-    def crop(self, n: int) -> None:
-        raise NotImplementedError("CompactedKVCache keeps what commit() is given; there is nothing to crop")
-
-@contextlib.contextmanager
-def attention_function(model, name: str, fn: Callable):
-    """`with attention_function(model, name,
-    fn):` -- inside, the model's attention is `fn`, registered under `name` with AttentionInterface
-    (transformers' extension point: no model code is patched)."""
-    if not hasattr(model, "set_attn_implementation"):  # transformers before 4.57 lacks the switch
-        raise UserError(f"{name}: needs transformers >= 4.57 (model.set_attn_implementation)")
-    transformers.AttentionInterface.register(name, fn)
-    before = model.config._attn_implementation
-    model.set_attn_implementation(name)
-    try:
-        yield
-    finally:
-        model.set_attn_implementation(before)
-
-def _flex_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0, compiled=False,
-                  **kwargs):
-    """The flex path's attention function: query [B, H, q, D], key/value [B, H_kv, slots, D] (the
-    whole compacted buffer), attention_mask = its BlockMask. Returns [B, q, H, D], as transformers
-    expects."""
-    from torch.nn.attention.flex_attention import flex_attention
-
-    gqa = query.shape[1] != key.shape[1]
-    if compiled:
-        out = _compiled_flex()(query, key, value, block_mask=attention_mask, scale=scaling, enable_gqa=gqa)
-        return out.transpose(1, 2).contiguous(), None
-    with warnings.catch_warnings():
-        # Eager flex is unfused by design (fafo.py --attn flex, for checking: --help says so);
-        # torch's 8-line advice to compile it is what --attn flex-compiled does, so it is not
-        # printed.
-        warnings.filterwarnings("ignore", message="flex_attention called without torch.compile",
-                                category=UserWarning)
-        out = flex_attention(query, key, value, block_mask=attention_mask, scale=scaling, enable_gqa=gqa)
-    return out.transpose(1, 2).contiguous(), None  # [B, q, H, D]
-
-@functools.lru_cache(maxsize=None)
-def _compiled_flex():  # made once per process (CPU: ~15 s of compilation on the first call)
-    from torch.nn.attention.flex_attention import flex_attention
-
-    return torch.compile(flex_attention, dynamic=False)
-
-@functools.lru_cache(maxsize=None)
-def _block_mask_class():
-    from torch.nn.attention.flex_attention import BlockMask
-
-    class BlockMask4D(BlockMask):  # answers `.ndim` as the 4D mask it stands for (GPT-2's code in 5.x asks)
-        ndim = property(lambda self: len(self.shape))
-
-    return BlockMask4D
-
-# ---- 7. Sampling without losing losslessness: Gumbel-max noise keyed by (seed, position) -----------------
+# ---- 6. Sampling without losing losslessness: Gumbel-max noise keyed by (seed, position) -----------------
 #
 # Sampling from softmax(l / T) is taking  argmax_v  l_v / T + G_v  with G_v i.i.d. standard Gumbel noise
 # (the Gumbel-max trick). We draw G keyed by (seed, absolute position) ALONE, so the token at
@@ -615,12 +367,15 @@ class Sampling:
     top_p: float = 1.0  # then the smallest set whose probability reaches top_p
     seed: int = 0
 
-    greedy = property(lambda self: self.temperature == 0.0)
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
 
     def check(self) -> None:
         for ok, what in ((self.temperature >= 0.0, f"--temperature must be >= 0 (got {self.temperature})"),
                          (self.top_k >= 0, f"--top-k must be >= 0 (got {self.top_k})"),
-                         (0.0 < self.top_p <= 1.0, f"--top-p must be in (0, 1] (got {self.top_p})")):
+                         (0.0 < self.top_p <= 1.0,
+                          f"--top-p must be in (0, 1] (got {self.top_p})")):
             if not ok:
                 raise UserError(what)
 
@@ -669,7 +424,7 @@ def first_token(logits: torch.Tensor, prompt_len: int, sampling: Sampling = GREE
     """The token after the prompt (prefill's last row [V]), at position prompt_len."""
     return sampling.choose(logits[None], [prompt_len])[0]
 
-# ---- 8. Plugging into transformers: which models can be rolled back, and a cache that rolls back cheaply
+# ---- 7. Plugging into transformers: which models can be rolled back, and a cache that rolls back cheaply
 #
 # Rollback means "forget the last few positions": only well defined for a cache that stores one
 # key/value per position and nothing else. So we refuse, in one line and before any generation,
@@ -688,7 +443,8 @@ def check_supported(model) -> None:
     cfg = model.config
     name = getattr(cfg, "model_type", type(model).__name__)
     layer_types = [str(t) for t in (getattr(cfg, "layer_types", None) or [])]
-    sliding = getattr(cfg, "sliding_window", None) and getattr(cfg, "use_sliding_window", True) is not False
+    window = getattr(cfg, "sliding_window", None)
+    sliding = window and getattr(cfg, "use_sliding_window", True) is not False
     if sliding or any("sliding" in t or "chunked" in t for t in layer_types):
         raise UserError(f"{name}: sliding-window attention layers keep a truncated KV cache that cannot be "
                         "rolled back (if prompt plus output fit the window, load with sliding_window=None)")
@@ -745,13 +501,17 @@ class PreallocatedLayer(DynamicLayer):
     def __init__(self, capacity: int = 256):
         super().__init__()
         # grown: doublings so far
-        self.capacity, self.length, self.grown = max(1, int(capacity)), 0, 0
+        self.capacity = max(1, int(capacity))
+        self.length = 0
+        self.grown = 0  # doublings so far
 
     def lazy_initialization(self, key_states, value_states=None):
         b, h, _, dk = key_states.shape
         self.k_buf = key_states.new_empty(b, h, self.capacity, dk)  # [B, H_kv, capacity, D]
         self.v_buf = value_states.new_empty(b, h, self.capacity, value_states.shape[-1])
-        self.dtype, self.device, self.is_initialized = key_states.dtype, key_states.device, True
+        self.dtype = key_states.dtype
+        self.device = key_states.device
+        self.is_initialized = True
         self.set_length(0)
 
     def set_length(self, n: int) -> None:
@@ -759,7 +519,9 @@ class PreallocatedLayer(DynamicLayer):
         them."""
         assert 0 <= n <= self.capacity, f"cache layer: cannot hold {n} positions (capacity {self.capacity})"
         # [B, H_kv, n, D]
-        self.length, self.keys, self.values = n, self.k_buf[:, :, :n], self.v_buf[:, :, :n]
+        self.length = n
+        self.keys = self.k_buf[:, :, :n]  # [B, H_kv, n, D]: views, as a DynamicCache's tensors
+        self.values = self.v_buf[:, :, :n]
 
     def update(self, key_states, value_states, *args, **kwargs):
         """Write this step's rows [B, H_kv, q, D] behind the cached ones, in place; returns the
@@ -794,7 +556,10 @@ class PreallocatedKVCache(Cache):
         super().__init__(layer_class_to_replicate=functools.partial(PreallocatedLayer, capacity))
 
     # doublings
-    grown = property(lambda self: max((layer.grown for layer in self.layers), default=0))
+    @property
+    def grown(self) -> int:
+        """How often a layer's buffer had to double (0 when the capacity estimate held)."""
+        return max((layer.grown for layer in self.layers), default=0)
 
 def new_cache(model, capacity: int = 256) -> PreallocatedKVCache:
     """An empty KV cache of `capacity` positions we can roll back, or a refusal (a DynamicCache
@@ -805,7 +570,7 @@ def new_cache(model, capacity: int = 256) -> PreallocatedKVCache:
 def cache_len(cache) -> int:
     return cache.get_seq_length()
 
-# ---- 9. Generation bookkeeping and the baselines: our plain loop, and HF generate (the oracle) ------------
+# ---- 8. Generation bookkeeping and the baselines: our plain loop, and HF generate (the oracle) ------------
 
 class Generation:
     """Collects the emitted tokens with HF generate's stopping rule: right after the first EOS
@@ -814,12 +579,16 @@ class Generation:
     token."""
 
     def __init__(self, max_new_tokens: int, eos_ids: Sequence[int], on_emit=None, on_step=None):
-        self.max_new_tokens, self.eos_ids, self.done = max_new_tokens, set(eos_ids), False
+        self.max_new_tokens = max_new_tokens
+        self.eos_ids = set(eos_ids)
+        self.done = False
         self.tokens: list[int] = []  # the new tokens
         self.from_draft: list[bool] = []  # per token: from an accepted draft (or a bonus token)?
         self.target_forwards, self.steps, self.draft_s = 0, 0, 0.0  # draft_s: time spent drafting
         # per step: accepted / offered drafts, depth
-        self.accepted, self.drafted, self.depths = [], [], []
+        self.accepted = []
+        self.drafted = []
+        self.depths = []
         # time.perf_counter() when the first token was emitted
         self.first_token_at: float | None = None
         self.extra: dict = {}  # method-specific stats (shown in --json)
@@ -850,7 +619,8 @@ class Generation:
         self.target_forwards += 1
         return self.emit([], first_token)
 
-    def finish_step(self, tree: Tree, path: Sequence[int], bonus: int, draft_s: float = 0.0) -> bool:
+    def finish_step(self, tree: Tree, path: Sequence[int], bonus: int,
+                    draft_s: float = 0.0) -> bool:
         """Book-keep one verification step (one target forward) and emit its tokens."""
         self.target_forwards, self.steps = self.target_forwards + 1, self.steps + 1
         self.draft_s += draft_s
@@ -883,20 +653,23 @@ def hf_generate(model, prompt_ids: Sequence[int], max_new_tokens: int, eos_ids: 
     defaults out; extra kwargs select HF's speculative variants (prompt_lookup_num_tokens=...,
     assistant_model=...)."""
     eos = list(eos_ids)
-    config = transformers.GenerationConfig(do_sample=False, max_new_tokens=max_new_tokens, eos_token_id=eos,
+    config = transformers.GenerationConfig(do_sample=False, max_new_tokens=max_new_tokens,
+                                           eos_token_id=eos,
                                            pad_token_id=eos[0])
     ids = torch.tensor([list(prompt_ids)], device=model.device)
-    out = model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=config, **gen_kwargs)
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=config,
+                         **gen_kwargs)
     return out[0, ids.shape[1] :].tolist()
 
-# ---- 10. What a forward costs on this device (the cost gate, the pruning and CARD's cost model read it) --
+# ---- 9. What a forward costs on this device (the cost gate, the pruning and CARD's cost model read it) --
 
 def sync(model) -> None:
     if model.device.type == "cuda":
         torch.cuda.synchronize()
 
 @torch.no_grad()
-def measure_step_times(model, sizes: Sequence[int], context: int = 256, repeats: int = 5) -> dict[int, float]:
+def measure_step_times(model, sizes: Sequence[int], context: int = 256,
+                       repeats: int = 5) -> dict[int, float]:
     """{n: seconds} for one verification forward over n new tokens after `context` cached tokens:
     the fastest of `repeats` after a warm-up (the minimum is the least noisy estimate)."""
     prompt_ids = [i % model.config.vocab_size for i in range(1000, 1000 + context)]
@@ -913,7 +686,8 @@ def measure_step_times(model, sizes: Sequence[int], context: int = 256, repeats:
         times[n] = min(ts[1:])
     return times
 
-def measure_cost_curve(model, sizes: Sequence[int], context: int = 256, repeats: int = 5) -> dict[int, float]:
+def measure_cost_curve(model, sizes: Sequence[int], context: int = 256,
+                       repeats: int = 5) -> dict[int, float]:
     """{n: t(n) / t(1)}: a verification forward over n new tokens against a one-token step
     (RESULTS.md)."""
     times = measure_step_times(model, [1, *sizes], context, repeats)
@@ -922,6 +696,303 @@ def measure_cost_curve(model, sizes: Sequence[int], context: int = 256, repeats:
     for n in sorted(times):
         curve[n] = top = max(top, times[n] / times[1])
     return curve
+
+# ---- 10. FAFO's FlexAttention compacted-block path (FAFO §4.4, Algorithm 1, Appendix H) ---------------
+#
+# FAFO's guess rows see only a selection C(kv) of the cache. FlexAttention skips KV blocks a
+# BlockMask marks invisible, but a scattered selection touches almost every block, and a new
+# BlockMask each step costs more than it saves. The trick: an entry's LOGICAL position is baked into
+# its key (RoPE), so its PHYSICAL slot is free (attention is a sum over pairs): keep the selection
+# together at the head of a fixed buffer,
+#
+#     slot:  0 ...... head_slots-1 | head_slots ...... tail_start-1 | tail_start ...... slots-1
+#            [ head: C(kv)           | input: this step's rows      | tail: every other entry ]
+#
+# with ONE BlockMask from these static shapes (guess rows visit the head and input blocks,
+# verification rows all), and between steps a device-to-device swap (`reselect`) of entries into and
+# out of the head. subtle: the used slot counts live in two 0-d tensors the mask_mod reads, and no
+# block is "full" (a full block skips the mask_mod). FAFO's reference code leaves zero-filled unused
+# slots visible: a zero key adds exp(0 - max) to the softmax denominator, enough to flip a near-tie.
+# Here they are masked (tested).
+
+FLEX_EAGER, FLEX_COMPILED = "specdec_flex", "specdec_flex_compiled"
+
+def flex_mode(model, compiled: bool = False):
+    """`with flex_mode(model, compiled):` the model's attention is `_flex_forward` (reads the
+    BlockMask)."""
+    name = FLEX_COMPILED if compiled else FLEX_EAGER
+    return attention_function(model, name, functools.partial(_flex_forward, compiled=compiled))
+
+class CompactedKVCache(Cache):
+    """A fixed KV buffer [head | input | tail] for all layers (one gather + scatter a swap);
+    its layers are CompactedLayer. On the host: slot_pos[s] = the logical position in slot s
+    (-1: unused), slot_of[x] = the slot of position x; on the device only the two bounds the mask
+    reads. The logical cache (the used slots sorted by position) never changes under reselect and
+    commit (tested)."""
+
+    def __init__(self, model, head_slots: int, input_rows: int, tail_slots: int,
+                 block_size: int = 128):
+        cfg = model.config
+        n_layers = cfg.num_hidden_layers
+        h_kv = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
+        d = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        self.block = block_size
+        self.head_slots = -(-head_slots // block_size) * block_size  # whole blocks (B_fixed of them)
+        self.input_rows = input_rows  # one step's forward: its q rows, always q (static shapes)
+        self.tail_slots = tail_slots
+        self.slots = self.head_slots + input_rows + tail_slots
+        self.key_buffer = torch.zeros(n_layers, 1, h_kv, self.slots, d, device=model.device,
+                                      dtype=model.dtype)  # [L, 1, H_kv, slots, D]
+        self.value_buffer = torch.zeros_like(self.key_buffer)
+        dev = model.device
+        self.head_len = torch.zeros((), dtype=torch.int64, device=dev)  # the valid-length bounds
+        self.tail_len = torch.zeros((), dtype=torch.int64, device=dev)
+        self.slot_pos = np.full(self.slots, -1, dtype=np.int64)
+        self.slot_of: dict[int, int] = {}
+        self.n_head = self.n_tail = 0  # host copies of the bounds
+        self.moved = 0  # slots written by reselect() so far (the D2D swap traffic)
+        super().__init__(layers=[CompactedLayer(self, i) for i in range(n_layers)])
+
+    @property
+    def length(self) -> int:
+        """The logical cache's length: the used slots of head and tail."""
+        return self.n_head + self.n_tail
+
+    @property
+    def tail_start(self) -> int:
+        """The tail's first slot."""
+        return self.head_slots + self.input_rows
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return self.length
+
+    def logical_slots(self, start: int = 0, end: int | None = None) -> torch.Tensor:
+        """The slots of positions start .. end - 1, in logical order."""
+        end = self.length if end is None else end
+        return torch.tensor([self.slot_of[x] for x in range(start, end)],
+                            device=self.key_buffer.device)
+
+    def _sync_bounds(self):
+        self.head_len.fill_(self.n_head)
+        self.tail_len.fill_(self.n_tail)
+
+    def load(self, dense_cache) -> None:
+        """Move a prefilled cache in, every position to the tail (the first reselect() fills the
+        head)."""
+        n = dense_cache.get_seq_length()
+        if n > self.tail_slots:
+            raise ValueError(f"CompactedKVCache: {n} entries do not fit the tail ({self.tail_slots} slots)")
+        for i, layer in enumerate(dense_cache.layers):
+            tail = slice(self.tail_start, self.tail_start + n)
+            self.key_buffer[i, :, :, tail] = layer.keys.to(self.key_buffer.dtype)
+            self.value_buffer[i, :, :, tail] = layer.values.to(self.value_buffer.dtype)
+        self.slot_pos[self.tail_start : self.tail_start + n] = np.arange(n)
+        self.slot_of = {x: self.tail_start + x for x in range(n)}
+        self.n_head, self.n_tail = 0, n
+        self._sync_bounds()
+
+    def commit(self, rows: Sequence[int], positions: Sequence[int]) -> None:
+        """After a forward: keep the KV of input rows `rows` (the accepted ones) as logical
+        `positions`, appended to the tail. Everything else written to the input region is simply
+        overwritten next step."""
+        if self.n_tail + len(rows) > self.tail_slots:
+            raise ValueError("CompactedKVCache: tail is full (allocate more tail_slots)")
+        dst = list(range(self.tail_start + self.n_tail, self.tail_start + self.n_tail + len(rows)))
+        src = torch.tensor([self.head_slots + r for r in rows], device=self.key_buffer.device)
+        self.key_buffer[:, :, :, dst] = self.key_buffer[:, :, :, src]
+        self.value_buffer[:, :, :, dst] = self.value_buffer[:, :, :, src]
+        for x, s in zip(positions, dst):
+            self.slot_pos[s], self.slot_of[int(x)] = int(x), s
+        self.n_tail += len(rows)
+        self._sync_bounds()
+
+    def reselect(self, selected: Sequence[int]) -> int:
+        """Appendix H's swap: afterwards head[:len(selected)] holds exactly the positions
+        `selected`. Each newly selected entry (in the tail) trades places with one that left the
+        selection (in the head); if more enter than leave, the head grows and the tail's last entry
+        fills the hole, and vice versa. The moves are simulated on the host, then applied as ONE
+        gather + scatter. Returns the slots written."""
+        want = set(int(x) for x in selected)
+        if len(want) > self.head_slots:
+            raise ValueError(f"reselect: {len(want)} entries do not fit the head ({self.head_slots} slots)")
+        # origin[s]: which slot's ORIGINAL content sits in slot s now
+        origin = np.arange(self.slots)
+        pos = self.slot_pos.copy()
+        # updated in place by every move/swap below: O(moves), not O(slots), per step
+        where = self.slot_of
+
+        def move(a, b):  # content of slot a -> slot b (a's content stays too until overwritten)
+            origin[b], pos[b] = origin[a], pos[a]
+            where[int(pos[b])] = b
+
+        def swap(a, b):
+            origin[[a, b]], pos[[a, b]] = origin[[b, a]], pos[[b, a]]
+            where[int(pos[a])], where[int(pos[b])] = a, b
+
+        def close(hole, last):  # a region's last entry fills the hole an entry left; `last` is then unused
+            if hole != last:
+                move(last, hole)
+            pos[last] = -1
+
+        n_head, n_tail = self.n_head, self.n_tail
+        leaving = [s for s in range(n_head) if pos[s] not in want]
+        for x in sorted(x for x in want if where[x] >= self.tail_start):
+            t = where[x]
+            if leaving:  # the common case: swap the new entry with an evicted one
+                swap(leaving.pop(), t)
+            else:  # the head grows by one; the tail's last entry fills the hole
+                move(t, n_head)
+                n_head, n_tail = n_head + 1, n_tail - 1
+                close(t, self.tail_start + n_tail)
+        for h in sorted(leaving, reverse=True):  # the head shrinks; its last entry fills the hole
+            move(h, self.tail_start + n_tail)
+            n_head, n_tail = n_head - 1, n_tail + 1
+            close(h, n_head)
+        dst = np.nonzero(origin != np.arange(self.slots))[0]
+        if len(dst):
+            d = torch.tensor(dst, device=self.key_buffer.device)
+            s = torch.tensor(origin[dst], device=self.key_buffer.device)
+            # subtle: the right-hand side is gathered (copied) before the scatter, so chains of
+            # moves and swaps within one call are safe.
+            self.key_buffer[:, :, :, d] = self.key_buffer[:, :, :, s]
+            self.value_buffer[:, :, :, d] = self.value_buffer[:, :, :, s]
+        self.slot_pos, self.n_head, self.n_tail = pos, n_head, n_tail
+        self._sync_bounds()
+        self.moved += len(dst)
+        return len(dst)
+
+    def block_mask(self, inner: np.ndarray, guess_rows: np.ndarray):
+        """The BlockMask, built ONCE: inner [q, q] bool, which input row sees which; guess_rows [q]
+        bool, rows restricted to the head (q = input_rows). Its blocks are what a row could ever
+        see; `mask_mod` is exact per step."""
+        dev = self.key_buffer.device
+        inner_t = torch.as_tensor(inner, device=dev)
+        guess_t = torch.as_tensor(guess_rows, device=dev)
+        head_slots = self.head_slots
+        q = self.input_rows
+        tail_start = self.tail_start
+        head_len = self.head_len  # captured: the 0-d tensors are read at every call
+        tail_len = self.tail_len
+
+        def mask_mod(b, h, q_idx, kv_idx):
+            j = kv_idx - head_slots  # the input row kv_idx holds, if it is in the input region
+            inner_ok = (j >= 0) & (j < q) & inner_t[q_idx, j.clamp(0, q - 1)]
+            head_ok = kv_idx < head_len
+            tail_ok = (kv_idx >= tail_start) & (kv_idx < tail_start + tail_len) & ~guess_t[q_idx]
+            return head_ok | inner_ok | tail_ok
+
+        B = self.block
+        nq = -(-q // B)  # query blocks
+        nk = -(-self.slots // B)  # KV blocks
+        # what each input row could EVER see (block-padded)
+        bound = np.zeros((nq * B, nk * B), dtype=bool)
+        bound[:q, :head_slots] = True  # everyone may see the head
+        bound[:q, head_slots:tail_start] = inner  # the step's own structure
+        # only verification rows see the tail
+        bound[np.nonzero(~guess_rows)[0], tail_start : self.slots] = True
+        # [nq, nk]: i may see j?
+        blocks = torch.from_numpy(bound.reshape(nq, B, nk, B).any(axis=(1, 3)))
+        counts = blocks.sum(-1, dtype=torch.int32).view(1, 1, nq).to(dev)
+        # each row's visible blocks first
+        order = blocks.int().argsort(dim=-1, descending=True, stable=True)
+        indices = order.int().view(1, 1, nq, nk).to(dev)
+        # note: no full_kv_* arguments -> every visited block is "partial" -> mask_mod runs on every
+        # element.
+        return _block_mask_class().from_kv_blocks(counts, indices, BLOCK_SIZE=B, mask_mod=mask_mod,
+                                                  seq_lengths=(q, self.slots))
+
+class CompactedLayer(DynamicLayer):
+    """One layer of CompactedKVCache, a view of its buffer: update() writes this step's rows to the
+    fixed INPUT region and hands attention the WHOLE buffer (the BlockMask decides what is seen)."""
+
+    def __init__(self, owner, index):
+        super().__init__()
+        self.owner = owner
+        self.is_initialized = True
+        self.k_buf = owner.key_buffer[index]  # a view: [1, H_kv, slots, D]
+        self.v_buf = owner.value_buffer[index]
+        self.dtype = owner.key_buffer.dtype
+        self.device = owner.key_buffer.device
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        owner = self.owner
+        q = key_states.shape[-2]
+        assert q == owner.input_rows, (f"flex path: a forward of {q} rows, an input region of "
+                                       f"{owner.input_rows} (static shapes)")
+        start = owner.head_slots
+        self.k_buf[:, :, start : start + q] = key_states  # [1, H_kv, q, D]
+        self.v_buf[:, :, start : start + q] = value_states
+        return self.k_buf, self.v_buf  # [1, H_kv, slots, D]
+
+    def get_mask_sizes(self, *args):  # the masks span every slot (5.x and 4.57 pass different arguments)
+        return self.owner.slots, 0
+
+    def get_seq_length(self, *args):
+        return self.owner.length
+
+    def get_max_length(self):  # a fixed buffer
+        return self.owner.slots
+
+    get_max_cache_shape = get_max_length  # its transformers 4.57 name
+
+    def crop(self, n: int) -> None:
+        raise NotImplementedError("CompactedKVCache keeps what commit() is given; there is nothing to crop")
+
+@contextlib.contextmanager
+def attention_function(model, name: str, fn: Callable):
+    """`with attention_function(model, name, fn):` -- inside, the model's attention is `fn`,
+    registered under `name` with AttentionInterface (transformers' extension point: no model code
+    is patched)."""
+    if not hasattr(model, "set_attn_implementation"):  # transformers before 4.57 lacks the switch
+        raise UserError(f"{name}: needs transformers >= 4.57 (model.set_attn_implementation)")
+    transformers.AttentionInterface.register(name, fn)
+    before = model.config._attn_implementation
+    model.set_attn_implementation(name)
+    try:
+        yield
+    finally:
+        model.set_attn_implementation(before)
+
+def _flex_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0,
+                  compiled=False, **kwargs):
+    """The flex path's attention function: query [B, H, q, D], key/value [B, H_kv, slots, D] (the
+    whole compacted buffer), attention_mask = its BlockMask. Returns [B, q, H, D], as transformers
+    expects."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    gqa = query.shape[1] != key.shape[1]
+    if compiled:
+        out = _compiled_flex()(query, key, value, block_mask=attention_mask, scale=scaling,
+                               enable_gqa=gqa)
+        return out.transpose(1, 2).contiguous(), None
+    with warnings.catch_warnings():
+        # Eager flex is unfused by design (fafo.py --attn flex, for checking: --help says so);
+        # torch's 8-line advice to compile it is what --attn flex-compiled does, so it is not
+        # printed.
+        warnings.filterwarnings("ignore", message="flex_attention called without torch.compile",
+                                category=UserWarning)
+        out = flex_attention(query, key, value, block_mask=attention_mask, scale=scaling,
+                             enable_gqa=gqa)
+    return out.transpose(1, 2).contiguous(), None  # [B, q, H, D]
+
+@functools.lru_cache(maxsize=None)
+def _compiled_flex():  # made once per process (CPU: ~15 s of compilation on the first call)
+    from torch.nn.attention.flex_attention import flex_attention
+
+    return torch.compile(flex_attention, dynamic=False)
+
+@functools.lru_cache(maxsize=None)
+def _block_mask_class():
+    from torch.nn.attention.flex_attention import BlockMask
+
+    class BlockMask4D(BlockMask):
+        """A BlockMask that answers `.ndim` as the 4D mask it stands for (GPT-2's code in 5.x asks)."""
+
+        @property
+        def ndim(self) -> int:
+            return len(self.shape)
+
+    return BlockMask4D
 
 # ---- 11. Loading a model ---------------------------------------------------------------------------------
 
@@ -1010,7 +1081,8 @@ def encode_prompt(tok, prompt: str, chat: bool = True) -> list[int]:
     """Token ids of the prompt; by default in the model's chat template, the assistant's turn
     opened."""
     if chat and getattr(tok, "chat_template", None):
-        text = tok.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
+        text = tok.apply_chat_template([{"role": "user", "content": prompt}],
+                                       add_generation_prompt=True,
                                        tokenize=False)
         return tok(text, add_special_tokens=False).input_ids
     return tok(prompt).input_ids
@@ -1023,12 +1095,16 @@ def context_length(model) -> int:
 def common_parser(description: str) -> argparse.ArgumentParser:
     """The options every script shares; each method adds its own group, one option per paper
     parameter."""
-    p = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(description=description,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     add = p.add_argument
     add("--prompt", required=True, help="the user message (in the chat template unless --no-chat)")
-    add("--model", default=DEFAULT_MODEL, help=f"name, hub id or HF directory (default: {DEFAULT_MODEL})")
-    add("--max-new-tokens", type=int, default=128, help="stop after this many new tokens (default: 128)")
-    add("--device", default="auto", help="auto (CUDA if present), cpu, cuda, cuda:N (default: auto)")
+    add("--model", default=DEFAULT_MODEL,
+        help=f"name, hub id or HF directory (default: {DEFAULT_MODEL})")
+    add("--max-new-tokens", type=int, default=128,
+        help="stop after this many new tokens (default: 128)")
+    add("--device", default="auto",
+        help="auto (CUDA if present), cpu, cuda, cuda:N (default: auto)")
     add("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
         help="auto = float32, TF32 off: the dtype in which the output is token-identical to HF greedy; in "
              "bfloat16/float16 a many-row forward rounds differently, so identity is not expected")
@@ -1039,10 +1115,14 @@ def common_parser(description: str) -> argparse.ArgumentParser:
         help="also run the baseline (HF greedy; sampled: our plain sampler, same seed): speedup, identical?")
     add("--json", action="store_true", help="print exactly one JSON object on stdout, nothing else")
     add("--trace", action="store_true", help="print each step: draft, accepted path, bonus token")
-    add("--seed", type=int, default=0, help="seed of the sampling noise, torch, numpy, random (default: 0)")
-    add("--temperature", type=float, default=0.0, help="T: 0 = greedy (default); > 0 samples, still lossless")
-    add("--top-k", type=int, default=0, help="sample from the k most likely tokens only (default: 0 = all)")
-    add("--top-p", type=float, default=1.0, help="then the smallest set of probability >= top-p (default: 1)")
+    add("--seed", type=int, default=0,
+        help="seed of the sampling noise, torch, numpy, random (default: 0)")
+    add("--temperature", type=float, default=0.0,
+        help="T: 0 = greedy (default); > 0 samples, still lossless")
+    add("--top-k", type=int, default=0,
+        help="sample from the k most likely tokens only (default: 0 = all)")
+    add("--top-p", type=float, default=1.0,
+        help="then the smallest set of probability >= top-p (default: 1)")
     return p
 
 class Printer:
@@ -1050,7 +1130,10 @@ class Printer:
     text each time (multi-byte characters, SentencePiece spaces)."""
 
     def __init__(self, tok, out=sys.stdout):
-        self.tok, self.out, self.ids, self.shown = tok, out, [], ""
+        self.tok = tok
+        self.out = out
+        self.ids = []  # the tokens so far
+        self.shown = ""  # their text as printed so far
         self.color = out.isatty() and not os.environ.get("NO_COLOR")
 
     def __call__(self, tokens, from_draft):
@@ -1081,8 +1164,11 @@ def config_from_args(defaults, args):
     """`defaults` (a method's config dataclass) with every field given on the command line (the
     options carry the fields' names and default to None, "not given"); check() raises UserError if
     bad."""
-    cfg = dataclasses.replace(defaults, **{f.name: getattr(args, f.name) for f in dataclasses.fields(defaults)
-                                           if getattr(args, f.name, None) is not None})
+    given = {}  # the options given on the command line (argparse's None: not given)
+    for f in dataclasses.fields(defaults):
+        if getattr(args, f.name, None) is not None:
+            given[f.name] = getattr(args, f.name)
+    cfg = dataclasses.replace(defaults, **given)
     if hasattr(cfg, "check"):
         cfg.check()
     return cfg
@@ -1090,18 +1176,20 @@ def config_from_args(defaults, args):
 def defaults_help(config_class, name: str) -> str:
     """' (default: X)' for a --help line, or ' (default: X on CUDA, Y on CPU)' when the device
     changes it."""
-    g, c = getattr(config_class.paper(), name), getattr(config_class.cpu(), name)
+    g = getattr(config_class.for_device("cuda"), name)
+    c = getattr(config_class.for_device("cpu"), name)
     return f" (default: {c})" if g == c else f" (default: {g} on CUDA, {c} on CPU)"
 
-def run_cli(parser: argparse.ArgumentParser, method: str, generate: Callable, config: Callable | None = None,
+def run_cli(parser: argparse.ArgumentParser, method: str, generate: Callable, config_class=None,
             prepare: Callable | None = None, report: Callable | None = None, argv=None) -> int:
-    """Parse, validate, load, generate (streaming), report, for every script: config(args, device)
-    -> cfg before a model loads; prepare(model, tok, cfg, name) -> (cfg, generate() kwargs),
-    untimed; report(model, prompt_ids, gen, cfg, extra) -> stats. Bad input: one line on stderr,
-    exit status 2, no traceback."""
+    """Parse, validate, load, generate (streaming), report, for every script. config_class: the
+    method's config dataclass (its for_device(device) defaults, then the options given), built
+    before a model loads; prepare(model, tok, cfg, name) -> (cfg, generate() kwargs), untimed;
+    report(model, prompt_ids, gen, cfg, extra) -> stats. Bad input: one line on stderr, exit status
+    2, no traceback."""
     args = parser.parse_args(argv)
     try:
-        return _run(args, method, generate, config, prepare, report)
+        return _run(args, method, generate, config_class, prepare, report)
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -1109,79 +1197,115 @@ def run_cli(parser: argparse.ArgumentParser, method: str, generate: Callable, co
         print("\ninterrupted", file=sys.stderr)
         return 130
 
-def _run(args, method, generate, config, prepare, report) -> int:
+def seed_everything(seed: int) -> None:
+    """Python's, numpy's and torch's generators (the sampling noise has its own key: Sampling)."""
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+def streaming_hooks(args, tok, out) -> dict:
+    """generate()'s hooks for the output the options ask for: --trace prints every step, --json
+    nothing until the end, and otherwise the text streams as it is decided."""
+    if args.trace:
+        return {"on_step": make_tracer(tok, out)}
+    if args.json:
+        return {}
+    return {"on_emit": Printer(tok, out)}
+
+def _run(args, method, generate, config_class, prepare, report) -> int:
     if not args.prompt.strip():  # what needs no model first, so that mistakes fail fast
         raise UserError("--prompt is empty")
     if args.max_new_tokens <= 0:
         raise UserError(f"--max-new-tokens must be positive (got {args.max_new_tokens})")
-    cfg = config(args, pick_device(args.device)) if config is not None else None
+    cfg = None
+    if config_class is not None:
+        cfg = config_from_args(config_class.for_device(pick_device(args.device)), args)
     sampling = Sampling(args.temperature, args.top_k, args.top_p, args.seed)
     sampling.check()
-    random.seed(args.seed), np.random.seed(args.seed), torch.manual_seed(args.seed)
+    seed_everything(args.seed)
     model, tok = load_model(args.model, args.device, args.dtype, args.attn_implementation)
-    ids, n_max = encode_prompt(tok, args.prompt, chat=not args.no_chat), args.max_new_tokens
+    ids = encode_prompt(tok, args.prompt, chat=not args.no_chat)
+    n_max = args.max_new_tokens
     if len(ids) + n_max > context_length(model):
-        raise UserError(f"prompt ({len(ids)} tokens) + --max-new-tokens ({n_max}) exceeds the model's "
-                        f"context of {context_length(model)} tokens")
+        raise UserError(f"prompt ({len(ids)} tokens) + --max-new-tokens ({n_max}) exceeds the "
+                        f"model's context of {context_length(model)} tokens")
     eos = eos_ids_of(model, tok)
-    cfg, extra = prepare(model, tok, cfg, args.model) if prepare is not None else (cfg, {})
+    extra = {}
+    if prepare is not None:
+        cfg, extra = prepare(model, tok, cfg, args.model)
     cfg_arg = () if cfg is None else (cfg,)
-    run = lambda n, **hooks: generate(model, ids, n, eos, *cfg_arg, sampling=sampling, **hooks, **extra)
-    # the baseline: HF greedy; sampled, our plain sampler (whose tokens, same seed, are the ones to
-    # match)
-    baseline = (lambda n: hf_generate(model, ids, n, eos)) if sampling.greedy else \
-        (lambda n: vanilla_generate(model, ids, n, eos, sampling).tokens)
+
+    def run(n: int, **hooks) -> Generation:
+        return generate(model, ids, n, eos, *cfg_arg, sampling=sampling, **hooks, **extra)
+
+    def baseline(n: int) -> list[int]:
+        """HF greedy; sampled, our plain sampler (whose tokens, same seed, are the ones to match)."""
+        if sampling.greedy:
+            return hf_generate(model, ids, n, eos)
+        return vanilla_generate(model, ids, n, eos, sampling).tokens
+
     if args.compare:  # warm up both sides so neither pays for first-call allocations
-        run(min(8, n_max)), baseline(min(8, n_max))
+        run(min(8, n_max))
+        baseline(min(8, n_max))
     out = sys.stderr if args.json else sys.stdout
-    hooks = ({"on_step": make_tracer(tok, out)} if args.trace else {} if args.json
-             else {"on_emit": Printer(tok, out)})
+    hooks = streaming_hooks(args, tok, out)
     sync(model)
     t0 = time.perf_counter()
     gen = run(n_max, **hooks)
     sync(model)
-    wall, n = time.perf_counter() - t0, len(gen.tokens)
+    wall = time.perf_counter() - t0
+    n = len(gen.tokens)
     if report is not None:
         gen.extra.update(report(model, ids, gen, cfg, extra))
     # the rate after the first token is the one speculation changes (at long context the prefill
     # dominates). note: the first token reads the logits (.tolist()), which waits for the prefill's
     # kernels on CUDA too.
     ttft = (gen.first_token_at or t0 + wall) - t0
+    decode_rate = (n - 1) / (wall - ttft) if n > 1 and wall > ttft else None
     r = {"method": method, "model": args.model, "device": str(model.device),
          "dtype": str(model.dtype).removeprefix("torch."), "prompt_tokens": len(ids), "new_tokens": n,
          "target_forwards": gen.target_forwards,
          # SpecBench's convention: bonus token included
          "mean_accepted": n / max(gen.target_forwards, 1),
-         "tokens_per_s": n / wall, "wall_s": wall, "ttft_s": ttft,
-         "decode_tokens_per_s": (n - 1) / (wall - ttft) if n > 1 and wall > ttft else None,
+         "tokens_per_s": n / wall, "wall_s": wall, "ttft_s": ttft, "decode_tokens_per_s": decode_rate,
          "draft_ms_per_step": 1000 * gen.draft_s / max(gen.steps, 1), **gen.extra,
          "text": tok.decode(gen.tokens, skip_special_tokens=True), "token_ids": gen.tokens,
-         **({} if cfg is None else {"config": dataclasses.asdict(cfg)}),
          "sampling": dataclasses.asdict(sampling)}
+    if cfg is not None:
+        r["config"] = dataclasses.asdict(cfg)
     if args.compare:
         t0 = time.perf_counter()
         base = baseline(n_max)
         sync(model)
         r["baseline_tokens_per_s"] = len(base) / (time.perf_counter() - t0)
-        r.update(speedup=r["tokens_per_s"] / r["baseline_tokens_per_s"], identical=base == gen.tokens,
-                 # else a many-row forward rounds differently
-                 identity_expected=model.dtype == torch.float32)
+        r["speedup"] = r["tokens_per_s"] / r["baseline_tokens_per_s"]
+        r["identical"] = base == gen.tokens
+        # else a many-row forward rounds differently from a one-row one
+        r["identity_expected"] = model.dtype == torch.float32
         if not r["identical"] and sampling.greedy:
             r.update(first_difference(model, ids, base, gen.tokens))
     if args.json:
         print(json.dumps(r, ensure_ascii=False))
         return 0
     print(r["text"] if args.trace else "")
-    stats = "".join(f" | {k} {v:.3g}" if isinstance(v, float) else f" | {k} {v}"
-                    for k, v in gen.extra.items())
-    print(f"[{method}] new tokens {n} | target forwards {gen.target_forwards} | mean accepted "
-          f"{r['mean_accepted']:.2f} | {r['tokens_per_s']:.1f} tokens/s | first token {ttft:.2f} s, then "
-          f"{r['decode_tokens_per_s'] or 0:.1f} tokens/s | draft {r['draft_ms_per_step']:.3f} ms/step{stats}")
-    if cfg is not None:
-        print(f"[{method}] config: " + " ".join(f"{k}={v}" for k, v in dataclasses.asdict(cfg).items()))
+    print_statistics(method, r, gen, cfg)
     if args.compare:
         print_comparison(r, tok, sampling)
     return 0
+
+def print_statistics(method: str, r: dict, gen: Generation, cfg) -> None:
+    """The run's lines: what the method did (its gen.extra too) and, on a second line, its
+    config."""
+    stats = ""
+    for key, value in gen.extra.items():
+        stats += f" | {key} {value:.3g}" if isinstance(value, float) else f" | {key} {value}"
+    print(f"[{method}] new tokens {r['new_tokens']} | target forwards {gen.target_forwards} | mean "
+          f"accepted {r['mean_accepted']:.2f} | {r['tokens_per_s']:.1f} tokens/s | first token "
+          f"{r['ttft_s']:.2f} s, then {r['decode_tokens_per_s'] or 0:.1f} tokens/s | draft "
+          f"{r['draft_ms_per_step']:.3f} ms/step{stats}")
+    if cfg is not None:
+        settings = " ".join(f"{key}={value}" for key, value in dataclasses.asdict(cfg).items())
+        print(f"[{method}] config: {settings}")
 
 def print_comparison(r: dict, tok, s: Sampling) -> None:
     """--compare's lines: the baseline's speed, identity, and where and why two greedy outputs
@@ -1191,7 +1315,9 @@ def print_comparison(r: dict, tok, s: Sampling) -> None:
     if not s.greedy:
         print(f"[sampling] T={s.temperature} top-k={s.top_k} top-p={s.top_p} seed={s.seed}")
     elif not r["identical"]:
-        margin, ours, hf = r["top2_margin"], tok.decode([r["ours_token"]]), tok.decode([r["hf_token"]])
+        margin = r["top2_margin"]  # the target's top-2 logit gap where the outputs part
+        ours = tok.decode([r["ours_token"]])
+        hf = tok.decode([r["hf_token"]])
         tie = margin <= rounding_tolerance(getattr(torch, r["dtype"]))
         print(f"  the outputs agree on the first {r['first_difference']} tokens; then ours is {ours!r}, HF's "
               f"{hf!r}; the target's top-2 logit margin there is {margin:.3g} "
@@ -1207,15 +1333,18 @@ def rounding_tolerance(dtype: torch.dtype) -> float:
     return {torch.float32: 1e-3, torch.bfloat16: 0.25, torch.float16: 0.05}.get(dtype, 1e-3)
 
 @torch.no_grad()
-def first_difference(model, prompt_ids: Sequence[int], want: Sequence[int], got: Sequence[int]) -> dict:
+def first_difference(model, prompt_ids: Sequence[int], want: Sequence[int],
+                     got: Sequence[int]) -> dict:
     """Where two outputs part, and the target's top-2 logit margin there (one plain forward over the
     common prefix): within the dtype's rounding either token is "the argmax"; a large margin means a
     real bug."""
     i = next((j for j, (a, b) in enumerate(zip(want, got)) if a != b), min(len(want), len(got)))
     ids = torch.tensor([list(prompt_ids) + list(want[:i])], device=model.device)
     top2 = model(input_ids=ids).logits[0, -1].float().topk(2).values
-    return {"first_difference": i, "hf_token": int(want[i]) if i < len(want) else None,
-            "ours_token": int(got[i]) if i < len(got) else None, "top2_margin": float(top2[0] - top2[1])}
+    hf_token = int(want[i]) if i < len(want) else None
+    ours_token = int(got[i]) if i < len(got) else None
+    return {"first_difference": i, "hf_token": hf_token, "ours_token": ours_token,
+            "top2_margin": float(top2[0] - top2[1])}
 
 def main(argv=None) -> int:
     parser = common_parser("Plain greedy decoding with a KV cache (the 'vanilla' baseline), through the\n"

@@ -209,7 +209,7 @@ def card_mask() -> None:
     """CARD §2.3: feeding layer 2 of a small candidate cache after a verified prefix of 3."""
     import card
 
-    cache = card.CandidateCache(k=4, topk=2)
+    cache = card.CandidateCache(K=4, k=2)
     cache.reset(10)  # the root: the newest verified token, fed at slot 2 after a prefix of 2
     cache.nodes[cache.root].slot = 2
     # layer 1: two children of the root (fed, slots 3 and 4); layer 2: four grandchildren, being fed now
@@ -271,7 +271,7 @@ def compacted_layout(model) -> None:
     kv.load(cache)
     kv.reselect(comp.select(20))
     states.append(("after prefill of 20", kv.slot_pos.copy(), set()))
-    kv.K[:, :, :, kv.H : kv.H + 2] = 0  # stand-ins for two accepted rows' KV (the values do not matter here)
+    kv.key_buffer[:, :, :, kv.head_slots : kv.head_slots + 2] = 0  # stand-ins for two accepted rows' KV (the values do not matter here)
     kv.commit([0, 1], [20, 21])
     states.append(("after commit of 20, 21", kv.slot_pos.copy(), set()))
     before = kv.slot_pos.copy()
@@ -282,7 +282,7 @@ def compacted_layout(model) -> None:
     fig, ax = plt.subplots(figsize=(9.5, 2.6))
     for y, (label, pos, mv) in enumerate(reversed(states)):
         for s, x in enumerate(pos):
-            region = "head" if s < kv.H else ("input" if s < kv.tail0 else "tail")
+            region = "head" if s < kv.head_slots else ("input" if s < kv.tail_start else "tail")
             colour = {"head": "#c6d8ee", "input": "#f5e3b3", "tail": "#e6e6e6"}[region]
             ax.add_patch(plt.Rectangle((s, y), 0.95, 0.8, color=colour,
                                        ec="#c0392b" if s in mv else colour, lw=2 if s in mv else 0))
@@ -291,7 +291,7 @@ def compacted_layout(model) -> None:
                 ax.text(s + 0.47, y + 0.4, str(x), ha="center", va="center", fontsize=7,
                         fontweight="bold" if bold else "normal")
         ax.text(-0.4, y + 0.4, label, ha="right", va="center", fontsize=8)
-    for x0, x1, name in ((0, kv.H, "head: C(kv)"), (kv.H, kv.tail0, "input"), (kv.tail0, kv.slots, "tail: the rest")):
+    for x0, x1, name in ((0, kv.head_slots, "head: C(kv)"), (kv.head_slots, kv.tail_start, "input"), (kv.tail_start, kv.slots, "tail: the rest")):
         ax.text((x0 + x1) / 2, len(states) + 0.1, name, ha="center", fontsize=8)
     ax.set_xlim(-12, kv.slots + 0.5)
     ax.set_ylim(-0.3, len(states) + 0.6)

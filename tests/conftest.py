@@ -73,7 +73,7 @@ def draft_int8(real):
 
 
 # The CARD cache of the real-model tests: a DraftProcess drafts with one K, k, so they share one.
-CARD_REAL = dict(k=4, topk=2)
+CARD_REAL = dict(K=4, k=2)
 
 
 @pytest.fixture(scope="session")

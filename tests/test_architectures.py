@@ -100,7 +100,7 @@ def _cases():
     cost = {1: 1.0, 2: 1.2, 4: 1.4, 8: 1.8, 16: 2.4}  # a made-up cost curve: the pruner prunes something
     cb = cacheback.CachebackConfig(ll=1, tdl=16, crt=4)
     cbp = cacheback.CachebackConfig(ll=1, tdl=16, crt=4, prune="cost")
-    cd = dict(k=4, topk=2, ratio=3)
+    cd = dict(K=4, k=2, ratio=3)
     ff = dict(n_guess=3, k=3, m=2, sink=2, recent=8, page_size=4, top_pages=2, prompt_pool=True)
     return {
         "ngram": lambda m, d: ngram_predictor.generate(m, PROMPT, NEW, [EOS], ngram_predictor.NgramConfig.paper()),

@@ -132,7 +132,7 @@ def test_card_predict_reads_a_run_and_card_costs_restores_the_threads():
     # a hit costs max(60, 4 * 12) = 60 ms, a miss 60 + r * 12 = 108 ms (wait None = r = 4) -> mean 84 ms
     gen = types.SimpleNamespace(tokens=[0] * 36, target_forwards=10, steps=10,
                                 extra=dict(hits=5, hit_rate=0.5, hit_tokens=20))
-    cfg = card.CardConfig(mode="parallel", ratio=4, k=1, topk=1)
+    cfg = card.CardConfig(mode="parallel", ratio=4, K=1, k=1)
     assert bench.card_predict(gen, costs, cfg).extra["predicted_speedup"] == pytest.approx(144 / 84)
     model, threads = make_tiny_llama(0), torch.get_num_threads()
     measured = bench.card_costs(model, model, cfg)

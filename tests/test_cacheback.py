@@ -269,7 +269,10 @@ def test_pruner_choice_is_the_best_subtree_by_brute_force():
         tree.origins = [None] + [(i,) for i in range(1, n)]
         p = pruner_with({(i,): float(rng.uniform(0.05, 0.95)) for i in range(1, n)}, cost)
         probs = p.node_probs(tree)
-        rate = lambda keep: sum(probs[i] for i in keep) / p.cost_of(len(keep))
+
+        def rate(keep):
+            return sum(probs[i] for i in keep) / p.cost_of(len(keep))
+
         kept = p.choose(tree)
         assert all(parents[i] in kept for i in kept if i)  # a subtree
         assert rate(kept) == pytest.approx(max(rate(k) for k in closed_subsets(parents)))
@@ -328,7 +331,7 @@ def test_builder_keeps_the_most_frequent_leaders_and_followers(tokenizer):
             break
     stream = stream[:n]
     lead = Counter(tuple(stream[i : i + 1]) for i in range(len(stream) - 3))
-    top = sorted(lead, key=lambda l: (-lead[l], l))[:3]
+    top = sorted(lead, key=lambda leader: (-lead[leader], leader))[:3]
     assert list(table.leaders) == top[::-1]  # most frequent = most recent (drafted from first)
     for leader in top:
         fol = Counter(tuple(stream[i + 1 : i + 4]) for i in range(len(stream) - 3) if (stream[i],) == leader)

@@ -25,7 +25,7 @@ from conftest import CARD_REAL, REAL_PROMPTS, ROOT, encode, make_tiny_llama, run
 
 def toy_cache():
     """The worked example of card.py §1: K = 2, k = 2."""
-    c = card.CandidateCache(k=2, topk=2)
+    c = card.CandidateCache(K=2, k=2)
     c.reset(10)  # root "The"
     root = c.nodes[c.root]
     root.slot, root.cands = 0, [(11, 0.6), (12, 0.3)]  # " cat" .6, " dog" .3
@@ -78,7 +78,7 @@ def fresh_kv(model, ids):
 
 
 def grown_drafter(model, text, layers):
-    d = card.Drafter(model, k=4, topk=3)
+    d = card.Drafter(model, K=4, k=3)
     d.start(text)
     for _ in range(layers):
         d.step()
@@ -135,7 +135,7 @@ def test_lossless_on_a_tiny_pair_including_a_bad_draft(mode):
     good, bad = make_tiny_llama(0).to(torch.bfloat16), make_tiny_llama(1)
     pairs = [(good, True), (good, False), (bad, True), (bad, False)]
     for draft, correct in pairs if mode == "lockstep" else pairs[1:3]:
-        cfg = card.CardConfig(k=6, topk=3, ratio=4, mode=mode, correct=correct)
+        cfg = card.CardConfig(K=6, k=3, ratio=4, mode=mode, correct=correct)
         assert card.generate(target, prompt, 60, [95], cfg, draft=draft).tokens == want, (correct, draft.dtype)
 
 
@@ -153,11 +153,11 @@ def test_max_new_tokens_and_eos_boundaries():
     target = make_tiny_llama(0)
     prompt = [1] + [5, 6, 7, 8, 9] * 6
     for n in (1, 2, 5, 13):
-        gen = card.generate(target, prompt, n, [95], card.CardConfig(k=4, topk=2, ratio=4, mode="lockstep"), draft=target)
+        gen = card.generate(target, prompt, n, [95], card.CardConfig(K=4, k=2, ratio=4, mode="lockstep"), draft=target)
         assert gen.tokens == verify.hf_generate(target, prompt, n, [95])
     full = verify.hf_generate(target, prompt, 30, [95])
     eos = full[7]  # pretend the 8th token is EOS: generation must stop right there, inside an accepted chain
-    gen = card.generate(target, prompt, 30, [eos], card.CardConfig(k=4, topk=2, ratio=4, mode="lockstep"), draft=target)
+    gen = card.generate(target, prompt, 30, [eos], card.CardConfig(K=4, k=2, ratio=4, mode="lockstep"), draft=target)
     assert gen.tokens == verify.hf_generate(target, prompt, 30, [eos])
 
 
@@ -178,7 +178,7 @@ def test_int8_draft_is_close_to_the_target_and_card_with_it_is_lossless():
     # chance (about 1 position in 96), a working int8 copy on most positions whatever its kernels.
     assert agree > unrelated + 0.5, (float(agree), float(unrelated))
     prompt = [1] + [5, 6, 7, 8, 9] * 6
-    gen = card.generate(target, prompt, 30, [95], card.CardConfig(k=2, topk=2, ratio=3, mode="lockstep"), draft=draft)
+    gen = card.generate(target, prompt, 30, [95], card.CardConfig(K=2, k=2, ratio=3, mode="lockstep"), draft=draft)
     assert gen.tokens == verify.hf_generate(target, prompt, 30, [95])
 
 
@@ -251,7 +251,7 @@ def test_no_draft_process_is_left_after_a_return_an_error_or_ctrl_c():
     target = make_tiny_llama(0)
     threads = torch.get_num_threads()
     prompt = [1] + [5, 6, 7, 8, 9] * 6
-    cfg = card.CardConfig(k=4, topk=2, ratio=4, mode="parallel")
+    cfg = card.CardConfig(K=4, k=2, ratio=4, mode="parallel")
     card.generate(target, prompt, 20, [95], cfg, draft=target)  # a model: generate() owns its process
     assert draft_processes() == []
 
@@ -287,7 +287,7 @@ def test_a_draft_with_hooks_crosses_to_its_process_as_parts():
     rebuilt = card.assemble(cls, config, tensors, buffers, draft.generation_config)
     assert rebuilt.lm_head.weight.data_ptr() == draft.lm_head.weight.data_ptr()  # the same tensors, no copy
     prompt = [1] + [5, 6, 7, 8, 9] * 6
-    cfg = card.CardConfig(k=2, topk=2, ratio=3, mode="parallel")
+    cfg = card.CardConfig(K=2, k=2, ratio=3, mode="parallel")
     gen = card.generate(target, prompt, 20, [95], cfg, draft=draft)
     assert gen.tokens == verify.hf_generate(target, prompt, 20, [95])
 
@@ -309,12 +309,12 @@ def test_a_kept_draft_process_stops_drafting_when_generate_returns():
 
     target = make_tiny_llama(0)
     prompt = [1] + [5, 6, 7, 8, 9] * 6
-    cfg = card.CardConfig(k=4, topk=2, ratio=4, mode="parallel", max_lead=10**6)  # would draft forever
+    cfg = card.CardConfig(K=4, k=2, ratio=4, mode="parallel", max_lead=10**6)  # would draft forever
     with card.DraftProcess(target, cfg) as proc:
         card.generate(target, prompt, 20, [95], cfg, draft=proc)
         time.sleep(0.5)  # a layer already in flight when generate() returned may finish
         idle = ticks_over(proc.process.pid)
-        proc.start(prompt, 256, cfg.ratio, cfg.max_lead, 0)  # the reference: drafting, nobody says done
+        proc.start(prompt, 256, cfg.max_lead, 0)  # the reference: drafting, nobody says done
         busy = ticks_over(proc.process.pid)
         proc.done()
     assert idle * 4 < busy, (idle, busy)
@@ -323,7 +323,7 @@ def test_a_kept_draft_process_stops_drafting_when_generate_returns():
 def test_a_dead_draft_process_is_a_one_line_error_not_a_hang():
     target = make_tiny_llama(0)
     prompt = [1] + [5, 6, 7, 8, 9] * 6
-    cfg = card.CardConfig(k=4, topk=2, ratio=4, mode="parallel")
+    cfg = card.CardConfig(K=4, k=2, ratio=4, mode="parallel")
     proc = card.DraftProcess(target, cfg)
 
     def kill_it(gen, tree, path, bonus):
@@ -345,7 +345,7 @@ def test_the_draft_process_exits_when_its_parent_dies(tmp_path):
         "import card\n"
         "from conftest import make_tiny_llama\n"
         "if __name__ == '__main__':\n"
-        "    proc = card.DraftProcess(make_tiny_llama(0), card.CardConfig(k=2, topk=2, ratio=2))\n"
+        "    proc = card.DraftProcess(make_tiny_llama(0), card.CardConfig(K=2, k=2, ratio=2))\n"
         "    print(proc.process.pid, flush=True)\n"
         "    os._exit(0)  # no clean-up at all, as if the parent were killed\n"
     )
@@ -371,6 +371,6 @@ def test_ratio_auto_is_the_ceiling_of_the_step_time_ratio(monkeypatch):
     # §3.1: r = ceil(t_target / t_draft); here a 60 ms target step against a 25 ms draft layer -> 3
     times = {"target": 0.060, "draft": 0.025}
     monkeypatch.setattr(card, "step_time", lambda model, n: times[model])
-    assert card.measure_ratio("target", "draft", k=4) == 3
+    assert card.measure_ratio("target", "draft", K=4) == 3
     times["draft"] = 0.5  # a draft slower than the target still gets one layer per step
-    assert card.measure_ratio("target", "draft", k=4) == 1
+    assert card.measure_ratio("target", "draft", K=4) == 1

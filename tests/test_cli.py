@@ -123,7 +123,7 @@ def test_a_clean_run_prints_no_warning(script, args):
 
 METHOD_FLAGS = {
     "cacheback.py": ["--ll", "--fl", "--lc", "--fc", "--tdl", "--crt", "--frozen", "--prune"],
-    "card.py": ["--target", "--draft", "--k", "--topk", "--ratio", "--mode", "--wait", "--no-correct"],
+    "card.py": ["--target", "--draft", "--K", "--k", "--ratio", "--mode", "--wait", "--no-correct"],
     "fafo.py": ["--n-guess", "--k", "--m", "--compress", "--sink", "--recent", "--page-size", "--top-pages", "--attn"],
 }
 

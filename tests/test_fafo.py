@@ -268,7 +268,7 @@ def _prefilled(model, n, seed=0):
 def _logical_equal(kv, cache):
     for i, layer in enumerate(cache.layers):
         s = kv.logical_slots()
-        k, v = kv.K[i][:, :, s], kv.V[i][:, :, s]  # [1, H_kv, n, D] in logical order
+        k, v = kv.key_buffer[i][:, :, s], kv.value_buffer[i][:, :, s]  # [1, H_kv, n, D] in logical order
         assert torch.equal(k, layer.keys) and torch.equal(v, layer.values)
 
 
@@ -284,12 +284,12 @@ def test_reselect_and_commit_never_change_the_logical_cache(tiny):
         sel = sorted(rng.choice(n, size=int(rng.integers(0, 17)), replace=False).tolist())
         kv.reselect(sel)
         assert sorted(kv.slot_pos[: kv.n_head].tolist()) == sel  # the head holds exactly C(kv)...
-        assert (kv.slot_pos[kv.n_head : kv.H] == -1).all()  # ...contiguously
+        assert (kv.slot_pos[kv.n_head : kv.head_slots] == -1).all()  # ...contiguously
         _logical_equal(kv, cache)
         # a "forward" writes 5 rows into the input region; keep two of them, as the decode loop does
-        new_k = torch.randn_like(kv.K[:, :, :, kv.H : kv.H + 5])
-        kv.K[:, :, :, kv.H : kv.H + 5] = new_k
-        kv.V[:, :, :, kv.H : kv.H + 5] = new_k + 1
+        new_k = torch.randn_like(kv.key_buffer[:, :, :, kv.head_slots : kv.head_slots + 5])
+        kv.key_buffer[:, :, :, kv.head_slots : kv.head_slots + 5] = new_k
+        kv.value_buffer[:, :, :, kv.head_slots : kv.head_slots + 5] = new_k + 1
         kv.commit([0, 3], [n, n + 1])
         for i, layer in enumerate(cache.layers):
             layer.keys = torch.cat([layer.keys, new_k[i][:, :, [0, 3]]], dim=2)
@@ -337,7 +337,7 @@ def _one_step_both_ways(model, compress, attn):
     flex = fafo.FlexKV(model, copy.deepcopy(cache), lay, comp.budget, 64, block_size=16, compiled=attn == "flex-compiled")
     # make the unused slots hostile: if the valid-length bounds leaked, these would change the output
     unused = torch.tensor(np.nonzero(flex.kv.slot_pos < 0)[0])
-    flex.kv.K[:, :, :, unused] = 50.0
+    flex.kv.key_buffer[:, :, :, unused] = 50.0
     flex.select(sel)
     dense.select(sel)
     want, _ = dense.forward(tokens, positions)

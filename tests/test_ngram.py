@@ -232,3 +232,21 @@ def test_cli_json_has_the_chapter_estimate():
 def test_cli_rejects_bad_parameters(flag, value, message):
     status, _, err = run_main(ng, ["--prompt", "hi", flag, value])
     assert status == 2 and err.startswith("error: ") and message in err and err.strip().count("\n") == 0
+
+
+def test_max_history_bounds_only_the_deque():
+    """The chapter's sliding window: drafts read the last MAX_ORDER - 1 tokens, so any window of at least
+    that many tokens drafts the same (oracle: the default 512-token window)."""
+    import random
+
+    rng = random.Random(3)
+    text = [rng.randrange(5, 40) for _ in range(700)]  # longer than the 512-token window
+    drafts = []
+    for window in (3, 64, ng.MAX_HISTORY):
+        p = ng.NGramPredictor(max_history=window)
+        seen = []
+        for t in text:
+            p.update(t)
+            seen.append(p.draft())
+        drafts.append(seen)
+    assert drafts[0] == drafts[1] == drafts[2]

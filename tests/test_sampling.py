@@ -1,4 +1,4 @@
-"""Sampling (verify.py section 7): Gumbel-max noise keyed by (seed, position).
+"""Sampling (verify.Sampling): Gumbel-max noise keyed by (seed, position).
 
 Oracles: the exact filtered softmax (a chi-square test of the plain sampler, which must also FAIL for two
 deliberately broken samplers), greedy decoding (top-k 1, a tiny top-p), and the plain sampler itself: every
@@ -133,7 +133,7 @@ def methods(draft):
     return {
         "ngram": lambda m, ids, n, eos, s: ngram_predictor.generate(m, ids, n, eos, ngram_predictor.NgramConfig.paper(), sampling=s),
         "cacheback": lambda m, ids, n, eos, s: cacheback.generate(m, ids, n, eos, cacheback.CachebackConfig.cpu(), cost=cost, sampling=s),
-        "card": lambda m, ids, n, eos, s: card.generate(m, ids, n, eos, card.CardConfig(k=2, topk=2, ratio=3, mode="lockstep"),
+        "card": lambda m, ids, n, eos, s: card.generate(m, ids, n, eos, card.CardConfig(K=2, k=2, ratio=3, mode="lockstep"),
                                                          draft=draft, sampling=s),
         "fafo": lambda m, ids, n, eos, s: fafo.generate(m, ids, n, eos, dataclasses.replace(fafo.FafoConfig.cpu(), prompt_pool=True),
                                                          sampling=s),
@@ -157,7 +157,7 @@ def test_every_method_sampled_is_the_plain_sampler(real, draft_bf16, prompt, tem
 @pytest.mark.compat
 def test_tiny_model_every_method_and_mode_sampled(tiny):
     prompt = [1] + [5, 6, 7, 8, 9] * 6
-    parallel = card.CardConfig(k=4, topk=2, ratio=3, mode="parallel")
+    parallel = card.CardConfig(K=4, k=2, ratio=3, mode="parallel")
     with card.DraftProcess(tiny, parallel) as proc:  # one draft process for every seed
         for seed in range(4):
             s = verify.Sampling(0.8, top_k=20, top_p=0.95, seed=seed)

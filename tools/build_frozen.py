@@ -83,7 +83,7 @@ def build_frozen(tok, ll: int, fl: int, lc: int, fc: int, max_tokens: int = 2_00
     bar.close()
     table = cb.CacheTable(ll, fl, lc, fc)
     # the top-LC leaders, least frequent inserted first (so the most frequent ends most recent)
-    top = sorted(leader_counts, key=lambda l: (-leader_counts[l], l))[:lc]
+    top = sorted(leader_counts, key=lambda leader: (-leader_counts[leader], leader))[:lc]
     for leader in reversed(top):
         best = sorted(follower_counts[leader].items(), key=lambda kv: (-kv[1], kv[0]))[:fc]
         for follower, _ in reversed(best):
