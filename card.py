@@ -14,12 +14,15 @@ CUDA). bench.py holds a cost model that predicts the speedup from measured step 
 
 The paper, section by section, and where it is here (this file's sections in brackets):
 
-    §2.2, Eq. 2-9   the candidate cache: C^(l), B^(l), top-K    CandidateCache                 [1]
+    §2.2, Eq. 2-9   the candidate cache: top-k children, top-K   CandidateCache                 [1]
+                    kept per layer (C^(l), B^(l))
     §2.3            draft forwards: causal history inheritance,  draft_mask, Drafter.step        [2]
                     intra-step independence
     §2.4            correction: keep the subtree, or restart     Drafter.correct                [2]
-    §2, Figure 2    draft, query, verify, correct: the loop      Drafter.draft, .query, generate [3]
-    §3.1            r, the communication ratio; K and k          CardConfig [0], measure_ratio  [5]
+    §2, Figure 2    draft, query, verify, correct: the loop      Drafter.draft, .query [2],
+                                                                 generate                       [3]
+    §3.1            r, the communication ratio; K and k          CardConfig                     [0]
+                    r's rule, ceil(t_target / t_draft)           measure_ratio (below the banner) [5]
     beyond the paper: the draft in its own process (parallel)    DraftProcess                   [4]
                       drafts derived from the target (int8)      int8_draft, load_draft         [5]
 
@@ -71,7 +74,9 @@ class CardConfig:
     correct: bool = True  # False = Table 2's "cache only" ablation (Drafter.correct)
     # layers the cache may lead the verified text by (None: 2r, the reference's)
     max_lead: int | None = None
-    # parallel: layers the cache must lead by before a query is answered (None: r)
+    # parallel: layers the cache must lead by before a query is answered (None: r). Beyond the
+    # paper: its "never wait" is 0 (the chain is whatever the cache holds); r matches the
+    # communication ratio's intent, r draft layers per target step (TUTORIAL.md §4.5)
     wait: int | None = None
     draft: str = "self"  # the draft prepare() builds: int8, self or a model name (section 5)
     draft_dtype: str = "bfloat16"  # the dtype of draft "self" or a named draft
@@ -123,7 +128,8 @@ class CardConfig:
 
 # ---- 1. The candidate cache (§2.2) -------------------------------------------------------------------------
 #
-# A tree rooted at the newest verified token (the one the target has not fed yet). Layer l holds at
+# A tree rooted at the newest verified token (the target's pending token: emitted, not yet in the
+# target's KV cache). Layer l holds at
 # most K nodes: the primary cache C^(l). Each node stores
 #   sigma = the draft's cumulative probability of the path root -> node              (Eq. 4)
 #   cands = the top-k (token, p) of the draft's next-token distribution at the node  (Eq. 2), once the
@@ -193,7 +199,8 @@ class CandidateCache:
         """The next layer from the newest (fed) layer: sort B by score, keep the top K (Eq. 6-9)."""
         assert not self.frontier(), "the newest layer must be fed first"
         ranked = sorted(self.secondary(self.depth), key=lambda c: -c[1])[: self.K]  # Eq. 6, 7
-        return [self._add(t, parent, w) for t, w, parent in ranked]  # Eq. 8, 9: s_m = s_{i_m} + y_m
+        # Eq. 8, 9: s_m = s_{i_m} ⊕ y_m (the parent's sequence, then the token); w is its sigma
+        return [self._add(t, parent, w) for t, w, parent in ranked]
 
     def path_to(self, i: int) -> list[int]:
         """Node ids from the root's child down to node i."""
@@ -263,8 +270,8 @@ class Drafter:
 
     def __init__(self, model, K: int, k: int, correct: bool = True):
         self.model = model
-        self.tree = CandidateCache(K, k)
-        self.cache = None
+        self.tree = CandidateCache(K, k)  # the paper's "cache": the candidates
+        self.cache = None  # the draft model's KV cache (verify.PreallocatedKVCache)
         self.correcting = correct  # False: Table 2's "cache only" ablation (see correct())
         self.layers_fed = 0  # draft forwards done (one per layer)
         self.hits = 0  # corrections whose bonus token was in the cache
@@ -275,7 +282,8 @@ class Drafter:
               wait: int | None = None) -> None:
         """text = the verified tokens, its last one the (unfed) root; capacity: the draft cache's
         size; max_lead: the most layers the cache may lead the verified text by (the reference's 2r;
-        14 = 2 x §3.1's r = 7). `wait` is the draft process's (it drafts while the target waits)."""
+        14 = 2 x §3.1's r = 7). `wait` is unused here: it keeps start() the same call as
+        DraftProcess.start, which sends it with each query."""
         self.text = list(text)
         self.cache = verify.new_cache(self.model, capacity)
         self.max_lead = max_lead
@@ -286,8 +294,8 @@ class Drafter:
         self.qroot = None
 
     def draft(self, r: int) -> None:
-        """DRAFT: up to r more layers, one draft forward each, while the cache leads by fewer than
-        max_lead layers (lockstep: exactly the r layers a query of r tokens needs)."""
+        """DRAFT: up to r more layers, one draft forward each, none once the cache leads the
+        verified text by max_lead layers (after a hit it may already lead by more than r)."""
         for _ in range(r):
             if self.lead() < self.max_lead:
                 self.step()
@@ -394,7 +402,7 @@ class Drafter:
         if x is None:  # MISS: restart the cache from the target's token
             tree.reset(bonus)
             return False
-        self._reroot(x, {n: self.dp + k for k, n in enumerate(keep)})  # HIT: keep x's subtree
+        self._reroot(x, {n: self.dp + j for j, n in enumerate(keep)})  # HIT: keep x's subtree
         return True
 
     def _subtree(self, x: int) -> list[int]:
@@ -438,13 +446,14 @@ class Drafter:
 #
 # Per step (§2, Figure 2): the draft DRAFTS layers into the candidate cache, the target QUERIES the
 # cache's best chain of up to r tokens, VERIFIES it in one forward, and the draft CORRECTS the cache
-# with what the target accepted. Where the draft runs is the caller's choice, made by what it passes
-# as `draft` (draft_side):
-#   lockstep  a model: a Drafter in this process, exactly r layers per step. Deterministic, what the
-#             released code effectively does, and what the tests pin down.
-#   parallel  a DraftProcess (section 4): the same Drafter in its own process, drafting all the time
-#             while it leads the verified text by fewer than max_lead layers, so after a hit the next
-#             chain is (partly) ready when the target asks:
+# with what the target accepted. Where the draft runs, cfg.mode says (draft_side):
+#   lockstep  a Drafter in this process (a DraftProcess passed in lends it its model), up to r layers
+#             per step. Deterministic, what the authors' code effectively does (both sides block on
+#             each other over NCCL), and what the tests pin down.
+#   parallel  a DraftProcess (section 4): the caller's, or one started for this call. The same
+#             Drafter in its own process, drafting all the time while it leads the verified text by
+#             fewer than max_lead layers, so after a hit the next chain is (partly) ready when the
+#             target asks:
 #
 #     target:  query ─> verify the chain (r + 1 rows) ─────────────> correct, query ─> verify ...
 #     draft:   answer   layer  layer  layer  layer (below the chain)  answer          layer ...
@@ -487,7 +496,8 @@ def generate(model, prompt_ids: Sequence[int], max_new_tokens: int, eos_ids: Seq
                                  sampling)
     if gen.finish_prefill(pending):
         return gen
-    # the draft's cache: the verified text + up to max_lead + 1 layers of K nodes ahead of it
+    # the draft's KV cache: the verified text + at most max_lead + 1 fed layers of K nodes (the lead,
+    # then the layer being fed), and one layer of slack
     capacity = len(prompt_ids) + max_new_tokens + (max_lead + 2) * cfg.K
     with draft_side(draft, cfg) as drafter:
         drafter.start(list(prompt_ids) + [pending], capacity, max_lead, wait)
@@ -496,12 +506,12 @@ def generate(model, prompt_ids: Sequence[int], max_new_tokens: int, eos_ids: Seq
             # -- DRAFT: r layers of the candidate cache (parallel: the process drafts on its own)
             drafter.draft(r)
             # -- QUERY: the cache's best chain of at most r tokens below the verified text
-            chain = drafter.query(r)
+            chain = drafter.query(r)  # (parallel: waits until the cache leads by `wait` layers)
             room = max(max_new_tokens - len(gen.tokens) - 1, 0)  # a step emits <= len(chain) + 1
             chain = chain[:room]
             draft_s = time.perf_counter() - started  # what the target waited for the draft
             # -- VERIFY the chain in one target forward (parallel: the draft keeps drafting)
-            tree = Tree.chain(pending, chain)
+            tree = Tree.chain(pending, chain)  # a verify.Tree, the chain: not the candidate cache
             prefix_len = verify.cache_len(cache)
             logits = verify.tree_forward(model, cache, tree)
             path, bonus = verify.accept(tree, logits, prefix_len, sampling)
@@ -553,9 +563,10 @@ def _draft_process(conn, K: int, k: int, correct: bool, threads: int | None) -> 
         # the draft model, its tensors in shared memory
         engine, build, (kind, payload) = conn.recv()
         draft = assemble(*payload) if kind == "parts" else payload
-        # an int8 draft is quantized here (the parent waits: all cores), with the
+        # an int8 draft is quantized here, with the parent's quantized engine (the parent waits:
+        # all cores)
         if build is not None:
-            torch.backends.quantized.engine = engine  # kernels the parent chose
+            torch.backends.quantized.engine = engine
             draft = build(draft)
         if threads:
             torch.set_num_threads(threads)
@@ -698,7 +709,8 @@ class DraftProcess:
         return chain
 
     def correct(self, accepted: Sequence[int], bonus: int) -> None:
-        self._send(("correct", self.run, list(accepted), int(bonus)))  # the answer: with the chain
+        # no reply: the hit or miss is counted there and comes back with the next chain
+        self._send(("correct", self.run, list(accepted), int(bonus)))
 
     def statistics(self) -> dict:
         return self.counts
@@ -812,7 +824,7 @@ def main(argv=None) -> int:
 
     parser = verify.common_parser(__doc__.split("\n\n")[0].strip())
     default = functools.partial(verify.defaults_help, CardConfig)  # ' (default: ...)' for a help line
-    g = parser.add_argument_group("CARD (the paper's names; CUDA: CardConfig.gpu(); CPU: RESULTS.md)")
+    g = parser.add_argument_group("CARD (the paper's names; CUDA: CardConfig.gpu(); CPU: .cpu())")
     add = g.add_argument
     add("--target", dest="model", default=argparse.SUPPRESS,
         help="the target model (same as --model)")

@@ -14,11 +14,12 @@ share ONE forward:
     one forward over  [ last token | fumble branch: n streams x k tokens | find-out branch: m candidates x k ]
                         full KV       sees only C(kv), a compressed cache    full KV, causal per candidate
 
-FAFO's contribution (§4.2): guesses only need to be plausible, so the guess rows attend to a
-compressed selection C(kv) of the cache (StreamingLLM; Quest and SnapKV below the banner): many more
-guesses become affordable, and the verification rows see the full cache, so the output stays the
-target's. §4.4's buffer (C(kv) kept at its head, so FlexAttention skips other blocks) is verify.py's
-CompactedKVCache (`--attn flex`). Beyond the paper: the split back-end (the CPU default); the
+FAFO's contributions: guesses only need to be plausible, so the guess rows attend to a compressed
+selection C(kv) of the cache (§4.1, §4.2; StreamingLLM here, Quest and SnapKV in section 8): many
+more guesses become affordable, and the verification rows see the full cache, so the output stays
+the target's; and the pool is keyed by longer suffixes of the text (§4.3). §4.4's buffer (C(kv)
+kept at its head, so FlexAttention skips other blocks) is verify.py's CompactedKVCache (`--attn
+flex`). Beyond the paper: the split back-end (the CPU default); the
 deviations are listed in TUTORIAL.md §5.5.
 
 The paper, section by section, and where it is here (this file's sections in brackets):
@@ -26,14 +27,15 @@ The paper, section by section, and where it is here (this file's sections in bra
     §4.2, §4.3, App. F  n, k, m (Lookahead's W, N - 1, G), C   FafoConfig                      [0]
     App. F, Alg. 2, 3   the n-gram pool: add, retrieve (LRU)   NgramPool                       [1]
     §4.2, Eq. 1         Fumble Around: the n guess streams     Streams                         [2]
-    §4.2, Table 8       the compression C                      Compressor, StreamingLLM        [3]
-                                                               (Quest, SnapKV below: [8])
+    §4.1, §4.2, Tables 2, 8  the compression C                 Compressor, StreamingLLM        [3]
+                                                               Quest, SnapKV                   [8]
     App. E, Figure 4    one step's rows and attention mask     StepLayout, combined_mask       [4]
     §4.3, Alg. 4        Find Out: verify, accept               find_out                        [5]
     the loop            fumble, find out, pool, compress       generate                        [7]
     §4.4, Alg. 1, App. H  compacted blocks for FlexAttention   FlexKV [10],
                                                                verify.CompactedKVCache
-    beyond the paper: the KV back-ends (dense [6], split [9]: the CPU default)
+    the KV back-ends: dense [6] (Figure 4's mask as a tensor, the spec); beyond the paper: split
+    [9] (the guess rows' attention in a second call, the CPU default)
 
     python fafo.py --prompt "Write a limerick about a cat." --compare
     python fafo.py --prompt "..." --compress none --lookback 1   # Lookahead Decoding: full-KV guesses
@@ -70,49 +72,65 @@ class FafoConfig:
     22
     """
 
-    n_guess: int = 40  # n: guess streams in the fumble branch (§4.2; Tables 11, 12)
-    # k: tokens per stream = length of a guessed n-gram = longest pool key (§4.2, Algorithm 2)
+    # n: guess streams in the fumble branch (§4.2; Tables 11, 12); Lookahead's window W
+    n_guess: int = 40
+    # k: tokens per stream = length of a guessed n-gram = longest pool key (§4.2, Algorithm 2);
+    # Lookahead's N - 1 (its n-gram size N counts the key token too)
     k: int = 6
-    # m: candidates retrieved and verified per step (Algorithm 3; not given in the paper: ours)
+    # m: candidates retrieved and verified per step (Algorithm 3). Two readings: §4.3's text
+    # retrieves "n guesses" and Figure 4 is symmetric, so m = n (paper()); Algorithms 3 and 4 take
+    # a separate m with no value. 8 is ours (the CUDA default, gpu()); the CPU's is measured.
+    # Lookahead's guess set size G.
     m: int = 8
     # C: "stream" (StreamingLLM), "quest", "snapkv", or "none" (full KV: Lookahead)
     compress: str = "stream"
     sink: int = 4  # StreamingLLM: attention-sink tokens kept from the start
-    # StreamingLLM: most recent tokens kept (sink + recent = 256: one flex block pair)
+    # StreamingLLM and SnapKV: most recent positions kept (StreamingLLM: sink + recent = 256, two
+    # flex blocks: the budget every compression here gets on short prompts; the paper gives none)
     recent: int = 252
-    page_size: int = 16  # Quest: positions per page
-    top_pages: int = 16  # Quest: pages selected per step
-    # SnapKV: the observation window, the prompt's last rows whose attention votes
+    page_size: int = 16  # Quest: positions per page (Quest's own page size)
+    top_pages: int = 16  # Quest: pages selected per step (16 x 16 = the same budget of 256)
+    # SnapKV: the observation window, the prompt's last rows whose attention votes (SnapKV's own)
     window_size: int = 32
-    max_capacity_prompt: int = 256  # SnapKV: prompt positions kept, the window included
-    # SnapKV: width of the average pooling over the votes (keeps neighbours together)
+    max_capacity_prompt: int = 256  # SnapKV: prompt positions kept, the window included (256 again)
+    # SnapKV: width of the average pooling over the votes, keeping neighbours together (SnapKV's own)
     kernel_size: int = 5
     # "dense" mask (the spec), "split" (two SDPA calls), "flex"/"flex-compiled" (§4.4)
     attn: str = "dense"
     pool_cap: int | None = None  # k-grams kept per pool key, LRU (Appendix F; None: n)
+    # what refreshes a k-gram in that LRU: "insert" (filed again, as Lookahead's code) or "use"
+    # (also retrieved: Appendix F's "least-recently-used"); chosen by measurement (TUTORIAL §5.5)
+    pool_refresh: str = "insert"
     # longest pool key, the "lookback window" of §4.3 (None: k; Lookahead: 1)
     lookback: int | None = None
     prompt_pool: bool = False  # also seed the pool with the prompt's k-grams (not in the paper)
-    block_size: int = 128  # flex: KV block size, B_z in Algorithm 1
+    block_size: int = 128  # flex: KV block size, B_z in Algorithm 1 (FlexAttention's default block)
     seed: int = 0  # the streams' random initial tokens
 
     @classmethod
     def paper(cls) -> "FafoConfig":
-        """n and k from the ablation (Tables 11, 12); the short-prompt budget is not given (Table
-        13's best is ~760): 256, one block pair. Dense: the fastest back-end on an H100 (RESULTS.md,
-        "FAFO on a GPU")."""
+        """n and k from the ablation (Tables 11, 12), m = n as §4.3's text reads ("retrieves n
+        guesses"); the short-prompt budget is not given (Table 13's best is ~760): 256, two flex
+        blocks."""
+        return cls(m=40)
+
+    @classmethod
+    def gpu(cls) -> "FafoConfig":
+        """The CUDA default: the paper's n and k with our m = 8, as run on an H100 (RESULTS.md,
+        "FAFO on a GPU"); dense, the fastest back-end there. deviation: m = n (paper()) was not
+        measured on a GPU, so the default stays until a GPU run compares them."""
         return cls()
 
     @classmethod
     def cpu(cls) -> "FafoConfig":
-        """Every row costs time on a CPU, so a small step (22 rows), the split back-end and the
-        paper's budget of 256, chosen on the tuning halves of the shipped short and long prompts
-        (RESULTS.md, "FAFO")."""
-        return cls(n_guess=4, k=3, m=3, recent=252, top_pages=4, attn="split")
+        """Every row costs time on a CPU, so a small step (22 rows), the split back-end, our budget
+        of 256 (StreamingLLM; Quest 4 pages of 16 = 64), chosen on the tuning halves of the shipped
+        short and long prompts (RESULTS.md, "FAFO")."""
+        return cls(n_guess=4, k=3, m=3, top_pages=4, attn="split")
 
     @classmethod
     def for_device(cls, device) -> "FafoConfig":
-        return cls.paper() if torch.device(device).type == "cuda" else cls.cpu()
+        return cls.gpu() if torch.device(device).type == "cuda" else cls.cpu()
 
     def check(self) -> None:  # raise verify.UserError (a ValueError) for an impossible value
         for name in ("n_guess", "k", "m", "recent", "page_size", "top_pages", "window_size",
@@ -123,6 +141,8 @@ class FafoConfig:
                 raise UserError(f"--{name.replace('_', '-')} must be at least {low} (got {v})")
         for ok, what in ((self.lookback is None or 1 <= self.lookback <= self.k,
                           f"--lookback must be between 1 and k = {self.k} (got {self.lookback})"),
+                         (self.pool_refresh in ("insert", "use"),
+                          f"--pool-refresh must be insert or use (got {self.pool_refresh!r})"),
                          (self.compress in ("stream", "quest", "snapkv", "none"),
                           f"--compress must be stream, quest, snapkv or none (got {self.compress!r})"),
                          (self.max_capacity_prompt > self.window_size,
@@ -166,9 +186,13 @@ class NgramPool:
     ([(' sat', ' on')], [(' sat', ' on')])
     """
 
-    def __init__(self, k: int, cap: int, lookback: int | None = None):
-        self.k, self.cap = k, cap
+    def __init__(self, k: int, cap: int, lookback: int | None = None, refresh: str = "insert"):
+        self.k = k
+        self.cap = cap
         self.lookback = k if lookback is None else lookback  # longest key: FAFO k, Lookahead 1
+        # what makes a k-gram recent: "insert", being filed again (Lookahead's code); "use", also
+        # being retrieved (Appendix F's "least-recently-used")
+        self.refresh = refresh
         self.table: dict[tuple, OrderedDict] = {}
 
     def __len__(self) -> int:
@@ -201,13 +225,23 @@ class NgramPool:
         """Algorithm 3: up to m distinct k-grams, longest matching suffix of the text first, the
         most recently filed first within one key."""
         out: list[tuple] = []
-        for length in range(min(self.lookback, len(context)), 0, -1):
-            for value in reversed(self.table.get(tuple(context[-length:]), ())):
-                if value not in out:
+        keys = [tuple(context[-length:]) for length in range(min(self.lookback, len(context)), 0, -1)]
+        for key in keys:  # the longest suffix first
+            for value in reversed(self.table.get(key, ())):
+                if value not in out and len(out) < m:
                     out.append(value)
-                    if len(out) == m:
-                        return out
+        if self.refresh == "use":
+            self.touch(keys, out)
         return out
+
+    def touch(self, keys: Sequence[tuple], values: Sequence[tuple]) -> None:
+        """Appendix F's LRU, refresh="use": each retrieved k-gram becomes the most recent under
+        every key of the text it is filed under; the first retrieved ends the most recent."""
+        for value in reversed(values):
+            for key in keys:
+                bucket = self.table.get(key)
+                if bucket is not None and value in bucket:
+                    bucket.move_to_end(value)
 
 # ---- 2. Fumble Around: the n guess streams (§4.2, Eq. 1) ---------------------------------------------------
 #
@@ -235,8 +269,9 @@ class Streams:
 
     def advance(self, new_tokens: Sequence[int], pool: NgramPool) -> None:
         """Shift every stream by its new token; file the new windows in the pool once they are the
-        model's. Warm-up, as Lookahead: for the first k advances a window still holds random prompt
-        tokens, so nothing is filed, and only guessed tokens enter the buffers (the keys). With
+        model's. Warm-up, as Lookahead: the first k advances drop random prompt tokens, which make
+        no keys, so the buffers stay empty and nothing is filed; from advance k + 1 on, the dropped
+        token was the model's guess: it enters the buffer (the keys), and the window is filed. With
         k = 2: advances 1 and 2 file nothing, advance 3 files its window under a key of length 1,
         advance 4 under lengths 1 and 2."""
         # the token about to be dropped was guessed by the model
@@ -255,15 +290,15 @@ class Streams:
 # A compressor answers one question per step: which cached (logical) positions may the guess rows
 # see? The KV back-end turns them into a mask or the buffer's head; `budget` bounds the answer (flex
 # allocates the head from it). The decode loop calls after_prefill() once and after_step() per step;
-# they hand observe() every step's KV and, where a compressor reads them (needs_query: Quest), the
-# last verified row's queries, and observe_prompt() the prompt's last `window` rows' queries
-# (SnapKV). To add one (H2O), subclass Compressor.
+# they hand observe() the cache and, where a compressor reads them (needs_query: Quest), the last
+# verified row's queries. SnapKV's after_prefill() votes with the prompt's last `window` rows
+# (observe_prompt). To add one (H2O), subclass Compressor.
 
 class Compressor:
     # the base class is --compress none: guess rows see everything (Lookahead)
     name, budget = "none", None
     needs_query = False  # True -> observe() receives per-layer queries [L, H, D]
-    window = 0  # > 0 -> observe_prompt() receives the prompt's last `window` rows' queries, once
+    window = 0  # > 0: the prefill keeps its hidden states for the prompt's last `window` rows (SnapKV)
 
     def observe(self, kv, queries: torch.Tensor | None) -> None:
         pass
@@ -423,12 +458,15 @@ def find_out(cands: Sequence[Sequence[int]], first_choice: int,
     best_len = 0
     bonus = first_choice
     for c, cand in enumerate(cands):
-        a, nxt = 0, first_choice
-        while a < len(cand) and cand[a] == nxt:
-            nxt = cand_choices[c][a]
-            a += 1
-        if a > best_len:
-            best, best_len, bonus = c, a, nxt
+        matched = 0  # candidate c's tokens that equal the model's choices so far
+        nxt = first_choice  # the model's choice after x and the matched tokens
+        while matched < len(cand) and cand[matched] == nxt:
+            nxt = cand_choices[c][matched]
+            matched += 1
+        if matched > best_len:  # the longest match wins; the first of equals
+            best = c
+            best_len = matched
+            bonus = nxt
     return best, best_len, bonus
 
 # ---- 6. The KV back-ends, and the dense one: the mask as a tensor (the spec) -------------------------------
@@ -464,7 +502,7 @@ class DenseKV:
     def forward(self, tokens, positions, hidden: bool = False, layout: StepLayout | None = None,
                 rows: Sequence[int] | None = None):
         """-> (logits [len(rows), V] of the input rows `rows` (None: all q), hidden states if
-        asked). note: the head (hidden x vocab per row, a fifth of a row's work here) runs on `rows`
+        asked). note: the LM head (hidden x vocab per row, a fifth of a row's work here) runs on `rows`
         only, through `logits_to_keep` (a 1D tensor of positions); a model without it computes every
         row, and we pick."""
         dev = self.model.device
@@ -477,7 +515,8 @@ class DenseKV:
         with attention:
             out = verify.model_forward(self.model, self.cache, input_ids=ids, attention_mask=mask,
                                        position_ids=position_ids, output_hidden_states=hidden, **only)
-        logits = out.logits[0]  # [q, V] or [len(rows), V]; `rows` increase: len q = every row
+        # [len(rows), V], or [q, V] where logits_to_keep is unknown; rows increase, so q rows = all
+        logits = out.logits[0]
         if rows is not None and len(logits) != len(rows):
             logits = logits[list(rows)]  # a model without logits_to_keep computed every row
         hidden_states = out.hidden_states if hidden else None
@@ -495,7 +534,8 @@ class DenseKV:
         return contextlib.nullcontext()
 
     def keep(self, rows: Sequence[int], positions: Sequence[int]) -> None:
-        verify.compact_kv(self.cache, positions[0], rows)  # rows are consecutive logical positions
+        # positions are consecutive (p, p + 1, ...): compact_kv needs only the first
+        verify.compact_kv(self.cache, positions[0], rows)
 
     def keys(self, start: int, end: int) -> torch.Tensor:
         # [L, H_kv, n, D]
@@ -505,6 +545,81 @@ class DenseKV:
         return {}
 
 # ---- 7. The decode loop ------------------------------------------------------------------------------------
+
+@torch.no_grad()
+def generate(model, prompt_ids: Sequence[int], max_new_tokens: int, eos_ids: Sequence[int],
+             cfg: FafoConfig, *, pool: NgramPool | None = None, sampling: verify.Sampling = verify.GREEDY,
+             on_emit=None, on_step=None) -> Generation:
+    """FAFO decoding, greedy or sampled (guess rows stay greedy: they need only be plausible). A `pool`
+    passed in (an NgramPool, same k; it keeps its own cap and lookback) carries over between prompts."""
+    cfg.check()
+    n = cfg.n_guess  # guess streams (Lookahead's W)
+    k = cfg.k  # tokens per stream, the n-gram length (Lookahead's N - 1)
+    m = cfg.m  # candidates verified per step (Lookahead's G)
+    gen = Generation(max_new_tokens, eos_ids, on_emit=on_emit, on_step=on_step)
+    compressor = make_compressor(cfg)
+    pool = NgramPool(k, cfg.pool_cap or n, cfg.lookback, cfg.pool_refresh) if pool is None else pool
+    if pool.k != k:
+        raise UserError(f"the pool given was built for k = {pool.k}, not k = {k}")
+    streams = Streams.from_prompt(prompt_ids, n, k, cfg.seed)  # random prompt tokens at first
+    if cfg.prompt_pool:
+        pool.seed(prompt_ids)
+    layout = StepLayout(n, k, m)  # the rows of a full step (Figure 4)
+    cache, last_logits, hidden = prefill(model, prompt_ids, max_new_tokens, cfg, compressor, layout)
+    pending = verify.first_token(last_logits, len(prompt_ids), sampling)
+    if gen.finish_prefill(pending):
+        return gen
+    context = list(prompt_ids) + [pending]  # x_1 .. x_|x|; the last one is not in the KV cache yet
+    kv = make_backend(model, cache, layout, cfg, compressor, len(prompt_ids) + max_new_tokens)
+    compressor.after_prefill(model, kv, hidden, len(prompt_ids))
+    gen.extra.update(compress=compressor.name, guess_rows=0, candidates=0)
+    while True:
+        started = time.perf_counter()
+        p = kv.length  # = len(context) - 1
+        # -- Find Out, retrieve (Algorithm 3): up to m pool candidates keyed by the text's tail
+        cands = pool.retrieve(context, m)
+        real = len(cands)
+        step = StepLayout(n, k, real)
+        if cfg.attn.startswith("flex"):  # static shapes: exactly m, padded with never-accepted dummies
+            cands = cands + [(pending,) * k] * (m - real)
+            step = layout
+        kv.select(compressor.select(p))  # -- compress (§4.1): C(kv_1..p), what guess rows see
+        tokens, positions = step.inputs(pending, p, streams.windows, cands)
+        draft_s = time.perf_counter() - started
+        # -- one forward: x, the guess rows (Fumble Around), the candidates (Find Out)
+        read = step.read_rows()  # the rows whose predictions we use
+        logits, hidden = kv.forward(tokens, positions, compressor.needs_query, step, rows=read)
+        choice = choices(logits, read, step, real, positions, sampling)  # input row -> model's token
+        # -- Find Out, verify and accept (Algorithm 4), on the real candidates only
+        cand_choices = [[choice[step.cand_row(c, t)] for t in range(k)] for c in range(real)]
+        best, n_accepted, bonus = find_out(cands[:real], choice[0], cand_choices)
+        accepted = list(cands[best][:n_accepted]) if n_accepted else []
+        rows = [0] + [step.cand_row(best, t) for t in range(n_accepted)]  # verification rows kept
+        # -- Fumble Around's result (Eq. 1): each stream's next token; its new k-gram -> pool (Alg. 2)
+        streams.advance([choice[step.fumble_row(i, k - 1)] for i in range(n)], pool)
+        kv.keep(rows, [p + j for j in range(len(rows))])  # -- keep x's and the accepted tokens' KV
+        compressor.after_step(model, kv, hidden, rows[-1], positions[rows[-1]])
+        tree = Tree.from_branches(pending, [list(c) for c in cands[:real]])  # Generation's (tree, path)
+        path = [0] + tree.add_branch(accepted)  # finds the accepted tokens' nodes (adds none)
+        gen.extra["guess_rows"] += n * k
+        gen.extra["candidates"] += real
+        context = context + accepted + [bonus]
+        pending = bonus
+        if gen.finish_step(tree, path, bonus, draft_s):
+            return step_statistics(gen, pool, kv)
+
+def choices(logits, read, step: StepLayout, real: int, positions,
+            sampling: verify.Sampling) -> dict:
+    """Input row -> the model's token after it: its argmax, or for the verification rows, sampled,
+    the keyed sample at the position the row predicts. logits [len(read), V], one row per input row
+    in `read`."""
+    choice = dict(zip(read, logits.argmax(dim=-1).tolist()))
+    if not sampling.greedy:
+        check = [0] + [step.cand_row(c, t) for c in range(real) for t in range(step.k)]
+        at = [read.index(r) for r in check]
+        for r, tok in zip(check, sampling.choose(logits[at], [positions[r] + 1 for r in check])):
+            choice[r] = tok
+    return choice
 
 @torch.no_grad()
 def prefill(model, prompt_ids: Sequence[int], max_new_tokens: int, cfg: FafoConfig, compressor,
@@ -541,7 +656,8 @@ def make_backend(model, cache, layout: StepLayout, cfg: FafoConfig, compressor, 
         return DenseKV(model, cache, layout)
     if cfg.attn == "split":
         return SplitKV(model, cache, layout)
-    return FlexKV(model, cache, layout, compressor.budget, capacity + cfg.k + 1, cfg.block_size,
+    tail_slots = capacity + cfg.k + 1  # the last step may keep x and k accepted past the budget
+    return FlexKV(model, cache, layout, compressor.budget, tail_slots, cfg.block_size,
                   compiled=cfg.attn == "flex-compiled")
 
 def step_statistics(gen: Generation, pool, kv) -> Generation:
@@ -553,85 +669,9 @@ def step_statistics(gen: Generation, pool, kv) -> Generation:
     gen.extra.update(kv.statistics(steps))
     return gen
 
-
-@torch.no_grad()
-def generate(model, prompt_ids: Sequence[int], max_new_tokens: int, eos_ids: Sequence[int],
-             cfg: FafoConfig, *, pool: NgramPool | None = None, sampling: verify.Sampling = verify.GREEDY,
-             on_emit=None, on_step=None) -> Generation:
-    """FAFO decoding, greedy or sampled (verification rows sampled, guess rows greedy: they need only
-    be plausible). Pass a `pool` (an NgramPool, same k) to inspect it or carry it to the next prompt."""
-    cfg.check()
-    n = cfg.n_guess  # guess streams (Lookahead's W)
-    k = cfg.k  # tokens per stream, the n-gram length (Lookahead's N - 1)
-    m = cfg.m  # candidates verified per step (Lookahead's G)
-    gen = Generation(max_new_tokens, eos_ids, on_emit=on_emit, on_step=on_step)
-    compressor = make_compressor(cfg)
-    pool = NgramPool(k, cfg.pool_cap or n, cfg.lookback) if pool is None else pool
-    if pool.k != k:
-        raise UserError(f"the pool given was built for k = {pool.k}, not k = {k}")
-    streams = Streams.from_prompt(prompt_ids, n, k, cfg.seed)  # the n guess streams, Algorithm 2
-    if cfg.prompt_pool:
-        pool.seed(prompt_ids)
-    layout = StepLayout(n, k, m)  # the rows of a full step (Figure 4)
-    cache, last_logits, hidden = prefill(model, prompt_ids, max_new_tokens, cfg, compressor, layout)
-    pending = verify.first_token(last_logits, len(prompt_ids), sampling)
-    if gen.finish_prefill(pending):
-        return gen
-    context = list(prompt_ids) + [pending]  # x_1 .. x_|x|; the last one is not in the KV cache yet
-    kv = make_backend(model, cache, layout, cfg, compressor, len(prompt_ids) + max_new_tokens)
-    compressor.after_prefill(model, kv, hidden, len(prompt_ids))
-    gen.extra.update(compress=compressor.name, guess_rows=0, candidates=0)
-    while True:
-        started = time.perf_counter()
-        p = kv.length  # = len(context) - 1
-        # -- Find Out, retrieve (Algorithm 3): up to m pool candidates keyed by the text's tail
-        cands = pool.retrieve(context, m)
-        real = len(cands)
-        step = StepLayout(n, k, real)
-        if cfg.attn.startswith("flex"):  # static shapes: exactly m, padded with never-accepted dummies
-            cands = cands + [(pending,) * k] * (m - real)
-            step = layout
-        kv.select(compressor.select(p))  # C(kv_1..p): what the guess rows see
-        tokens, positions = step.inputs(pending, p, streams.windows, cands)
-        draft_s = time.perf_counter() - started
-        # -- one forward: x, the guess rows (Fumble Around), the candidates (Find Out)
-        read = step.read_rows()  # the rows whose predictions we use
-        logits, hidden = kv.forward(tokens, positions, compressor.needs_query, step, rows=read)
-        choice = choices(logits, read, step, real, positions, sampling)  # input row -> model's token
-        # -- Find Out, verify and accept (Algorithm 4), on the real candidates only
-        cand_choices = [[choice[step.cand_row(c, t)] for t in range(k)] for c in range(real)]
-        best, a, bonus = find_out(cands[:real], choice[0], cand_choices)
-        accepted = list(cands[best][:a]) if a else []
-        rows = [0] + [step.cand_row(best, t) for t in range(a)]  # the verification rows kept
-        # -- Fumble Around (Eq. 1): each stream's newest row guessed its next token; new n-grams -> pool
-        streams.advance([choice[step.fumble_row(i, k - 1)] for i in range(n)], pool)
-        kv.keep(rows, [p + j for j in range(len(rows))])  # -- keep x's and the accepted tokens' KV
-        compressor.after_step(model, kv, hidden, rows[-1], positions[rows[-1]])
-        tree = Tree.from_branches(pending, [list(c) for c in cands[:real]])  # for the book-keeping
-        path = [0] + tree.add_branch(accepted)  # finds the accepted tokens' nodes (adds none)
-        gen.extra["guess_rows"] += n * k
-        gen.extra["candidates"] += real
-        context = context + accepted + [bonus]
-        pending = bonus
-        if gen.finish_step(tree, path, bonus, draft_s):
-            return step_statistics(gen, pool, kv)
-
-def choices(logits, read, step: StepLayout, real: int, positions,
-            sampling: verify.Sampling) -> dict:
-    """Input row -> the model's token after it: its argmax, or for the verification rows, sampled,
-    the keyed sample at the position the row predicts. logits [len(read), V], one row per input row
-    in `read`."""
-    choice = dict(zip(read, logits.argmax(dim=-1).tolist()))
-    if not sampling.greedy:
-        check = [0] + [step.cand_row(c, t) for c in range(real) for t in range(step.k)]
-        at = [read.index(r) for r in check]
-        for r, tok in zip(check, sampling.choose(logits[at], [positions[r] + 1 for r in check])):
-            choice[r] = tok
-    return choice
-
 # ---- Beyond the paper --------------------------------------------------------------------------------------
 
-# ---- 8. Two more compressions: Quest (pages) and SnapKV (the prompt's votes) -------------------------------
+# ---- 8. The paper's other compressions, Quest (Table 2) and SnapKV (Table 8), here for their length ----
 
 def quest_page_scores(query: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor) -> torch.Tensor:
     """Quest's upper bound on q.k over a page (Tang et al. 2024): per channel d, max(q_d M_d, q_d
@@ -740,8 +780,7 @@ class SnapKV(Compressor):
             return
         votes = snapkv_votes(queries, kv.keys(0, P), scale)  # [P - w]
         pooled = torch.nn.functional.avg_pool1d(votes[None, None], self.kernel, stride=1,
-                                                # [P - w] (odd kernel)
-                                                padding=self.kernel // 2)[0, 0]
+                                                padding=self.kernel // 2)[0, 0]  # [P - w] (odd kernel)
         top = torch.topk(pooled, self.capacity - w).indices
         self.kept = sorted(top.tolist()) + list(range(P - w, P))
 
@@ -869,10 +908,10 @@ class FlexKV(DenseKV):
     """verify.CompactedKVCache + FlexAttention: C(kv) at the head, one static BlockMask skips the
     rest."""
 
-    def __init__(self, model, cache, layout: StepLayout, budget: int, max_len: int, block_size: int,
+    def __init__(self, model, cache, layout: StepLayout, budget: int, tail_slots: int, block_size: int,
                  compiled: bool):
         kv = verify.CompactedKVCache(model, head_slots=budget, input_rows=layout.rows,
-                                     tail_slots=max_len,
+                                     tail_slots=tail_slots,
                                      block_size=block_size)
         kv.load(cache)  # everything to the tail; the first select() swaps C(kv) in
         super().__init__(model, kv, layout)
@@ -912,7 +951,7 @@ def main(argv=None) -> int:
     add("--m", type=int, help="m: pool candidates verified per step (Algorithm 3)" + default("m"))
     add("--compress", choices=["stream", "quest", "snapkv", "none"],
         help="C: StreamingLLM, Quest pages, SnapKV's prompt selection + the recent positions, or "
-        "none = full KV (Lookahead) (default: stream)")
+        "none = full KV (Lookahead)" + default("compress"))
     add("--sink", type=int, help="StreamingLLM: attention-sink tokens kept" + default("sink"))
     add("--recent", type=int, help="StreamingLLM: most recent tokens kept" + default("recent"))
     add("--page-size", type=int, help="Quest: positions per page" + default("page_size"))
@@ -928,11 +967,14 @@ def main(argv=None) -> int:
         "compacted blocks (§4.4) with FlexAttention run eagerly (unfused: to check it, not for "
         "speed); flex-compiled = the same through torch.compile" + default("attn"))
     add("--pool-cap", type=int, help="pool: k-grams kept per key, LRU (Appendix F; default: n)")
+    add("--pool-refresh", choices=["insert", "use"], help="pool: what refreshes a k-gram in the LRU: "
+        "being filed again (Lookahead's code) or also being retrieved (Appendix F)"
+        + default("pool_refresh"))
     add("--lookback", type=int,
         help="pool: longest key, §4.3's lookback window (default: k; 1 = Lookahead)")
     add("--prompt-pool", action="store_const", const=True,
         help="seed the pool with the prompt's k-grams too")
-    add("--block-size", type=int, help="flex: KV block size, B_z in Algorithm 1 (default: 128)")
+    add("--block-size", type=int, help="flex: KV block size, B_z in Algorithm 1" + default("block_size"))
     return verify.run_cli(parser, "fafo", generate, FafoConfig, argv=argv)
 
 if __name__ == "__main__":

@@ -724,7 +724,7 @@ def flex_mode(model, compiled: bool = False):
     return attention_function(model, name, functools.partial(_flex_forward, compiled=compiled))
 
 class CompactedKVCache(Cache):
-    """A fixed KV buffer [head | input | tail] for all layers (one gather + scatter a swap);
+    """A fixed KV buffer [head | input | tail] for all layers (one gather + scatter per swap);
     its layers are CompactedLayer. On the host: slot_pos[s] = the logical position in slot s
     (-1: unused), slot_of[x] = the slot of position x; on the device only the two bounds the mask
     reads. The logical cache (the used slots sorted by position) never changes under reselect and

@@ -492,3 +492,18 @@ def test_warm_up_with_an_empty_pool_still_emits_one_token_per_step(tiny):
 def test_flex_refuses_an_unbounded_compressor(tiny):
     with pytest.raises(verify.UserError, match="fixed compression budget"):
         fafo.generate(tiny, [5, 6, 7], 3, [], cpu(compress="none", attn="flex"))
+
+
+def test_pool_refresh_use_makes_a_retrieval_count_as_a_use():
+    """Appendix F's LRU with refresh="use": a retrieved k-gram becomes the most recent under every key of
+    the text it is filed under, so a later insertion evicts one that was not retrieved (oracle: the
+    orders written out by hand)."""
+    A, B, C = (10, 11), (20, 21), (30, 31)
+    for refresh, kept in (("insert", [B, C]), ("use", [A, C])):
+        pool = fafo.NgramPool(k=2, cap=2, refresh=refresh)
+        pool.add((1,), A)
+        pool.add((1,), B)  # key (1,): A, then B (the most recent)
+        pool.add((0, 1), A)
+        assert pool.retrieve([0, 1], m=1) == [A]  # the longest key first
+        pool.add((1,), C)  # evicts key (1,)'s least recently used
+        assert list(pool.table[(1,)]) == kept, refresh
