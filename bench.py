@@ -178,8 +178,12 @@ def make_runner(spec: str, model, tok, args, sampled: bool = False):
     if name == "hf-assisted":
         card = _import("card", name)
         draft = card.load_draft(model, tok, card.CardConfig.for_device(model.device), args.model)
-        return lambda ids, n, eos, s, first: (verify.hf_generate(model, ids, n, eos, streamer=first,
-                                                                 assistant_model=draft), None)
+
+        def run_assisted(ids, n, eos, s, first):
+            return verify.hf_generate(model, ids, n, eos, streamer=first, assistant_model=draft), None
+
+        run_assisted.assistant = draft  # held_bytes counts its weights and its cache
+        return run_assisted
     if name in PROJECT_METHODS:
         module_name, fixed = PROJECT_METHODS[name]
         module = _import(module_name, name)
@@ -209,6 +213,39 @@ def make_runner(spec: str, model, tok, args, sampled: bool = False):
 
 def _gen(gen):
     return gen.tokens, gen
+
+
+def held_bytes(method: str, run, gen, model, length: int) -> int | None:
+    """What a run held beyond the target's weights, in bytes: our methods count it themselves
+    (gen.extra["held_bytes"], verify.tensor_bytes); for HF's, its KV cache of `length` positions from
+    the config, plus hf-assisted's assistant (its weights and its cache)."""
+    if gen is not None:
+        return gen.extra.get("held_bytes")
+    held = verify.kv_cache_bytes(model.config, length, model.dtype)
+    assistant = getattr(run, "assistant", None)
+    if assistant is not None:
+        held += verify.tensor_bytes(assistant) + verify.kv_cache_bytes(assistant.config, length, assistant.dtype)
+    return held
+
+
+def memory_table(rows, methods) -> str:
+    """The memory each method held beyond the target's weights: the mean and the largest over its rows
+    (MB); on CUDA also torch's peak allocation during the run, beyond what was allocated before it."""
+    cuda = any("peak_cuda_bytes" in r for r in rows)
+    lines = ["", "Memory held beyond the target's weights (MB; bench.py held_bytes: counted from the run's tensors, "
+             "tables as token ids" + ("; peak CUDA: torch.cuda.max_memory_allocated over the run" if cuda else "")
+             + "):", "", "| method | mean | largest |" + (" peak CUDA, mean |" if cuda else ""),
+             "|---|---|---|" + ("---|" if cuda else "")]
+    for m in methods:
+        held = [r["held_bytes"] for r in rows if r["method"] == m and r.get("held_bytes") is not None]
+        if not held:
+            continue
+        line = f"| {m} | {sum(held) / len(held) / 1e6:.1f} | {max(held) / 1e6:.1f} |"
+        if cuda:
+            peaks = [r["peak_cuda_bytes"] for r in rows if r["method"] == m and "peak_cuda_bytes" in r]
+            line += f" {sum(peaks) / max(len(peaks), 1) / 1e6:.1f} |"
+        lines.append(line)
+    return "\n".join(lines)
 
 
 # ---- CARD's cost model: the speedup that the measured step times, acceptance and hit rate predict ----------
@@ -771,6 +808,10 @@ def run(args) -> int:
             bar.set_postfix_str(f"{q['category']}#{q['question_id']} {m}" + (f" pass {rep + 1}" if args.repeats > 1 else ""))
             forwards[0] = 0
             verify.sync(model)
+            on_cuda = model.device.type == "cuda"
+            if on_cuda:  # the peak over this run alone, beyond what was allocated before it
+                torch.cuda.reset_peak_memory_stats(model.device)
+                allocated_before = torch.cuda.memory_allocated(model.device)
             first = FirstToken()
             t0 = time.perf_counter()
             tokens, gen = runners[m](ids, args.max_new_tokens, eos, s, first)
@@ -786,7 +827,10 @@ def run(args) -> int:
                 "wall_s": wall, "identical": tokens == reference, "ttft_s": ttft,
                 # tokens after the first over the time after it: the decoding rate, prefill left out
                 "decode_tokens_per_s": (len(tokens) - 1) / (wall - ttft) if len(tokens) > 1 and wall > ttft else None,
+                "held_bytes": held_bytes(m, runners[m], gen, model, len(ids) + len(tokens)),
             }
+            if on_cuda:
+                row["peak_cuda_bytes"] = torch.cuda.max_memory_allocated(model.device) - allocated_before
             if gen is not None:  # our own methods also report their drafting time and their own stats
                 row["draft_ms_per_step"] = 1000 * gen.draft_s / max(gen.steps, 1)
                 row.update(accepted=sum(gen.accepted), drafted=sum(gen.drafted), draft_s=gen.draft_s,
@@ -802,7 +846,7 @@ def run(args) -> int:
         r["speedup"] = r["tokens_per_s"] / base[r["repeat"], r["question_id"]]
 
     summary = summarize(rows, methods, baseline)
-    table = markdown(summary, methods, baseline)
+    table = markdown(summary, methods, baseline) + "\n" + memory_table(rows, methods)
     header = run_header(args, model, len(prompts), sampling)
     print(header + "\n\n" + table)
 

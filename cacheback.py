@@ -138,6 +138,11 @@ class CacheTable:
     def __len__(self) -> int:
         return len(self.leaders)
 
+    def held_bytes(self) -> int:
+        """Its token ids: each leader's LL, each follower's FL (verify.TOKEN_BYTES each)."""
+        ids = sum(self.ll + self.fl * len(followers) for followers in self.leaders.values())
+        return verify.TOKEN_BYTES * ids
+
     def insert(self, leader: tuple, follower: tuple) -> None:
         if self.frozen:
             raise RuntimeError("the frozen table is read-only during decoding (§3.3)")
@@ -407,6 +412,8 @@ def generate(model, prompt_ids: Sequence[int], max_new_tokens: int, eos_ids: Seq
         if cfg.dynamic_table:  # False: Table 1's "only frozen" row
             update_table(dynamic, text, first_new)
         if done:
+            gen.extra["held_bytes"] = verify.tensor_bytes(cache) + dynamic.held_bytes() + (
+                frozen_table.held_bytes() if frozen_table is not None else 0)
             return gen
         pending = bonus
 

@@ -277,6 +277,7 @@ class Drafter:
         self.hits = 0  # corrections whose bonus token was in the cache
         self.misses = 0  # corrections that restarted the cache
         self.hit_tokens = 0  # the tokens of the steps that hit (accepted + bonus)
+        self.model_bytes = None  # the draft model's weights, counted at the first statistics()
 
     def start(self, text: Sequence[int], capacity: int = 256, max_lead: int = 14,
               wait: int | None = None) -> None:
@@ -362,9 +363,13 @@ class Drafter:
         return hit
 
     def statistics(self) -> dict:
-        """The counts generate() reports: draft forwards, hits and misses, the tokens of hit steps."""
+        """The counts generate() reports: draft forwards, hits and misses, the tokens of hit steps,
+        and the bytes the draft side holds (its model's weights and its KV cache)."""
+        if self.model_bytes is None:
+            self.model_bytes = verify.tensor_bytes(self.model)  # once: the weights do not change
         return dict(draft_layers=self.layers_fed, hits=self.hits, misses=self.misses,
-                    hit_tokens=self.hit_tokens)
+                    hit_tokens=self.hit_tokens,
+                    draft_held_bytes=self.model_bytes + verify.tensor_bytes(self.cache))
 
     def _correct_or_follow(self, accepted: Sequence[int], bonus: int) -> bool:
         self.text += list(accepted) + [int(bonus)]
@@ -524,6 +529,7 @@ def generate(model, prompt_ids: Sequence[int], max_new_tokens: int, eos_ids: Seq
             drafter.correct(accepted, bonus)
             pending = bonus
         gen.extra.update(drafter.statistics())
+    gen.extra["held_bytes"] = verify.tensor_bytes(cache) + gen.extra["draft_held_bytes"]
     steps = max(gen.steps, 1)
     corrections = max(gen.extra["hits"] + gen.extra["misses"], 1)
     gen.extra.update(hit_rate=gen.extra["hits"] / corrections,
@@ -697,7 +703,7 @@ class DraftProcess:
     def start(self, text: Sequence[int], capacity: int, max_lead: int, wait: int) -> None:
         self.run += 1
         self.wait = wait
-        self.counts = dict(draft_layers=0, hits=0, misses=0, hit_tokens=0)  # until an answer
+        self.counts = dict(draft_layers=0, hits=0, misses=0, hit_tokens=0, draft_held_bytes=0)
         self._send(("start", self.run, list(text), capacity, max_lead))
 
     def draft(self, r: int) -> None:

@@ -198,6 +198,11 @@ class NgramPool:
     def __len__(self) -> int:
         return sum(len(v) for v in self.table.values())
 
+    def held_bytes(self) -> int:
+        """Its token ids, keys and k-grams (verify.TOKEN_BYTES each)."""
+        ids = sum(len(key) + self.k * len(bucket) for key, bucket in self.table.items())
+        return verify.TOKEN_BYTES * ids
+
     def add(self, key: Sequence[int], value: Sequence[int]) -> None:
         bucket = self.table.setdefault(tuple(key), OrderedDict())
         value = tuple(value)
@@ -664,6 +669,7 @@ def step_statistics(gen: Generation, pool, kv) -> Generation:
     """gen.extra's counts as per-step rates, with the pool's size and the back-end's own."""
     steps = gen.steps
     gen.extra["pool_ngrams"] = len(pool)
+    gen.extra["held_bytes"] = verify.tensor_bytes(kv.cache) + pool.held_bytes()
     gen.extra["guess_rows_per_step"] = gen.extra.pop("guess_rows") / steps
     gen.extra["candidates_per_step"] = gen.extra.pop("candidates") / steps
     gen.extra.update(kv.statistics(steps))

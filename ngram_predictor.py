@@ -146,6 +146,12 @@ class NGramPredictor:
         # recent one), and update() and draft() read only the history's last MAX_ORDER - 1 = 3
         # tokens. So the window bounds the deque alone: any MAX_HISTORY >= 3 gives the same drafts.
 
+    def held_bytes(self) -> int:
+        """The tables as the chapter's C++ stores them: an 8-byte hash per context, a token id and a
+        count per continuation; and the history's token ids."""
+        pairs = sum(8 + 2 * verify.TOKEN_BYTES * len(counts) for t in self.tables for counts in t.values())
+        return pairs + verify.TOKEN_BYTES * len(self.history)
+
     def update(self, token: int) -> None:
         """Count `token` after its 1-, 2- and 3-token contexts, then append it to the history."""
         token = int(token)
@@ -295,6 +301,7 @@ def generate(model, prompt_ids: Sequence[int], max_new_tokens: int, eos_ids: Seq
         if done:
             gen.extra["draft_cost"] = gate.cost_of(cfg.draft_count)  # t(1+D)/t(1): a full draft
             gen.extra["gated_drafts"] = gate.skipped
+            gen.extra["held_bytes"] = verify.tensor_bytes(cache) + predictor.held_bytes()
             return gen
         known = bonus
 

@@ -28,7 +28,8 @@ The public names, section by section, in the order a reader needs them:
                                         check_supported, check_filled, last_logits_only,
                                         PreallocatedLayer, PreallocatedKVCache, new_cache, cache_len
      8  bookkeeping and the baselines   Generation, vanilla_generate, hf_generate
-     9  what a forward costs here       sync, measure_step_times, measure_cost_curve
+     9  what a forward costs here       sync, measure_step_times, measure_cost_curve; and what a
+                                        run holds: tensor_bytes, kv_cache_bytes
     FAFO's flex and split back-ends only
     10  compacted blocks, FlexAttention flex_mode, CompactedKVCache, CompactedLayer, attention_function
     running a method file as a script
@@ -644,6 +645,7 @@ def vanilla_generate(model, prompt_ids: Sequence[int], max_new_tokens: int, eos_
         tree, prefix_len = Tree.root_only(pending), cache_len(cache)
         path, pending = accept(tree, tree_forward(model, cache, tree), prefix_len, sampling)
         done = gen.finish_step(tree, path, pending)
+    gen.extra["held_bytes"] = tensor_bytes(cache)  # its KV cache
     return gen
 
 @torch.no_grad()
@@ -661,7 +663,7 @@ def hf_generate(model, prompt_ids: Sequence[int], max_new_tokens: int, eos_ids: 
                          **gen_kwargs)
     return out[0, ids.shape[1] :].tolist()
 
-# ---- 9. What a forward costs on this device (the cost gate, the pruning and CARD's cost model read it) --
+# ---- 9. What a forward costs here (the cost gate, the pruning, CARD's r read it), and what a run holds --
 
 def sync(model) -> None:
     if model.device.type == "cuda":
@@ -696,6 +698,81 @@ def measure_cost_curve(model, sizes: Sequence[int], context: int = 256,
     for n in sorted(times):
         curve[n] = top = max(top, times[n] / times[1])
     return curve
+
+# What a run holds: the memory a method needs beyond the target's weights. FAFO's Table 1 and §3.1
+# rest on memory (one KV cache for FAFO, two or more for methods with a draft model). On a GPU
+# bench.py reads torch.cuda.max_memory_allocated; on a CPU each generate() counts what it holds in
+# gen.extra["held_bytes"]: its tensors (KV caches, a draft model), each storage once, and its Python
+# tables and pools as a C++ engine would store them, TOKEN_BYTES per token id.
+
+TOKEN_BYTES = 4  # a token id as uint32
+
+def tensor_bytes(*objects) -> int:
+    """Bytes of the tensors the objects hold, each storage counted once (a view or a tied weight
+    once): tensors; modules (parameters, buffers, and the int8 weights of torch's dynamic-quantized
+    Linear layers); transformers caches (each layer's buffers, their whole allocated capacity);
+    lists, tuples and dicts of these.
+
+    >>> x = torch.zeros(2, 3)
+    >>> tensor_bytes(x, x[0], [torch.zeros(4, dtype=torch.int8)])   # 24 + 0 (a view) + 4
+    28
+    """
+    seen: set = set()
+    return sum(_tensor_bytes(obj, seen) for obj in objects)
+
+def _tensor_bytes(obj, seen: set) -> int:
+    if isinstance(obj, torch.Tensor):
+        if obj.is_meta:
+            return 0
+        storage = obj.untyped_storage()
+        key = (storage.data_ptr(), obj.device)
+        if key in seen:
+            return 0
+        seen.add(key)
+        return storage.nbytes()
+    if isinstance(obj, torch.nn.Module):
+        total = 0
+        for module in obj.modules():
+            tensors = [*module.parameters(recurse=False), *module.buffers(recurse=False)]
+            total += sum(_tensor_bytes(t, seen) for t in tensors)
+            if isinstance(getattr(module, "_packed_params", None), torch.nn.Module):
+                total += _packed_bytes(module)  # a dynamic-quantized Linear
+        return total
+    if isinstance(obj, Cache):
+        buffers = []
+        for layer in obj.layers:
+            for name in ("k_buf", "v_buf", "keys", "values"):
+                buffers.append(getattr(layer, name, None))
+        for name in ("key_buffer", "value_buffer"):  # CompactedKVCache: its layers are views
+            buffers.append(getattr(obj, name, None))
+        return sum(_tensor_bytes(t, seen) for t in buffers if isinstance(t, torch.Tensor))
+    if isinstance(obj, dict):
+        return sum(_tensor_bytes(v, seen) for v in obj.values())
+    if isinstance(obj, (list, tuple)):
+        return sum(_tensor_bytes(v, seen) for v in obj)
+    return 0
+
+def _packed_bytes(module) -> int:
+    """A dynamic-quantized Linear's packed weights, unpacked to count: the int8 weight, its scales
+    and zero points, the bias. subtle: unpacking makes new tensors, freed right after, so their
+    addresses repeat and cannot tell storages apart: these are counted by size, never deduplicated."""
+    weight, bias = module._weight_bias()
+    total = weight.numel() * weight.element_size()
+    if weight.qscheme() in (torch.per_channel_affine, torch.per_channel_symmetric):
+        total += weight.q_per_channel_scales().nbytes + weight.q_per_channel_zero_points().nbytes
+    else:
+        total += 16  # one float64 scale, one int64 zero point
+    if bias is not None:
+        total += bias.nbytes
+    return total
+
+def kv_cache_bytes(config, length: int, dtype: torch.dtype) -> int:
+    """What a model's KV cache of `length` positions takes, from its config (HF's own caches, whose
+    tensors bench.py does not see): keys and values, every layer, every KV head."""
+    heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    element = torch.empty((), dtype=dtype).element_size()
+    return 2 * config.num_hidden_layers * heads * head_dim * length * element
 
 # ---- 10. FAFO's FlexAttention compacted-block path (FAFO §4.4, Algorithm 1, Appendix H) ---------------
 #
