@@ -79,12 +79,13 @@ PROJECT_METHODS = {
     # "lookahead" runs at FAFO's n, k, m (equal settings); "lookahead-own" at its code's recommendation for a
     # 7B model (LEVEL N = 5, WINDOW_SIZE W = 7, GUESS_SET_SIZE G = 7: n = W streams, k = N - 1, m = G), with
     # its pool seeded from the prompt in "-promptpool"; "lookahead-mtbench" at its MT-Bench script's 5/15/15.
-    "lookahead": ("fafo", {"compress": "none", "lookback": 1}),
-    "lookahead-own": ("fafo", {"compress": "none", "lookback": 1, "n_guess": 7, "k": 4, "m": 7, "pool_cap": 7}),
+    "lookahead": ("fafo", {"compress": "none", "lookback": 1, "pool_refresh": "insert"}),
+    "lookahead-own": ("fafo", {"compress": "none", "lookback": 1, "n_guess": 7, "k": 4, "m": 7, "pool_cap": 7,
+                               "pool_refresh": "insert"}),
     "lookahead-own-promptpool": ("fafo", {"compress": "none", "lookback": 1, "n_guess": 7, "k": 4, "m": 7,
-                                          "pool_cap": 7, "prompt_pool": True}),
+                                          "pool_cap": 7, "pool_refresh": "insert", "prompt_pool": True}),
     "lookahead-mtbench": ("fafo", {"compress": "none", "lookback": 1, "n_guess": 15, "k": 4, "m": 15,
-                                   "pool_cap": 15}),
+                                   "pool_cap": 15, "pool_refresh": "insert"}),
     "fafo-fullkv": ("fafo", {"compress": "none"}),  # FAFO minus C: full-KV guesses, FAFO's lookback keys
 }
 CONFIG_CLASSES = {"ngram_predictor": "NgramConfig", "cacheback": "CachebackConfig", "card": "CardConfig",

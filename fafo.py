@@ -98,9 +98,10 @@ class FafoConfig:
     # "dense" mask (the spec), "split" (two SDPA calls), "flex"/"flex-compiled" (§4.4)
     attn: str = "dense"
     pool_cap: int | None = None  # k-grams kept per pool key, LRU (Appendix F; None: n)
-    # what refreshes a k-gram in that LRU: "insert" (filed again, as Lookahead's code) or "use"
-    # (also retrieved: Appendix F's "least-recently-used"); chosen by measurement (TUTORIAL §5.5)
-    pool_refresh: str = "insert"
+    # what refreshes a k-gram in that LRU: "use", also being retrieved (Appendix F's
+    # "least-recently-used"), or "insert", only being filed again (Lookahead's code); the two
+    # measured alike on the CPU's tuning half (RESULTS.md), so the paper's rule is the default
+    pool_refresh: str = "use"
     # longest pool key, the "lookback window" of §4.3 (None: k; Lookahead: 1)
     lookback: int | None = None
     prompt_pool: bool = False  # also seed the pool with the prompt's k-grams (not in the paper)
