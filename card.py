@@ -442,8 +442,8 @@ class Drafter:
         if new.nodes[x].slot is not None:
             if new.frontier():
                 for i in new.layers.pop():
-                    p = new.nodes[i].parent
-                    del new.nodes[p].children[new.nodes[i].token]
+                    parent = new.nodes[i].parent
+                    del new.nodes[parent].children[new.nodes[i].token]
                     del new.nodes[i]
             new.grow()
 

@@ -581,7 +581,7 @@ def generate(model, prompt_ids: Sequence[int], max_new_tokens: int, eos_ids: Seq
     gen.extra.update(compress=compressor.name, guess_rows=0, candidates=0)
     while True:
         started = time.perf_counter()
-        p = kv.length  # = len(context) - 1
+        p = kv.length  # the cached positions, kv_1 .. kv_p (p = |x| - 1; p is never a probability here)
         # -- Find Out, retrieve (Algorithm 3): up to m pool candidates keyed by the text's tail
         cands = pool.retrieve(context, m)
         real = len(cands)

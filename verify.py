@@ -190,10 +190,10 @@ def ancestor_matrix(parents: Sequence[int]) -> np.ndarray:
     """
     n = len(parents)
     visible = np.zeros((n, n), dtype=bool)
-    for i, p in enumerate(parents):
-        if p >= 0:
-            assert p < i, "tree nodes must be topologically ordered (parent before child)"
-            visible[i] = visible[p]  # inherit the parent's ancestors (a row copy)
+    for i, parent in enumerate(parents):
+        if parent >= 0:
+            assert parent < i, "tree nodes must be topologically ordered (parent before child)"
+            visible[i] = visible[parent]  # inherit the parent's ancestors (a row copy)
         visible[i, i] = True
     return visible
 
@@ -407,7 +407,8 @@ class Sampling:
         if self.greedy:
             return logits.argmax(dim=-1).tolist()
         z = self.filtered(logits).cpu()
-        return (z + torch.stack([self.noise(int(p), z.shape[-1]) for p in positions])).argmax(dim=-1).tolist()
+        noise = torch.stack([self.noise(int(position), z.shape[-1]) for position in positions])  # [N, V]
+        return (z + noise).argmax(dim=-1).tolist()
 
 GREEDY = Sampling()
 
