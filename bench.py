@@ -216,7 +216,7 @@ def _gen(gen):
     return gen.tokens, gen
 
 
-def held_bytes(method: str, run, gen, model, length: int) -> int | None:
+def held_bytes(run, gen, model, length: int) -> int | None:
     """What a run held beyond the target's weights, in bytes: our methods count it themselves
     (gen.extra["held_bytes"], verify.tensor_bytes); for HF's, its KV cache of `length` positions from
     the config, plus hf-assisted's assistant (its weights and its cache)."""
@@ -828,7 +828,7 @@ def run(args) -> int:
                 "wall_s": wall, "identical": tokens == reference, "ttft_s": ttft,
                 # tokens after the first over the time after it: the decoding rate, prefill left out
                 "decode_tokens_per_s": (len(tokens) - 1) / (wall - ttft) if len(tokens) > 1 and wall > ttft else None,
-                "held_bytes": held_bytes(m, runners[m], gen, model, len(ids) + len(tokens)),
+                "held_bytes": held_bytes(runners[m], gen, model, len(ids) + len(tokens)),
             }
             if on_cuda:
                 row["peak_cuda_bytes"] = torch.cuda.max_memory_allocated(model.device) - allocated_before

@@ -234,7 +234,9 @@ class NgramPool:
         keys = [tuple(context[-length:]) for length in range(min(self.lookback, len(context)), 0, -1)]
         for key in keys:  # the longest suffix first
             for value in reversed(self.table.get(key, ())):
-                if value not in out and len(out) < m:
+                if len(out) == m:
+                    break
+                if value not in out:
                     out.append(value)
         if self.refresh == "use":
             self.touch(keys, out)
