@@ -405,7 +405,9 @@ def generate(model, prompt_ids: Sequence[int], max_new_tokens: int, eos_ids: Seq
         verify.compact_kv(cache, prefix_len, path)
         pruner.update(tree, path)
         n_before = len(gen.tokens)
-        done = gen.finish_step(tree, path, bonus, draft_s)
+        # an on_step hook sees the tree (its origins: dynamic or frozen) and these
+        done = gen.finish_step(tree, path, bonus, draft_s, kv_before=prefix_len + len(tree),
+                               kv_after=prefix_len + len(path), grown=grown)
         # -- UPDATE the dynamic table with the windows ending at the newly emitted tokens (§3.2)
         first_new = len(text)
         text += gen.tokens[n_before:]
@@ -629,7 +631,9 @@ def prepare(model, tok, cfg: CachebackConfig, name: str = verify.DEFAULT_MODEL):
         extra["cost"] = measure_cost(model, cfg.tdl)
     return cfg, extra
 
-def main(argv=None) -> int:
+def make_parser():
+    """The options: the common ones (verify.common_parser), then the paper's parameters
+    (tools/replay.py takes them too)."""
     parser = verify.common_parser(__doc__.split("\n\n")[0].strip() + "\n\nFrozen tables of other corpora, "
                                   "models or LL/FL/LC/FC: python tools/build_frozen.py --help")
     default = functools.partial(verify.defaults_help, CachebackConfig)  # ' (default: ...)' for a help line
@@ -648,7 +652,10 @@ def main(argv=None) -> int:
                    "tools/build_frozen.py" + default("frozen"))
     g.add_argument("--prune", choices=["cost", "none"],
                    help="ours: cost = verify only what is worth its measured cost" + default("prune"))
-    return verify.run_cli(parser, "cacheback", generate, CachebackConfig, prepare, argv=argv)
+    return parser
+
+def main(argv=None) -> int:
+    return verify.run_cli(make_parser(), "cacheback", generate, CachebackConfig, prepare, argv=argv)
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -230,6 +230,29 @@ class CandidateCache:
         best = max(ends, key=lambda i: self.nodes[i].sigma)
         return self.path_to(best)[base:]
 
+    def as_ids(self, top: int | None = None) -> list[list[tuple[int, int, float, bool]]]:
+        """The tree below node `top` (None: the root), layer by layer, as plain values that a pipe
+        carries (tools/replay.py draws them): per node (token, its parent's index in the layer
+        above, sigma relative to top's, fed?).
+
+            root "The", layer 1 " cat" (.6, fed), " dog" (.3, fed), layer 2 " sat" under " cat" (.3)
+            -> [[(The, -1, 1, True)], [(cat, 0, .6, True), (dog, 0, .3, True)], [(sat, 0, .3, False)]]
+        """
+        top = self.root if top is None else top
+        s0 = self.nodes[top].sigma
+        layers = []
+        level = [top]
+        index_above = {}  # node id -> its index in the layer above
+        while level:
+            layer = []
+            for i in level:
+                n = self.nodes[i]
+                layer.append((n.token, index_above.get(n.parent, -1), n.sigma / s0, n.slot is not None))
+            layers.append(layer)
+            index_above = {i: j for j, i in enumerate(level)}
+            level = [c for i in level for c in self.nodes[i].children.values()]
+        return layers
+
 # ---- 2. The drafter: draft forwards (§2.2, §2.3) and correction (§2.4) -------------------------------------
 #
 # The draft's KV cache holds  [ verified text[:dp] | fed tree nodes, layer by layer ].
@@ -280,11 +303,13 @@ class Drafter:
         self.model_bytes = None  # the draft model's weights, counted at the first statistics()
 
     def start(self, text: Sequence[int], capacity: int = 256, max_lead: int = 14,
-              wait: int | None = None) -> None:
+              wait: int | None = None, show: bool = False) -> None:
         """text = the verified tokens, its last one the (unfed) root; capacity: the draft cache's
         size; max_lead: the most layers the cache may lead the verified text by (the reference's 2r;
         14 = 2 x §3.1's r = 7). `wait` is unused here: it keeps start() the same call as
-        DraftProcess.start, which sends it with each query."""
+        DraftProcess.start, which sends it with each query. show: step_facts() answers (a step hook
+        is listening)."""
+        self.show = show
         self.text = list(text)
         self.cache = verify.new_cache(self.model, capacity)
         self.max_lead = max_lead
@@ -344,6 +369,14 @@ class Drafter:
     def query(self, r: int) -> list[int]:
         """The tokens of the best path of up to r tokens below the verified text (§2, Figure 2)."""
         return [self.tree.nodes[i].token for i in self.tree.query(r, self.qroot)]
+
+    def step_facts(self) -> dict:
+        """What an on_step hook is shown of the draft side (start(show=True); else {}): the cache
+        as the last query saw it, below the verified text (as_ids), and how many corrections so
+        far hit or missed."""
+        if not self.show:
+            return {}
+        return dict(layers=self.tree.as_ids(self.qroot), hits=self.hits, misses=self.misses)
 
     def correct(self, accepted: Sequence[int], bonus: int) -> bool:
         """CORRECT (§2.4) after the target accepted `accepted` (tokens of the queried path) and
@@ -505,7 +538,7 @@ def generate(model, prompt_ids: Sequence[int], max_new_tokens: int, eos_ids: Seq
     # then the layer being fed), and one layer of slack
     capacity = len(prompt_ids) + max_new_tokens + (max_lead + 2) * cfg.K
     with draft_side(draft, cfg) as drafter:
-        drafter.start(list(prompt_ids) + [pending], capacity, max_lead, wait)
+        drafter.start(list(prompt_ids) + [pending], capacity, max_lead, wait, show=on_step is not None)
         while True:
             started = time.perf_counter()
             # -- DRAFT: r layers of the candidate cache (parallel: the process drafts on its own)
@@ -522,7 +555,9 @@ def generate(model, prompt_ids: Sequence[int], max_new_tokens: int, eos_ids: Seq
             path, bonus = verify.accept(tree, logits, prefix_len, sampling)
             verify.rollback(cache, prefix_len + len(path))
             gen.extra["verified"] += len(tree)
-            if gen.finish_step(tree, path, bonus, draft_s):
+            # an on_step hook is shown the KV lengths and, started with show, the candidate cache
+            if gen.finish_step(tree, path, bonus, draft_s, kv_before=prefix_len + len(tree),
+                               kv_after=prefix_len + len(path), **drafter.step_facts()):
                 break
             # -- CORRECT the cache: keep the subtree below the accepted text, or restart on a miss
             accepted = [tree.tokens[i] for i in path[1:]]
@@ -544,13 +579,14 @@ def generate(model, prompt_ids: Sequence[int], max_new_tokens: int, eos_ids: Seq
 # process take turns on the GIL (RESULTS.md). The published code also runs two processes. They share
 # only a pipe, and the messages are token ids (a few hundred bytes), never tensors:
 #
-#   target -> draft   ("start", run, text, capacity, max_lead)   a new prompt: a new Drafter
+#   target -> draft   ("start", run, text, capacity, max_lead, show)   a new prompt: a new Drafter
 #                     ("correct", run, accepted, bonus)           CORRECT the cache (§2.4)
 #                     ("query", run, r, wait)    answer once the cache leads by wait (or max_lead)
 #                     ("done",)                  generate() returned: stop drafting, keep the model
 #                     ("stop",)                  exit
 #   draft -> target   ("ready",)                 once, after start-up
-#                     ("chain", run, tokens, statistics)      the queried chain, Drafter.statistics()
+#                     ("chain", run, tokens, statistics, facts)   the queried chain, Drafter.statistics()
+#                                                and .step_facts(): the cache as token ids if show, else {}
 #                     ("error", "ValueError: ...")            the draft failed; it then exits
 # `run` numbers the generate() calls, so an answer that an earlier, interrupted call left behind is
 # dropped. Between two messages the process drafts: one layer, then it looks at the pipe again.
@@ -580,7 +616,8 @@ def _draft_process(conn, K: int, k: int, correct: bool, threads: int | None) -> 
         while True:
             # QUERY, once far enough
             if asked is not None and drafter.lead() >= min(asked[1], max_lead):
-                conn.send(("chain", run, drafter.query(asked[0]), drafter.statistics()))
+                conn.send(("chain", run, drafter.query(asked[0]), drafter.statistics(),
+                           drafter.step_facts()))
                 asked = None
             if drafter is not None and drafter.lead() < max_lead and not conn.poll():
                 drafter.step()  # nothing asked of us right now: draft one more layer
@@ -593,9 +630,9 @@ def _draft_process(conn, K: int, k: int, correct: bool, threads: int | None) -> 
             if msg[0] == "done":
                 drafter, asked = None, None
             elif msg[0] == "start":
-                _, run, text, capacity, max_lead = msg
+                _, run, text, capacity, max_lead, show = msg
                 drafter, asked = Drafter(draft, K, k, correct), None
-                drafter.start(text, capacity, max_lead)
+                drafter.start(text, capacity, max_lead, show=show)
             elif msg[0] == "correct":
                 _, run, accepted, bonus = msg
                 drafter.correct(accepted, bonus)  # CORRECT (§2.4)
@@ -700,18 +737,20 @@ class DraftProcess:
 
     # generate()'s four calls, as the Drafter takes them (section 3)
 
-    def start(self, text: Sequence[int], capacity: int, max_lead: int, wait: int) -> None:
+    def start(self, text: Sequence[int], capacity: int, max_lead: int, wait: int,
+              show: bool = False) -> None:
         self.run += 1
         self.wait = wait
         self.counts = dict(draft_layers=0, hits=0, misses=0, hit_tokens=0, draft_held_bytes=0)
-        self._send(("start", self.run, list(text), capacity, max_lead))
+        self.facts = {}  # the last answer's Drafter.step_facts() ({} unless show)
+        self._send(("start", self.run, list(text), capacity, max_lead, show))
 
     def draft(self, r: int) -> None:
         pass  # the process drafts all the time, while it leads by fewer than max_lead layers
 
     def query(self, r: int) -> list[int]:
         self._send(("query", self.run, r, self.wait))
-        _, _, chain, self.counts = self._receive("chain")
+        _, _, chain, self.counts, self.facts = self._receive("chain")
         return chain
 
     def correct(self, accepted: Sequence[int], bonus: int) -> None:
@@ -720,6 +759,9 @@ class DraftProcess:
 
     def statistics(self) -> dict:
         return self.counts
+
+    def step_facts(self) -> dict:
+        return self.facts
 
     def done(self) -> None:  # generate() is over: stop drafting, leave the cores to the caller
         if self.process.is_alive():
@@ -825,7 +867,9 @@ def prepare(model, tok, cfg: CardConfig, name: str = verify.DEFAULT_MODEL) -> tu
 
 # ---- 6. CLI ------------------------------------------------------------------------------------------------
 
-def main(argv=None) -> int:
+def make_parser():
+    """The options: the common ones (verify.common_parser), then the paper's parameters
+    (tools/replay.py takes them too)."""
     import argparse
 
     parser = verify.common_parser(__doc__.split("\n\n")[0].strip())
@@ -853,7 +897,10 @@ def main(argv=None) -> int:
         "take what it holds (default: r on CUDA, 3 on CPU)")
     add("--no-correct", dest="correct", action="store_const", const=False,
         help="Table 2's 'cache only' ablation: query without correcting")
-    return verify.run_cli(parser, "card", generate, CardConfig, prepare, argv=argv)
+    return parser
+
+def main(argv=None) -> int:
+    return verify.run_cli(make_parser(), "card", generate, CardConfig, prepare, argv=argv)
 
 if __name__ == "__main__":
     sys.exit(main())

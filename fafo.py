@@ -195,6 +195,7 @@ class NgramPool:
         # being retrieved (Appendix F's "least-recently-used")
         self.refresh = refresh
         self.table: dict[tuple, OrderedDict] = {}
+        self.found_under: list[tuple] = []  # the key of each k-gram the last retrieve() returned
 
     def __len__(self) -> int:
         return sum(len(v) for v in self.table.values())
@@ -231,6 +232,7 @@ class NgramPool:
         """Algorithm 3: up to m distinct k-grams, longest matching suffix of the text first, the
         most recently filed first within one key."""
         out: list[tuple] = []
+        self.found_under = []
         keys = [tuple(context[-length:]) for length in range(min(self.lookback, len(context)), 0, -1)]
         for key in keys:  # the longest suffix first
             for value in reversed(self.table.get(key, ())):
@@ -238,6 +240,7 @@ class NgramPool:
                     break
                 if value not in out:
                     out.append(value)
+                    self.found_under.append(key)
         if self.refresh == "use":
             self.touch(keys, out)
         return out
@@ -591,7 +594,8 @@ def generate(model, prompt_ids: Sequence[int], max_new_tokens: int, eos_ids: Seq
         if cfg.attn.startswith("flex"):  # static shapes: exactly m, padded with never-accepted dummies
             cands = cands + [(pending,) * k] * (m - real)
             step = layout
-        kv.select(compressor.select(p))  # -- compress (§4.1): C(kv_1..p), what guess rows see
+        selected = compressor.select(p)  # -- compress (§4.1): C(kv_1..p), what guess rows see
+        kv.select(selected)
         tokens, positions = step.inputs(pending, p, streams.windows, cands)
         draft_s = time.perf_counter() - started
         # -- one forward: x, the guess rows (Fumble Around), the candidates (Find Out)
@@ -613,7 +617,10 @@ def generate(model, prompt_ids: Sequence[int], max_new_tokens: int, eos_ids: Seq
         gen.extra["candidates"] += real
         context = context + accepted + [bonus]
         pending = bonus
-        if gen.finish_step(tree, path, bonus, draft_s):
+        # an on_step hook is shown the rows (Figure 4), the model's choices and the pool's keys
+        if gen.finish_step(tree, path, bonus, draft_s, kv_before=p + step.rows, kv_after=kv.length,
+                           layout=step, tokens=tokens, choice=choice, keys=pool.found_under,
+                           winner=best, selected=selected):
             return step_statistics(gen, pool, kv)
 
 def choices(logits, read, step: StepLayout, real: int, positions,
@@ -948,7 +955,9 @@ class FlexKV(DenseKV):
 
 # ---- 11. CLI -----------------------------------------------------------------------------------------------
 
-def main(argv=None) -> int:
+def make_parser():
+    """The options: the common ones (verify.common_parser), then the paper's parameters
+    (tools/replay.py takes them too)."""
     parser = verify.common_parser(__doc__.split("\n\n")[0].strip())
     default = functools.partial(verify.defaults_help, FafoConfig)  # ' (default: ...)' for a help line
     g = parser.add_argument_group("FAFO (the paper's names; CPU defaults are small: every row costs time)")
@@ -984,7 +993,10 @@ def main(argv=None) -> int:
     add("--prompt-pool", action="store_const", const=True,
         help="seed the pool with the prompt's k-grams too")
     add("--block-size", type=int, help="flex: KV block size, B_z in Algorithm 1" + default("block_size"))
-    return verify.run_cli(parser, "fafo", generate, FafoConfig, argv=argv)
+    return parser
+
+def main(argv=None) -> int:
+    return verify.run_cli(make_parser(), "fafo", generate, FafoConfig, argv=argv)
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -278,7 +278,8 @@ def generate(model, prompt_ids: Sequence[int], max_new_tokens: int, eos_ids: Seq
         drafted = drafted[: max_new_tokens - len(gen.tokens) - 1]  # a step emits <= len + 1
         orders = [order for _, order in drafted]
         # deviation (section 5): not worth its cost on this hardware
-        if drafted and not gate.allows(orders):
+        refused = drafted if drafted and not gate.allows(orders) else []
+        if refused:
             drafted, orders = [], []
         drafts = [token for token, _ in drafted]
         draft_s = time.perf_counter() - t0
@@ -296,7 +297,8 @@ def generate(model, prompt_ids: Sequence[int], max_new_tokens: int, eos_ids: Seq
         # -- ROLL BACK: the KV of rejected drafts was computed from a wrong context; forget it.
         verify.rollback(cache, pos + keep)
         n_before = len(gen.tokens)
-        done = gen.finish_step(tree, path, bonus, draft_s)
+        done = gen.finish_step(tree, path, bonus, draft_s, kv_before=pos + len(tree), kv_after=pos + keep,
+                               orders=orders, refused=refused)  # what an on_step hook is shown
         predictor.update_batch(gen.tokens[n_before:])  # the predictor learns every emitted token
         if done:
             gen.extra["draft_cost"] = gate.cost_of(cfg.draft_count)  # t(1+D)/t(1): a full draft
@@ -410,7 +412,9 @@ def report(model, prompt_ids, gen: Generation, cfg: NgramConfig, extra: dict) ->
     out["predicted_speedup"] = predicted_speedup(alpha, d, ratio) if alpha is not None else None
     return out
 
-def main(argv=None) -> int:
+def make_parser():
+    """The options: the common ones (verify.common_parser), then the paper's parameters
+    (tools/replay.py takes them too)."""
     parser = verify.common_parser(__doc__.split("\n\n")[0].strip() + "\n\nDrafts come from n-gram counts "
                                   "of the prompt and the generated text; no draft model.")
     g = parser.add_argument_group("n-gram predictor (the chapter's parameters)")
@@ -427,7 +431,10 @@ def main(argv=None) -> int:
     g.add_argument("--draft-cost",
                    help="cost gate (our deviation, section 5): auto = measure t(1+n)/t(1); a "
                    "number c = t(1+D)/t(1); 1 = the chapter, always verify (default: auto)")
-    return verify.run_cli(parser, "ngram", generate, NgramConfig, prepare, report, argv=argv)
+    return parser
+
+def main(argv=None) -> int:
+    return verify.run_cli(make_parser(), "ngram", generate, NgramConfig, prepare, report, argv=argv)
 
 if __name__ == "__main__":
     sys.exit(main())

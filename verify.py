@@ -36,9 +36,9 @@ The public names, section by section, in the order a reader needs them:
     11  loading a model                 converted_dir, resolve_model, pick_device, pick_dtype,
                                         load_model, eos_ids_of, encode_prompt, context_length
     12  the command line                common_parser, Printer, make_tracer, config_from_args,
-                                        defaults_help, run_cli, seed_everything, streaming_hooks,
-                                        print_statistics, print_comparison, rounding_tolerance,
-                                        first_difference
+                                        defaults_help, run_cli, run_method, seed_everything,
+                                        streaming_hooks, print_statistics, print_comparison,
+                                        rounding_tolerance, first_difference
 
 Copying it for one method: ngram_predictor.py, cacheback.py and card.py use sections 1-9 (9: the
 cost gate, the pruning, CARD's measured r), fafo.py 1-10; sections 11-12 serve `python FILE.py`.
@@ -596,6 +596,10 @@ class Generation:
         self.extra: dict = {}  # method-specific stats (shown in --json)
         # callbacks: (tokens, flags) streaming; --trace
         self.on_emit, self.on_step = on_emit, on_step
+        # what the method tells on_step about the step it just verified (finish_step's keywords):
+        # kv_before / kv_after, the KV cache's length before and after the rollback, and its own
+        # (the n-gram orders, CARD's candidate cache, FAFO's streams): what tools/replay.py draws
+        self.step_facts: dict = {}
 
     def emit(self, drafted: Sequence[int], bonus: int | None) -> bool:
         """Append the accepted draft tokens, then the bonus token, honouring the stopping rule;
@@ -621,10 +625,13 @@ class Generation:
         self.target_forwards += 1
         return self.emit([], first_token)
 
-    def finish_step(self, tree: Tree, path: Sequence[int], bonus: int,
-                    draft_s: float = 0.0) -> bool:
-        """Book-keep one verification step (one target forward) and emit its tokens."""
+    def finish_step(self, tree: Tree, path: Sequence[int], bonus: int, draft_s: float = 0.0,
+                    **facts) -> bool:
+        """Book-keep one verification step (one target forward) and emit its tokens. `facts`: what
+        the method shows an on_step hook of this step (values it holds anyway: a normal run pays
+        for one small dict)."""
         self.target_forwards, self.steps = self.target_forwards + 1, self.steps + 1
+        self.step_facts = facts
         self.draft_s += draft_s
         self.accepted.append(len(path) - 1)
         self.drafted.append(len(tree) - 1)
@@ -1228,13 +1235,16 @@ def make_tracer(tok, out):
     step 3  draft: 2 branch(es), 5 token(s)
         ✓' the' ✓' cat' ✗' ran'
         ✗' a'
-      accepted 2 + bonus ' sat'
+      accepted 2 + bonus ' sat'  (KV 41 -> 38)
     """
     def trace(gen, tree, path, bonus):
         lines = [f"step {gen.steps}  draft: {len(tree.branches())} branch(es), {len(tree) - 1} token(s)"]
         lines += ["    " + " ".join(("✓" if n in path else "✗") + repr(tok.decode([tree.tokens[n]]))
                                     for n in b) for b in tree.branches()]
-        lines.append(f"  accepted {len(path) - 1} + bonus {tok.decode([bonus])!r}")
+        kv = ""  # the KV cache's length before and after the rollback, where the method says
+        if "kv_after" in gen.step_facts:
+            kv = f"  (KV {gen.step_facts['kv_before']} -> {gen.step_facts['kv_after']})"
+        lines.append(f"  accepted {len(path) - 1} + bonus {tok.decode([bonus])!r}{kv}")
         print("\n".join(lines), file=out, flush=True)
     return trace
 
@@ -1267,13 +1277,21 @@ def run_cli(parser: argparse.ArgumentParser, method: str, generate: Callable, co
     2, no traceback."""
     args = parser.parse_args(argv)
     try:
-        return _run(args, method, generate, config_class, prepare, report)
+        r, gen, tok = run_method(args, method, generate, config_class, prepare, report)
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("\ninterrupted", file=sys.stderr)
         return 130
+    if args.json:
+        print(json.dumps(r, ensure_ascii=False))
+        return 0
+    print(r["text"] if args.trace else "")
+    print_statistics(method, r, gen, cfg=r.get("config"))
+    if args.compare:
+        print_comparison(r, tok, Sampling(**r["sampling"]))
+    return 0
 
 def seed_everything(seed: int) -> None:
     """Python's, numpy's and torch's generators (the sampling noise has its own key: Sampling)."""
@@ -1290,7 +1308,11 @@ def streaming_hooks(args, tok, out) -> dict:
         return {}
     return {"on_emit": Printer(tok, out)}
 
-def _run(args, method, generate, config_class, prepare, report) -> int:
+def run_method(args, method: str, generate: Callable, config_class=None,
+               prepare: Callable | None = None, report: Callable | None = None, hooks=None):
+    """run_cli's work without its printing, for a caller with hooks of its own (tools/replay.py):
+    load, generate with `hooks` (None: the ones the options ask for, streaming_hooks), time, and
+    --compare. Returns (the result dict --json prints, the Generation, the tokenizer)."""
     if not args.prompt.strip():  # what needs no model first, so that mistakes fail fast
         raise UserError("--prompt is empty")
     if args.max_new_tokens <= 0:
@@ -1325,8 +1347,8 @@ def _run(args, method, generate, config_class, prepare, report) -> int:
     if args.compare:  # warm up both sides so neither pays for first-call allocations
         run(min(8, n_max))
         baseline(min(8, n_max))
-    out = sys.stderr if args.json else sys.stdout
-    hooks = streaming_hooks(args, tok, out)
+    if hooks is None:
+        hooks = streaming_hooks(args, tok, sys.stderr if args.json else sys.stdout)
     sync(model)
     t0 = time.perf_counter()
     gen = run(n_max, **hooks)
@@ -1362,18 +1384,11 @@ def _run(args, method, generate, config_class, prepare, report) -> int:
         r["identity_expected"] = model.dtype == torch.float32
         if not r["identical"] and sampling.greedy:
             r.update(first_difference(model, ids, base, gen.tokens))
-    if args.json:
-        print(json.dumps(r, ensure_ascii=False))
-        return 0
-    print(r["text"] if args.trace else "")
-    print_statistics(method, r, gen, cfg)
-    if args.compare:
-        print_comparison(r, tok, sampling)
-    return 0
+    return r, gen, tok
 
-def print_statistics(method: str, r: dict, gen: Generation, cfg) -> None:
+def print_statistics(method: str, r: dict, gen: Generation, cfg: dict | None) -> None:
     """The run's lines: what the method did (its gen.extra too) and, on a second line, its
-    config."""
+    config (dataclasses.asdict of it)."""
     stats = ""
     for key, value in gen.extra.items():
         stats += f" | {key} {value:.3g}" if isinstance(value, float) else f" | {key} {value}"
@@ -1382,7 +1397,7 @@ def print_statistics(method: str, r: dict, gen: Generation, cfg) -> None:
           f"{r['ttft_s']:.2f} s, then {r['decode_tokens_per_s'] or 0:.1f} tokens/s | draft "
           f"{r['draft_ms_per_step']:.3f} ms/step{stats}")
     if cfg is not None:
-        settings = " ".join(f"{key}={value}" for key, value in dataclasses.asdict(cfg).items())
+        settings = " ".join(f"{key}={value}" for key, value in cfg.items())
         print(f"[{method}] config: {settings}")
 
 def print_comparison(r: dict, tok, s: Sampling) -> None:
