@@ -1,4 +1,5 @@
-"""Regenerates every figure of TUTORIAL.md into docs/figures/*.png (`make figures`), with matplotlib only.
+"""Regenerates every figure of TUTORIAL.md into docs/figures/*.png (`make figures`), with matplotlib, and the
+replay screenshots with tools/replay.py in headless Chromium (Debian: apt-get install chromium chromium-driver).
 
 Each figure is drawn from the repository's own code: the masks from the functions that build them
 (verify.tree_attention_mask, card.draft_mask, fafo.combined_mask), the tree from cacheback.grow_tree on the
@@ -384,8 +385,79 @@ def fafo_steps() -> None:
     save(fig, "fafo_steps")
 
 
+# ----------------------------------------------------------------------------------------------------------
+# §2.4, §3.3, §4.3, §5.2 one step of a real run, as tools/replay.py's page shows it (headless Chromium)
+# ----------------------------------------------------------------------------------------------------------
+
+REPLAY_PROMPT = "Write a Python function that checks whether a string is a palindrome."
+
+
+def replay_figure(name: str, method: str, options: list[str], pick, height: int = 1450) -> None:
+    """Run `python tools/replay.py METHOD --prompt REPLAY_PROMPT OPTIONS`, open the page in headless Chromium
+    at the step pick(steps) chooses, and save the window. The options keep each run free of timing (no
+    cost gate or pruning, CARD in lockstep), so the same step comes out every time."""
+    import importlib.util
+    import tempfile
+    import time
+
+    spec = importlib.util.spec_from_file_location("replay", os.path.join(ROOT, "tools", "replay.py"))
+    replay = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(replay)
+    missing = replay.browser_missing()
+    if missing:
+        raise SystemExit(f"make figures: the replay screenshots need a headless Chromium: {missing}")
+    page = os.path.join(tempfile.mkdtemp(prefix="replay-"), f"{method}.html")
+    argv = [method, "--prompt", REPLAY_PROMPT, "--max-new-tokens", "64", *options, "-o", page]
+    with open(os.devnull, "w") as quiet:
+        stdout, sys.stdout = sys.stdout, quiet
+        try:
+            status = replay.main(argv)
+        finally:
+            sys.stdout = stdout
+    assert status == 0, f"tools/replay.py {' '.join(argv)} failed"
+    steps = replay.read_page(page)["steps"]
+    step = pick(steps) + 1
+    driver = replay.headless_chromium(1200, height)
+    try:
+        driver.get(f"file://{page}#step={step}")
+        time.sleep(0.3)  # layout settles
+        driver.save_screenshot(os.path.join(OUT, name + ".png"))
+    finally:
+        driver.quit()
+    from tqdm import tqdm
+
+    tqdm.write(f"  wrote docs/figures/{name}.png (step {step} of {len(steps)})", file=sys.stderr)
+
+
+def most_accepted(steps, also=lambda step: True) -> int:
+    """The step that accepted the most drafted tokens (the first of equals), among those `also` admits."""
+    candidates = [i for i, step in enumerate(steps) if also(step)] or list(range(len(steps)))
+    return max(candidates, key=lambda i: (len(steps[i]["path"]), len(steps[i]["tokens"]), -i))
+
+
+def replay_ngram() -> None:
+    replay_figure("replay_ngram", "ngram", ["--draft-cost", "1"], most_accepted)
+
+
+def replay_cacheback() -> None:
+    # the shipped frozen table is keyed by one token (LL = 1); the paper's whole trees, no pruning
+    replay_figure("replay_cacheback", "cacheback", ["--ll", "1", "--frozen", "selfchat", "--prune", "none"],
+                  lambda steps: most_accepted(steps, lambda s: any(s["frozen"])))
+
+
+def replay_card() -> None:
+    replay_figure("replay_card", "card", ["--mode", "lockstep", "--K", "4", "--k", "4"],
+                  lambda steps: most_accepted(steps, lambda s: len(s["layers"]) > 2))
+
+
+def replay_fafo() -> None:
+    replay_figure("replay_fafo", "fafo", [], lambda steps: most_accepted(steps, lambda s: s["winner"] >= 0),
+                  height=1700)  # the streams' and the candidates' tables below
+
+
 FIGURES = ["cost_curve", "mask_tree", "compaction", "cacheback_tree", "card_mask", "fafo_mask", "compacted_layout",
-           "speedup_bars", "per_position", "fafo_steps"]
+           "speedup_bars", "per_position", "fafo_steps", "replay_ngram", "replay_cacheback", "replay_card",
+           "replay_fafo"]
 
 
 def main(argv=None) -> int:
