@@ -405,7 +405,8 @@ def generate(model, prompt_ids: Sequence[int], max_new_tokens: int, eos_ids: Seq
         verify.compact_kv(cache, prefix_len, path)
         pruner.update(tree, path)
         n_before = len(gen.tokens)
-        # an on_step hook sees the tree (its origins: dynamic or frozen) and these
+        # an on_step hook sees the tree (its origins: dynamic or frozen), the KV lengths before and
+        # after the compaction, and how many tokens were grown before the cut and the pruning
         done = gen.finish_step(tree, path, bonus, draft_s, kv_before=prefix_len + len(tree),
                                kv_after=prefix_len + len(path), grown=grown)
         # -- UPDATE the dynamic table with the windows ending at the newly emitted tokens (§3.2)

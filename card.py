@@ -239,7 +239,7 @@ class CandidateCache:
             -> [[(The, -1, 1, True)], [(cat, 0, .6, True), (dog, 0, .3, True)], [(sat, 0, .3, False)]]
         """
         top = self.root if top is None else top
-        s0 = self.nodes[top].sigma
+        s0 = self.nodes[top].sigma or 1.0  # (0 only where a long --no-correct path underflowed)
         layers = []
         level = [top]
         index_above = {}  # node id -> its index in the layer above
@@ -301,14 +301,15 @@ class Drafter:
         self.misses = 0  # corrections that restarted the cache
         self.hit_tokens = 0  # the tokens of the steps that hit (accepted + bonus)
         self.model_bytes = None  # the draft model's weights, counted at the first statistics()
+        self.show = False  # report the cache to an on_step hook (start(show=True))
 
     def start(self, text: Sequence[int], capacity: int = 256, max_lead: int = 14,
               wait: int | None = None, show: bool = False) -> None:
         """text = the verified tokens, its last one the (unfed) root; capacity: the draft cache's
         size; max_lead: the most layers the cache may lead the verified text by (the reference's 2r;
         14 = 2 x §3.1's r = 7). `wait` is unused here: it keeps start() the same call as
-        DraftProcess.start, which sends it with each query. show: step_facts() answers (a step hook
-        is listening)."""
+        DraftProcess.start, which sends it with each query. show: report the candidate cache to an
+        on_step hook (shown())."""
         self.show = show
         self.text = list(text)
         self.cache = verify.new_cache(self.model, capacity)
@@ -370,7 +371,7 @@ class Drafter:
         """The tokens of the best path of up to r tokens below the verified text (§2, Figure 2)."""
         return [self.tree.nodes[i].token for i in self.tree.query(r, self.qroot)]
 
-    def step_facts(self) -> dict:
+    def shown(self) -> dict:
         """What an on_step hook is shown of the draft side (start(show=True); else {}): the cache
         as the last query saw it, below the verified text (as_ids), and how many corrections so
         far hit or missed."""
@@ -538,6 +539,7 @@ def generate(model, prompt_ids: Sequence[int], max_new_tokens: int, eos_ids: Seq
     # then the layer being fed), and one layer of slack
     capacity = len(prompt_ids) + max_new_tokens + (max_lead + 2) * cfg.K
     with draft_side(draft, cfg) as drafter:
+        # show: any on_step hook (--trace too) is also sent the candidate cache, at a cost (as_ids)
         drafter.start(list(prompt_ids) + [pending], capacity, max_lead, wait, show=on_step is not None)
         while True:
             started = time.perf_counter()
@@ -555,9 +557,9 @@ def generate(model, prompt_ids: Sequence[int], max_new_tokens: int, eos_ids: Seq
             path, bonus = verify.accept(tree, logits, prefix_len, sampling)
             verify.rollback(cache, prefix_len + len(path))
             gen.extra["verified"] += len(tree)
-            # an on_step hook is shown the KV lengths and, started with show, the candidate cache
+            # an on_step hook is shown the KV lengths before and after the rollback, and the cache
             if gen.finish_step(tree, path, bonus, draft_s, kv_before=prefix_len + len(tree),
-                               kv_after=prefix_len + len(path), **drafter.step_facts()):
+                               kv_after=prefix_len + len(path), **drafter.shown()):
                 break
             # -- CORRECT the cache: keep the subtree below the accepted text, or restart on a miss
             accepted = [tree.tokens[i] for i in path[1:]]
@@ -577,7 +579,8 @@ def generate(model, prompt_ids: Sequence[int], max_new_tokens: int, eos_ids: Seq
 #
 # Why a process and not a thread: a small model's step is mostly host work, and two threads of one
 # process take turns on the GIL (RESULTS.md). The published code also runs two processes. They share
-# only a pipe, and the messages are token ids (a few hundred bytes), never tensors:
+# only a pipe, and the messages are token ids (a few hundred bytes; with show, the cache too: K ids
+# and sigmas per layer), never tensors:
 #
 #   target -> draft   ("start", run, text, capacity, max_lead, show)   a new prompt: a new Drafter
 #                     ("correct", run, accepted, bonus)           CORRECT the cache (§2.4)
@@ -585,8 +588,8 @@ def generate(model, prompt_ids: Sequence[int], max_new_tokens: int, eos_ids: Seq
 #                     ("done",)                  generate() returned: stop drafting, keep the model
 #                     ("stop",)                  exit
 #   draft -> target   ("ready",)                 once, after start-up
-#                     ("chain", run, tokens, statistics, facts)   the queried chain, Drafter.statistics()
-#                                                and .step_facts(): the cache as token ids if show, else {}
+#                     ("chain", run, tokens, statistics, shown)   the queried chain, Drafter.statistics()
+#                                                and .shown(): the cache (as_ids) if show, else {}
 #                     ("error", "ValueError: ...")            the draft failed; it then exits
 # `run` numbers the generate() calls, so an answer that an earlier, interrupted call left behind is
 # dropped. Between two messages the process drafts: one layer, then it looks at the pipe again.
@@ -617,7 +620,7 @@ def _draft_process(conn, K: int, k: int, correct: bool, threads: int | None) -> 
             # QUERY, once far enough
             if asked is not None and drafter.lead() >= min(asked[1], max_lead):
                 conn.send(("chain", run, drafter.query(asked[0]), drafter.statistics(),
-                           drafter.step_facts()))
+                           drafter.shown()))
                 asked = None
             if drafter is not None and drafter.lead() < max_lead and not conn.poll():
                 drafter.step()  # nothing asked of us right now: draft one more layer
@@ -742,7 +745,7 @@ class DraftProcess:
         self.run += 1
         self.wait = wait
         self.counts = dict(draft_layers=0, hits=0, misses=0, hit_tokens=0, draft_held_bytes=0)
-        self.facts = {}  # the last answer's Drafter.step_facts() ({} unless show)
+        self.cache_shown = {}  # the last answer's Drafter.shown() ({} unless show)
         self._send(("start", self.run, list(text), capacity, max_lead, show))
 
     def draft(self, r: int) -> None:
@@ -750,7 +753,7 @@ class DraftProcess:
 
     def query(self, r: int) -> list[int]:
         self._send(("query", self.run, r, self.wait))
-        _, _, chain, self.counts, self.facts = self._receive("chain")
+        _, _, chain, self.counts, self.cache_shown = self._receive("chain")
         return chain
 
     def correct(self, accepted: Sequence[int], bonus: int) -> None:
@@ -760,8 +763,8 @@ class DraftProcess:
     def statistics(self) -> dict:
         return self.counts
 
-    def step_facts(self) -> dict:
-        return self.facts
+    def shown(self) -> dict:
+        return self.cache_shown
 
     def done(self) -> None:  # generate() is over: stop drafting, leave the cores to the caller
         if self.process.is_alive():

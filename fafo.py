@@ -195,7 +195,8 @@ class NgramPool:
         # being retrieved (Appendix F's "least-recently-used")
         self.refresh = refresh
         self.table: dict[tuple, OrderedDict] = {}
-        self.found_under: list[tuple] = []  # the key of each k-gram the last retrieve() returned
+        # the key of each k-gram the last retrieve() returned (a new list each call: a step hook keeps it)
+        self.found_under: list[tuple] = []
 
     def __len__(self) -> int:
         return sum(len(v) for v in self.table.values())
@@ -617,9 +618,11 @@ def generate(model, prompt_ids: Sequence[int], max_new_tokens: int, eos_ids: Seq
         gen.extra["candidates"] += real
         context = context + accepted + [bonus]
         pending = bonus
-        # an on_step hook is shown the rows (Figure 4), the model's choices and the pool's keys
+        # an on_step hook is shown the KV lengths (before the rollback: the rows written, flex's
+        # padding included), the rows (Figure 4), the model's choices, the candidates' pool keys, the
+        # winner and C(kv)
         if gen.finish_step(tree, path, bonus, draft_s, kv_before=p + step.rows, kv_after=kv.length,
-                           layout=step, tokens=tokens, choice=choice, keys=pool.found_under,
+                           layout=step, tokens=tokens, choice=choice, pool_keys=pool.found_under,
                            winner=best, selected=selected):
             return step_statistics(gen, pool, kv)
 

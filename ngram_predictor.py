@@ -277,10 +277,9 @@ def generate(model, prompt_ids: Sequence[int], max_new_tokens: int, eos_ids: Seq
             drafted = drafted[: cfg.max_batch - 1]
         drafted = drafted[: max_new_tokens - len(gen.tokens) - 1]  # a step emits <= len + 1
         orders = [order for _, order in drafted]
-        # deviation (section 5): not worth its cost on this hardware
-        refused = drafted if drafted and not gate.allows(orders) else []
-        if refused:
-            drafted, orders = [], []
+        refused = []  # deviation (section 5): a draft not worth its cost on this hardware
+        if drafted and not gate.allows(orders):
+            refused, drafted, orders = drafted, [], []
         drafts = [token for token, _ in drafted]
         draft_s = time.perf_counter() - t0
 

@@ -597,8 +597,9 @@ class Generation:
         # callbacks: (tokens, flags) streaming; --trace
         self.on_emit, self.on_step = on_emit, on_step
         # what the method tells on_step about the step it just verified (finish_step's keywords):
-        # kv_before / kv_after, the KV cache's length before and after the rollback, and its own
-        # (the n-gram orders, CARD's candidate cache, FAFO's streams): what tools/replay.py draws
+        # kv_before / kv_after, the KV cache's length after the verification forward and after the
+        # rollback, and its own (the n-gram orders, CARD's candidate cache, FAFO's rows and pool
+        # keys): what tools/replay.py draws
         self.step_facts: dict = {}
 
     def emit(self, drafted: Sequence[int], bonus: int | None) -> bool:

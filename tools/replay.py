@@ -6,7 +6,8 @@ tools/replay.py -- one run of a method, step by step, as one self-contained HTML
     python tools/replay.py card --prompt "..." --mode lockstep -o run.html
     python tools/replay.py fafo --prompt "..." --n-guess 6 -o run.html
 
-Every option of the method's own script works here (`python card.py --help` lists them), plus -o.
+Every option of the method's own script works here (`python card.py --help` lists them) but --trace
+and --json, plus -o.
 Open the page from disk in any browser: it needs no network (inline SVG and a little plain
 JavaScript, no library). For each verification step it draws what the paper draws:
 
@@ -28,7 +29,9 @@ count; a click on a token or a bar opens its step. The header gives the run's st
 How: the method runs through verify.run_method with an on_step hook (Recorder) that keeps each
 step's tree, accepted path and bonus token, and the facts the method hands Generation.finish_step
 (kv_before, kv_after, the n-gram orders, CARD's cache, FAFO's rows). It keeps references and
-decodes nothing, so the run's tokens/s is the method's own; the page is built after the run.
+decodes nothing, so the run's tokens/s is the method's own, but for CARD's: with a hook, its draft
+side also copies the candidate cache every step (card.CandidateCache.as_ids, sent through the pipe
+in parallel mode). The page is built after the run. --trace and --json do not apply here.
 """
 
 from __future__ import annotations
@@ -129,7 +132,7 @@ def fafo_rows(facts: dict) -> dict:
     layout = facts["layout"]  # fafo.StepLayout: which input row is which
     tokens = facts["tokens"]  # the forward's input, one token per row
     choice = facts["choice"]  # input row -> the model's token after it (the rows it read)
-    keys = facts["keys"]  # the pool key of each real candidate, in order
+    keys = facts["pool_keys"]  # the pool key of each real candidate, in order
     streams = []
     for i in range(layout.n):
         window = [tokens[layout.fumble_row(i, j)] for j in range(layout.k)]
