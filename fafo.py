@@ -618,9 +618,7 @@ def generate(model, prompt_ids: Sequence[int], max_new_tokens: int, eos_ids: Seq
         gen.extra["candidates"] += real
         context = context + accepted + [bonus]
         pending = bonus
-        # an on_step hook is shown the KV lengths (before the rollback: the rows written, flex's
-        # padding included), the rows (Figure 4), the model's choices, the candidates' pool keys, the
-        # winner and C(kv)
+        # an on_step hook is shown the KV lengths (kv_before: rows written, flex's padding too) and the step
         if gen.finish_step(tree, path, bonus, draft_s, kv_before=p + step.rows, kv_after=kv.length,
                            layout=step, tokens=tokens, choice=choice, pool_keys=pool.found_under,
                            winner=best, selected=selected):

@@ -279,7 +279,9 @@ def generate(model, prompt_ids: Sequence[int], max_new_tokens: int, eos_ids: Seq
         orders = [order for _, order in drafted]
         refused = []  # deviation (section 5): a draft not worth its cost on this hardware
         if drafted and not gate.allows(orders):
-            refused, drafted, orders = drafted, [], []
+            refused = drafted
+            drafted = []
+            orders = []
         drafts = [token for token, _ in drafted]
         draft_s = time.perf_counter() - t0
 

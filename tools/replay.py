@@ -423,7 +423,7 @@ function strip() {
 }
 
 // ---- a draft tree (a chain is a tree): nodes by depth left to right, branches top to bottom
-function drawTree(parent, st, notes, frozen) {
+function drawTree(st, notes, frozen) {
   const n = st.tokens.length;
   const children = Array.from({length: n}, () => []);
   for (let i = 1; i < n; i++) children[st.parents[i]].push(i);
@@ -443,7 +443,7 @@ function drawTree(parent, st, notes, frozen) {
   const bonusRow = children[last].length ? next : row[last];  // beside the last accepted node, or below all
   const rows = Math.max(next, bonusRow + 1);
   const cols = Math.max(...depth) + 2;  // + the bonus token
-  const svg = el("svg", {width: cols * (W + GX) + 10, height: rows * (H + GY) + 10}, parent);
+  const svg = el("svg", {width: cols * (W + GX) + 10, height: rows * (H + GY) + 10});
   const at = i => [5 + depth[i] * (W + GX), 5 + row[i] * (H + GY)];
   for (let i = 1; i < n; i++) {
     const [x, y] = at(i), [px, py] = at(st.parents[i]);
@@ -497,8 +497,11 @@ function drawMask(parent, rowLabels, allowed, cacheSees, caption) {
 }
 
 function treeMask(st) {
-  const n = st.tokens.length;
-  const ancestors = st.parents.map((_, i) => { const a = new Set(); for (let j = i; j >= 0; j = st.parents[j]) a.add(j); return a; });
+  const ancestors = st.parents.map((_, i) => {  // node i, its parent, ..., the root
+    const seen = new Set();
+    for (let j = i; j >= 0; j = st.parents[j]) seen.add(j);
+    return seen;
+  });
   const labels = st.tokens.map((t, i) => `${i} ${label(t, 10)}`);
   const cached = st.kv_before - st.inputs;
   drawMask($("mask"), labels, (i, j) => ancestors[i].has(j), labels.map(() => "all"),
@@ -508,7 +511,7 @@ function treeMask(st) {
 
 // ---- each method's own figures
 function ngramDraft(st) {
-  $("draft").append(drawTree(null, st, st.notes, null));
+  $("draft").append(drawTree(st, st.notes, null));
   let cap = `The n-gram chain: each drafted token with the order (2-${RUN.config.max_order}) whose context matched, the longest tried first.`;
   if (st.refused) cap += ` The cost gate (ours) refused a draft of ${st.refused} token(s) this step: a plain one-token step.`;
   else if (st.tokens.length === 1) cap += " No context of the last tokens was in the tables: no draft, a plain one-token step.";
@@ -516,7 +519,7 @@ function ngramDraft(st) {
 }
 
 function cachebackDraft(st) {
-  $("draft").append(drawTree(null, st, st.notes, st.frozen));
+  $("draft").append(drawTree(st, st.notes, st.frozen));
   const frozen = st.frozen.filter(Boolean).length;
   el("figcaption", {}, $("draft"),
     `The draft tree: followers of the leader (the last LL tokens) hung below the pending token, level by level. ` +
@@ -526,7 +529,7 @@ function cachebackDraft(st) {
 }
 
 function cardDraft(st) {
-  $("draft").append(drawTree(null, st, null, null));
+  $("draft").append(drawTree(st, null, null));
   const hit = st.hit === null ? "none, the run ended"
     : st.hit ? "HIT: when the correction came, the cache held the bonus token below the accepted tokens; that subtree is kept" +
                (RUN.config.mode === "parallel" ? " (in parallel mode the draft kept drafting after the query)" : "")
@@ -576,20 +579,26 @@ function cardDraft(st) {
     `to the draft). Green border: the queried chain; filled: accepted.`);
 }
 
+// a table whose header is: first, then k columns letter1 .. letterk, then last
+function table(parent, id, first, letter, k, last) {
+  const t = el("table", {class: "grid", id}, parent);
+  const head = el("tr", {}, t);
+  el("th", {}, head, first);
+  for (let j = 0; j < k; j++) el("th", {}, head, `${letter}${j + 1}`);
+  el("th", {}, head, last);
+  return t;
+}
+
 function fafoDraft(st) {
-  $("draft").append(drawTree(null, st, null, null));
+  $("draft").append(drawTree(st, null, null));
   el("figcaption", {}, $("draft"), st.tokens.length > 1
     ? "Find Out: the verified candidates (the pool's k-grams filed under a key that ends the text) as a trie, the accepted run in green."
     : "Find Out: no k-gram in the pool under a key that ends the text, so nothing to verify: a plain step (the guess rows still run).");
-  const [n, k, m] = st.layout;  // this step's: m is the candidates it had (flex pads to the configured m)
+  const [n, k] = st.layout;
   const cached = st.kv_before - st.inputs;
   const sec = $("extra");
   el("h2", {}, sec, `Fumble Around: ${n} guess streams of k = ${k} tokens (they see C(kv): ${st.guess_sees} of the ${cached} cached positions)`);
-  const t1 = el("table", {class: "grid", id: "streams"}, sec);
-  const h1 = el("tr", {}, t1);
-  el("th", {}, h1, "stream");
-  for (let j = 0; j < k; j++) el("th", {}, h1, `y${j + 1}`);
-  el("th", {}, h1, "the model's next guess (a new k-gram for the pool)");
+  const t1 = table(sec, "streams", "stream", "y", k, "the model's next guess (a new k-gram for the pool)");
   st.streams.forEach((s, i) => {
     const tr = el("tr", {}, t1);
     el("td", {}, tr, String(i));
@@ -597,11 +606,7 @@ function fafoDraft(st) {
     el("td", {}, tr, label(s.next, 12));
   });
   el("h2", {}, sec, `Find Out: ${st.candidates.filter(c => c.key).length} candidate(s) from the pool (at most m = ${RUN.config.m})`);
-  const t2 = el("table", {class: "grid", id: "candidates"}, sec);
-  const h2 = el("tr", {}, t2);
-  el("th", {}, h2, "pool key that hit");
-  for (let j = 0; j < k; j++) el("th", {}, h2, `a${j + 1}`);
-  el("th", {}, h2, "matched");
+  const t2 = table(sec, "candidates", "pool key that hit", "a", k, "matched");
   st.candidates.forEach((c, ci) => {
     const tr = el("tr", {}, t2);
     if (!c.key) {
