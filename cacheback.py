@@ -18,9 +18,14 @@ The paper, section by section, and where it is here (this file's sections in bra
     §3.2            draft, verify, accept, update      generate                                [4]
     beyond the paper: cost-aware pruning for CPUs      CostPruner, NoPruning, prune            [5]
     §3.3, §4        the frozen table's file            load_frozen, frozen_table_for           [6]
-                    (built offline by tools/build_frozen.py); the CLI: prepare, main         [7]
+                    (built offline by tools/build_frozen.py)
+                    model.generate(..., custom_generate=...)   custom_generate                         [7]
+                    the CLI: prepare, main                                                             [8]
 
     python cacheback.py --prompt "Summarize: ..." --compare
+
+    import cacheback                                         # from transformers' own generate()
+    out = model.generate(input_ids, custom_generate=cacheback.custom_generate, max_new_tokens=128)
 
     from cacheback import CachebackConfig, generate          # as a library
     gen = generate(model, prompt_ids, 128, eos_ids, CachebackConfig.cpu())
@@ -365,7 +370,7 @@ def _new_tokens(tree: Tree, node: int, follower: Sequence[int]) -> int:
 def generate(model, prompt_ids: Sequence[int], max_new_tokens: int, eos_ids: Sequence[int],
              cfg: CachebackConfig, *, frozen_table: CacheTable | None = None,
              cost: dict[int, float] | None = None, sampling: verify.Sampling = verify.GREEDY,
-             on_emit=None, on_step=None) -> Generation:
+             on_emit=None, on_step=None, stop=None) -> Generation:
     """Cacheback decoding. A fresh dynamic table per call (stateful methods start from scratch for
     every prompt, as in the paper's SpecBench runs). frozen_table: the table cfg.frozen names
     (`frozen_table_for`; `prepare` loads it once per process), shared and never modified. cost: the
@@ -374,7 +379,7 @@ def generate(model, prompt_ids: Sequence[int], max_new_tokens: int, eos_ids: Seq
     cfg.check()
     check_frozen(cfg, frozen_table)
     pruner = CostPruner.for_run(model, cfg, cost)  # section 5 (ours); prune = "none": keeps all
-    gen = Generation(max_new_tokens, eos_ids, on_emit=on_emit, on_step=on_step)
+    gen = Generation(max_new_tokens, eos_ids, on_emit=on_emit, on_step=on_step, stop=stop)
     gen.extra.update(grown=0, pruned=0)  # draft tokens grown / removed by the pruning, all steps
     dynamic = CacheTable(cfg.ll, cfg.fl, cfg.lc, cfg.fc)
     # the cache's capacity: prompt + output + the largest step (the root and up to TDL tree tokens)
@@ -620,7 +625,41 @@ def frozen_table_for(tok, cfg: CachebackConfig,
             f"FC={cfg.fc}; build it: python tools/build_frozen.py --corpus {cfg.frozen} --model {model_name} "
             f"--ll {cfg.ll} --fl {cfg.fl} --lc {cfg.lc} --fc {cfg.fc}")
     return load_frozen(path, tok, cfg.ll, cfg.fl)
-# ---- 7. CLI ------------------------------------------------------------------------------------------------
+# ---- 7. From model.generate: the drop-in (verify.py section 13 reads the call) -----------------------------
+
+def custom_generate(model, input_ids, logits_processor, stopping_criteria, generation_config,
+                    cacheback_config: CachebackConfig | None = None, frozen_table: CacheTable | None = None,
+                    cost: dict[int, float] | None = None, seed: int | None = None, **model_kwargs):
+    """Run this file's generate() from transformers' own call, in place of its loop:
+
+        out = model.generate(input_ids, custom_generate=cacheback.custom_generate, max_new_tokens=128)
+
+    Returns what model.generate returns (prompt + new tokens), honouring its GenerationConfig, its
+    stopping criteria (per emitted token) and its streamer. Keywords of this method:
+    cacheback_config (default: CachebackConfig.for_device, as the script), frozen_table (the table
+    cfg.frozen names, `frozen_table_for`; default: loaded at the first call with the tokenizer
+    beside the model), cost (the pruning's curve, `measure_cost`; default: measured at the first
+    call), seed (sampled: the noise's key; default drawn from torch's generator). What a first call
+    loads or measures is kept for the model's later calls, as prepare() does for the script."""
+    call = verify.GenerateCall.read(model, input_ids, logits_processor, stopping_criteria,
+                                    generation_config, model_kwargs, seed)
+    cfg = CachebackConfig.for_device(model.device) if cacheback_config is None else cacheback_config
+    cfg.check()
+    if frozen_table is None and cfg.frozen != "none":
+        def load() -> CacheTable:  # the tokenizer tells the table's identity (tokenizer_identity)
+            tok = verify.tokenizer_of(model, instead="frozen_table")
+            return frozen_table_for(tok, cfg, verify.model_name_of(model))
+
+        key = ("cacheback frozen", cfg.frozen, cfg.ll, cfg.fl, cfg.lc, cfg.fc)
+        frozen_table = verify.once_per_model(model, key, load)
+    if cost is None and cfg.prune == "cost":
+        measure = functools.partial(measure_cost, model, cfg.tdl)
+        cost = verify.once_per_model(model, ("cacheback cost", cfg.tdl), measure)
+    gen = generate(model, call.prompt_ids, call.max_new_tokens, call.eos_ids, cfg, frozen_table=frozen_table,
+                   cost=cost, sampling=call.sampling, **call.hooks())
+    return call.output(gen)
+
+# ---- 8. CLI ------------------------------------------------------------------------------------------------
 
 def prepare(model, tok, cfg: CachebackConfig, name: str = verify.DEFAULT_MODEL):
     """Once per process, before timing: the frozen table cfg.frozen names (`name`, the --model

@@ -25,9 +25,13 @@ The paper, section by section, and where it is here (this file's sections in bra
                     r's rule, ceil(t_target / t_draft)           measure_ratio (below the banner) [5]
     beyond the paper: the draft in its own process (parallel)    DraftProcess                   [4]
                       drafts derived from the target (int8)      int8_draft, load_draft         [5]
+                      model.generate(..., custom_generate=...)   custom_generate                [6]
 
     python card.py --prompt "Explain what a hash map is." --compare
     python card.py --prompt "..." --draft HuggingFaceTB/SmolLM2-135M-Instruct --target DIR_OF_A_1.7B_MODEL
+
+    import card                                            # from transformers' own generate()
+    out = model.generate(input_ids, custom_generate=card.custom_generate, max_new_tokens=128)
 
     from card import CardConfig, generate, load_draft      # as a library (draft: same tokenizer)
     cfg = CardConfig.cpu()
@@ -515,7 +519,7 @@ def draft_side(draft, cfg: CardConfig):
 @torch.no_grad()
 def generate(model, prompt_ids: Sequence[int], max_new_tokens: int, eos_ids: Sequence[int],
              cfg: CardConfig, *, draft, sampling: verify.Sampling = verify.GREEDY, on_emit=None,
-             on_step=None) -> Generation:
+             on_step=None, stop=None) -> Generation:
     """CARD decoding. `model` is the target, `draft` the draft model (same tokenizer; `load_draft`
     builds the one cfg names) or a running DraftProcess. Both modes emit the same tokens, greedy or
     sampled (verify.Sampling): the target decides every one; timing decides only how long the
@@ -527,7 +531,7 @@ def generate(model, prompt_ids: Sequence[int], max_new_tokens: int, eos_ids: Seq
     r = cfg.ratio
     max_lead = 2 * r if cfg.max_lead is None else cfg.max_lead  # the reference's 2r
     wait = r if cfg.wait is None else cfg.wait  # parallel: a query waits until the cache leads by this
-    gen = Generation(max_new_tokens, eos_ids, on_emit=on_emit, on_step=on_step)
+    gen = Generation(max_new_tokens, eos_ids, on_emit=on_emit, on_step=on_step, stop=stop)
     gen.extra.update(verified=0)
     # the target's cache: prompt + output + the largest step (the pending token and a chain of r)
     cache = verify.new_cache(model, len(prompt_ids) + max_new_tokens + r + 1)
@@ -868,7 +872,39 @@ def prepare(model, tok, cfg: CardConfig, name: str = verify.DEFAULT_MODEL) -> tu
         draft = DraftProcess(draft, cfg)
     return cfg, {"draft": draft}
 
-# ---- 6. CLI ------------------------------------------------------------------------------------------------
+# ---- 6. From model.generate: the drop-in (verify.py section 13 reads the call) -----------------------------
+
+def custom_generate(model, input_ids, logits_processor, stopping_criteria, generation_config,
+                    card_config: CardConfig | None = None, draft_model=None, seed: int | None = None,
+                    **model_kwargs):
+    """Run this file's generate() from transformers' own call, in place of its loop:
+
+        out = model.generate(input_ids, custom_generate=card.custom_generate, max_new_tokens=128)
+
+    Returns what model.generate returns (prompt + new tokens), honouring its GenerationConfig, its
+    stopping criteria (per emitted token) and its streamer. Keywords of this method: card_config
+    (default: CardConfig.for_device, as the script), draft_model (a model with the target's
+    tokenizer, or a running DraftProcess to keep one process across calls; default: the draft
+    cfg.draft names, built per call, and in parallel mode a draft process started for this call
+    and stopped when it returns, raises or is interrupted), seed (sampled: the noise's key; default
+    drawn from torch's generator). note: not transformers' assistant_model, which is its own."""
+    call = verify.GenerateCall.read(model, input_ids, logits_processor, stopping_criteria,
+                                    generation_config, model_kwargs, seed)
+    cfg = CardConfig.for_device(model.device) if card_config is None else card_config
+    cfg.check()
+    draft = draft_model
+    if draft is None:
+        named = cfg.draft not in ("int8", "self")  # a named draft's vocabulary is checked
+        tok = verify.tokenizer_of(model, instead="draft_model") if named else None
+        draft = load_draft(model, tok, cfg, verify.model_name_of(model))
+    if cfg.ratio == "auto":  # §3.1's rule, measured now (prepare() does it once for the script)
+        draft_weights = draft.model if isinstance(draft, DraftProcess) else draft
+        cfg = dataclasses.replace(cfg, ratio=measure_ratio(model, draft_weights, cfg.K))
+    gen = generate(model, call.prompt_ids, call.max_new_tokens, call.eos_ids, cfg, draft=draft,
+                   sampling=call.sampling, **call.hooks())
+    return call.output(gen)
+
+# ---- 7. CLI ------------------------------------------------------------------------------------------------
 
 def make_parser():
     """The options: the common ones (verify.common_parser), then the paper's parameters

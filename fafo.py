@@ -36,9 +36,13 @@ The paper, section by section, and where it is here (this file's sections in bra
                                                                verify.CompactedKVCache
     the KV back-ends: dense [6] (Figure 4's mask as a tensor, the spec); beyond the paper: split
     [9] (the guess rows' attention in a second call, the CPU default)
+    model.generate(..., custom_generate=...)                   custom_generate                [11]
 
     python fafo.py --prompt "Write a limerick about a cat." --compare
     python fafo.py --prompt "..." --compress none --lookback 1   # Lookahead Decoding: full-KV guesses
+
+    import fafo                                              # from transformers' own generate()
+    out = model.generate(input_ids, custom_generate=fafo.custom_generate, max_new_tokens=128)
 
     from fafo import FafoConfig, generate                    # as a library
     gen = generate(model, prompt_ids, 128, eos_ids, FafoConfig.cpu())
@@ -561,14 +565,14 @@ class DenseKV:
 @torch.no_grad()
 def generate(model, prompt_ids: Sequence[int], max_new_tokens: int, eos_ids: Sequence[int],
              cfg: FafoConfig, *, pool: NgramPool | None = None, sampling: verify.Sampling = verify.GREEDY,
-             on_emit=None, on_step=None) -> Generation:
+             on_emit=None, on_step=None, stop=None) -> Generation:
     """FAFO decoding, greedy or sampled (guess rows stay greedy: they need only be plausible). A `pool`
     passed in (an NgramPool, same k; it keeps its own cap and lookback) carries over between prompts."""
     cfg.check()
     n = cfg.n_guess  # guess streams (Lookahead's W)
     k = cfg.k  # tokens per stream, the n-gram length (Lookahead's N - 1)
     m = cfg.m  # candidates verified per step (Lookahead's G)
-    gen = Generation(max_new_tokens, eos_ids, on_emit=on_emit, on_step=on_step)
+    gen = Generation(max_new_tokens, eos_ids, on_emit=on_emit, on_step=on_step, stop=stop)
     compressor = make_compressor(cfg)
     pool = NgramPool(k, cfg.pool_cap or n, cfg.lookback, cfg.pool_refresh) if pool is None else pool
     if pool.k != k:
@@ -954,7 +958,28 @@ class FlexKV(DenseKV):
     def statistics(self, steps: int) -> dict:
         return {"slots_swapped_per_step": self.kv.moved / steps}
 
-# ---- 11. CLI -----------------------------------------------------------------------------------------------
+# ---- 11. From model.generate: the drop-in (verify.py section 13 reads the call) ----------------------------
+
+def custom_generate(model, input_ids, logits_processor, stopping_criteria, generation_config,
+                    fafo_config: FafoConfig | None = None, pool: NgramPool | None = None,
+                    seed: int | None = None, **model_kwargs):
+    """Run this file's generate() from transformers' own call, in place of its loop:
+
+        out = model.generate(input_ids, custom_generate=fafo.custom_generate, max_new_tokens=128)
+
+    Returns what model.generate returns (prompt + new tokens), honouring its GenerationConfig, its
+    stopping criteria (per emitted token) and its streamer. Keywords of this method: fafo_config
+    (default: FafoConfig.for_device, as the script), pool (an NgramPool carried over between calls;
+    default: a fresh one per call), seed (sampled: the noise's key; default drawn from torch's
+    generator)."""
+    call = verify.GenerateCall.read(model, input_ids, logits_processor, stopping_criteria,
+                                    generation_config, model_kwargs, seed)
+    cfg = FafoConfig.for_device(model.device) if fafo_config is None else fafo_config
+    gen = generate(model, call.prompt_ids, call.max_new_tokens, call.eos_ids, cfg, pool=pool,
+                   sampling=call.sampling, **call.hooks())
+    return call.output(gen)
+
+# ---- 12. CLI -----------------------------------------------------------------------------------------------
 
 def make_parser():
     """The options: the common ones (verify.common_parser), then the paper's parameters

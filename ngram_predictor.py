@@ -19,9 +19,13 @@ The chapter, section by section, and where it is here (this file's sections in b
     "The Verification Loop",        generate                                                    [4]
     "Buffer Capacity Guard"
     beyond the chapter              CostGate: skip drafts not worth their measured cost here    [5]
-                                    the CLI: prepare, report, main                              [6]
+                                    model.generate(..., custom_generate=...): custom_generate   [6]
+                                    the CLI: prepare, report, main                              [7]
 
     python ngram_predictor.py --prompt "Write a Python class Stack with push and pop." --compare
+
+    import ngram_predictor                                   # from transformers' own generate()
+    out = model.generate(input_ids, custom_generate=ngram_predictor.custom_generate, max_new_tokens=128)
 
     from ngram_predictor import NgramConfig, generate        # as a library
     gen = generate(model, prompt_ids, 128, eos_ids, NgramConfig())
@@ -32,6 +36,7 @@ this file deviates from the chapter it says so in a "deviation:" comment (and in
 
 from __future__ import annotations
 
+import functools
 import sys
 import time
 from collections import deque
@@ -251,13 +256,14 @@ def predicted_speedup(alpha: float, d: int, cost_ratio: float) -> float:
 @torch.no_grad()
 def generate(model, prompt_ids: Sequence[int], max_new_tokens: int, eos_ids: Sequence[int],
              cfg: NgramConfig, *, draft_costs: dict[int, float] | None = None,
-             sampling: verify.Sampling = verify.GREEDY, on_emit=None, on_step=None) -> Generation:
+             sampling: verify.Sampling = verify.GREEDY, on_emit=None, on_step=None,
+             stop=None) -> Generation:
     """Speculative decoding with n-gram drafts. draft_costs = {n: t(1+n)/t(1)}, the cost gate's
     curve (measured once per process by `prepare`, else now); cfg.draft_cost replaces it (1.0 = the
     chapter: always verify). `sampling`: greedy by default; sampled, exactly the plain sampler's
     tokens (verify.Sampling)."""
     cfg.check()
-    gen = Generation(max_new_tokens, eos_ids, on_emit=on_emit, on_step=on_step)
+    gen = Generation(max_new_tokens, eos_ids, on_emit=on_emit, on_step=on_step, stop=stop)
     predictor = NGramPredictor(cfg.max_order, cfg.draft_count, cfg.max_history)
     predictor.update_batch(prompt_ids)  # seed the tables with the prompt (chat template included)
     gate = CostGate.for_run(model, cfg, draft_costs)  # section 5; draft_cost = 1 lets all drafts by
@@ -391,7 +397,32 @@ def measure_draft_costs(model, d: int) -> dict[int, float]:
     curve = verify.measure_cost_curve(model, list(range(2, d + 2)))
     return {n: curve[1 + n] for n in range(1, d + 1)}
 
-# ---- 6. CLI ------------------------------------------------------------------------------------------------
+# ---- 6. From model.generate: the drop-in (verify.py section 13 reads the call) -----------------------------
+
+def custom_generate(model, input_ids, logits_processor, stopping_criteria, generation_config,
+                    ngram_config: NgramConfig | None = None, draft_costs: dict[int, float] | None = None,
+                    seed: int | None = None, **model_kwargs):
+    """Run this file's generate() from transformers' own call, in place of its loop:
+
+        out = model.generate(input_ids, custom_generate=ngram_predictor.custom_generate, max_new_tokens=128)
+
+    Returns what model.generate returns (prompt + new tokens), honouring its GenerationConfig, its
+    stopping criteria (per emitted token) and its streamer. Keywords of this method: ngram_config
+    (default: NgramConfig(), as the script), draft_costs (the gate's curve, `measure_draft_costs`;
+    default: measured at the first call, once per model), seed (sampled: the noise's key; default
+    drawn from torch's generator)."""
+    call = verify.GenerateCall.read(model, input_ids, logits_processor, stopping_criteria,
+                                    generation_config, model_kwargs, seed)
+    cfg = NgramConfig.for_device(model.device) if ngram_config is None else ngram_config
+    cfg.check()
+    if draft_costs is None and cfg.draft_cost is None:  # as prepare() measures it for the script
+        measure = functools.partial(measure_draft_costs, model, cfg.draft_count)
+        draft_costs = verify.once_per_model(model, ("ngram draft_costs", cfg.draft_count), measure)
+    gen = generate(model, call.prompt_ids, call.max_new_tokens, call.eos_ids, cfg, draft_costs=draft_costs,
+                   sampling=call.sampling, **call.hooks())
+    return call.output(gen)
+
+# ---- 7. CLI ------------------------------------------------------------------------------------------------
 
 def prepare(model, tok, cfg: NgramConfig, name: str = verify.DEFAULT_MODEL) -> tuple[NgramConfig,
                                                                                      dict]:

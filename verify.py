@@ -39,9 +39,14 @@ The public names, section by section, in the order a reader needs them:
                                         defaults_help, run_cli, run_method, seed_everything,
                                         streaming_hooks, print_statistics, print_comparison,
                                         rounding_tolerance, first_difference
+    a method called by model.generate(custom_generate=...) (each file's custom_generate)
+    13  reading transformers' call      GenerateCall, check_generate_call, read_logits_processors,
+                                        read_stopping_criteria, generate_argument, once_per_model,
+                                        model_name_of, tokenizer_of
 
 Copying it for one method: ngram_predictor.py, cacheback.py and card.py use sections 1-9 (9: the
-cost gate, the pruning, CARD's measured r), fafo.py 1-10; sections 11-12 serve `python FILE.py`.
+cost gate, the pruning, CARD's measured r), fafo.py 1-10; sections 11-12 serve `python FILE.py`,
+section 13 `model.generate(..., custom_generate=FILE.custom_generate)`.
 
 Greedy speculative decoding is *lossless*: a token is only emitted if it is the target's argmax
 given exactly the tokens before it, so in float32 the output is `model.generate(do_sample=False)`'s
@@ -69,6 +74,7 @@ import random
 import sys
 import time
 import warnings
+import weakref
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
@@ -576,11 +582,12 @@ def cache_len(cache) -> int:
 
 class Generation:
     """Collects the emitted tokens with HF generate's stopping rule: right after the first EOS
-    (emitted), or at max_new_tokens -- possibly in the MIDDLE of an accepted draft, whose rest is
-    dropped. target_forwards counts the prefill too, so vanilla decoding has exactly one forward per
+    (emitted), at max_new_tokens, or where `stop` says -- possibly in the MIDDLE of an accepted
+    draft, whose rest is dropped. target_forwards counts the prefill too, so vanilla decoding has exactly one forward per
     token."""
 
-    def __init__(self, max_new_tokens: int, eos_ids: Sequence[int], on_emit=None, on_step=None):
+    def __init__(self, max_new_tokens: int, eos_ids: Sequence[int], on_emit=None, on_step=None,
+                 stop=None):
         self.max_new_tokens = max_new_tokens
         self.eos_ids = set(eos_ids)
         self.done = False
@@ -596,6 +603,9 @@ class Generation:
         self.extra: dict = {}  # method-specific stats (shown in --json)
         # callbacks: (tokens, flags) streaming; --trace
         self.on_emit, self.on_step = on_emit, on_step
+        # stop(tokens so far) -> bool: one more stopping rule, checked after every emitted token
+        # (model.generate's other stopping criteria, such as a stop string: section 13)
+        self.stop = stop
         # what the method tells on_step about the step it just verified (finish_step's keywords):
         # kv_before / kv_after, the KV cache's length after the verification forward and after the
         # rollback, and its own (the n-gram orders, CARD's candidate cache, FAFO's rows and pool
@@ -612,6 +622,8 @@ class Generation:
             new.append(int(tok))
             flags.append(is_draft)
             self.done = int(tok) in self.eos_ids or len(self.tokens) + len(new) >= self.max_new_tokens
+            if self.stop is not None and not self.done:
+                self.done = self.stop(self.tokens + new)
         if new and self.first_token_at is None:
             self.first_token_at = time.perf_counter()  # the end of the prefill: time to first token
         self.tokens += new
@@ -1439,6 +1451,223 @@ def first_difference(model, prompt_ids: Sequence[int], want: Sequence[int],
     ours_token = int(got[i]) if i < len(got) else None
     return {"first_difference": i, "hf_token": hf_token, "ours_token": ours_token,
             "top2_margin": float(top2[0] - top2[1])}
+
+# ---- 13. Called by model.generate(custom_generate=...): what transformers prepared, read back ------------
+#
+# transformers lets a decoding method take the place of its own loop, and each method file offers one:
+#
+#     model.generate(input_ids, custom_generate=cacheback.custom_generate, max_new_tokens=128)
+#
+# generate() first does all it does for plain decoding: it merges the GenerationConfig with the
+# keywords and validates them, builds the logits processors and the stopping criteria, an attention
+# mask and an empty DynamicCache, and hands a streamer the prompt. Then it calls
+#
+#     custom_generate(model, input_ids, logits_processor=..., stopping_criteria=...,
+#                     generation_config=..., <the callable's own keywords>, **model_kwargs)
+#
+# passing on only those keywords whose names its own _sample()'s signature lacks: so `streamer` and
+# `tokenizer` do not reach us (generate_argument finds the streamer; a stop string needs the
+# tokenizer, so it takes the folder form, tools/export_generate.py, or a StopStringCriteria). GenerateCall reads it all
+# back into what a method's generate() takes: the prompt, max_new_tokens and the EOS ids (from the
+# stopping criteria), a Sampling (from the logits processors), and hooks for the streamer and the
+# other stopping criteria. Whatever would break losslessness is refused in one line. The cache
+# transformers made is never filled: ours replaces it (preallocated, and rolled back each step).
+
+# the logits processors that Sampling reproduces: temperature, then top-k, then top-p
+SAMPLING_PROCESSORS = ("TemperatureLogitsWarper", "TopKLogitsWarper", "TopPLogitsWarper")
+# the stopping criteria Generation applies itself (max_new_tokens, eos_ids); any other is asked per token
+OWN_CRITERIA = ("MaxLengthCriteria", "EosTokenCriteria")
+
+@dataclass
+class GenerateCall:
+    """One model.generate() call, read back: what a method's generate() takes, and how to answer.
+
+    >>> call = GenerateCall([5, 6], 4, [2], GREEDY, torch.device("cpu"))
+    >>> gen = Generation(4, [2])
+    >>> gen.emit([7, 2], 9)                  # an accepted draft [7, 2] and a bonus 9: EOS inside it, done
+    True
+    >>> call.output(gen)                     # prompt + new tokens up to the EOS, as HF's
+    tensor([[5, 6, 7, 2]])
+    """
+
+    prompt_ids: list[int]
+    max_new_tokens: int
+    eos_ids: list[int]
+    sampling: Sampling
+    device: torch.device  # where input_ids were: the output goes there too, as HF's does
+    return_dict: bool = False  # return_dict_in_generate: a GenerateDecoderOnlyOutput
+    streamer: object = None  # streamer.put(new token ids) as they are decided, streamer.end() at the end
+    criteria: list = field(default_factory=list)  # the other stopping criteria, asked after every token
+
+    @classmethod
+    def read(cls, model, input_ids, logits_processor, stopping_criteria, generation_config,
+             model_kwargs: dict, seed: int | None = None) -> "GenerateCall":
+        """Read a custom_generate call's arguments; UserError (one line) for what we cannot honour
+        losslessly. seed: the sampling noise's key (None: drawn from torch's generator, so
+        torch.manual_seed makes a sampled call repeatable, as it does HF's sampler)."""
+        check_generate_call(model, input_ids, generation_config, model_kwargs)
+        if generate_argument("assistant_model") is not None:
+            raise UserError("custom_generate: assistant_model is transformers' own speculative decoding: use "
+                            "one or the other")
+        prompt_ids = input_ids[0].tolist()
+        max_length, eos_ids, criteria = read_stopping_criteria(stopping_criteria)
+        sampling = read_logits_processors(logits_processor, generation_config.do_sample)
+        if not sampling.greedy:
+            if seed is None:
+                seed = int(torch.randint(2**62, (1,)))  # subtle: consumes torch's generator, as HF's does
+            sampling = dataclasses.replace(sampling, seed=seed)
+        return cls(prompt_ids, max_length - len(prompt_ids), eos_ids, sampling, input_ids.device,
+                   bool(generation_config.return_dict_in_generate), generate_argument("streamer"), criteria)
+
+    def hooks(self) -> dict:
+        """generate()'s on_emit (the streamer) and stop (the other criteria), where there are any."""
+        hooks = {}
+        if self.streamer is not None:
+            hooks["on_emit"] = self.stream
+        if self.criteria:
+            hooks["stop"] = self.stopped
+        return hooks
+
+    def stream(self, tokens: list[int], from_draft: list[bool]) -> None:
+        self.streamer.put(torch.tensor(tokens))  # [n]: every token this step decided, at once
+
+    def stopped(self, new_tokens: list[int]) -> bool:
+        """Whether a stopping criterion says stop now: called after every emitted token, with the
+        text as HF's loop would hold it then (prompt + new tokens [1, L], on the input's device).
+        Scores are None: a method has no per-token scores to give (read_stopping_criteria refuses
+        the one criterion that reads them)."""
+        ids = torch.tensor([self.prompt_ids + new_tokens], device=self.device)
+        return any(bool(criterion(ids, None).any()) for criterion in self.criteria)
+
+    def output(self, gen: Generation):
+        """What model.generate returns: prompt + new tokens [1, L] (a GenerateDecoderOnlyOutput with
+        only `sequences` when return_dict_in_generate; what it cannot hold was refused)."""
+        sequences = torch.tensor([self.prompt_ids + gen.tokens], dtype=torch.long, device=self.device)
+        if self.streamer is not None:
+            self.streamer.end()
+        if self.return_dict:
+            from transformers.generation.utils import GenerateDecoderOnlyOutput
+
+            return GenerateDecoderOnlyOutput(sequences=sequences)
+        return sequences
+
+def check_generate_call(model, input_ids, generation_config, model_kwargs: dict) -> None:
+    """Refuse, in one line, what speculative decoding here cannot reproduce exactly."""
+    if getattr(model.config, "is_encoder_decoder", False):
+        raise UserError("custom_generate: encoder-decoder models are not supported (decoder-only only)")
+    if input_ids is None or input_ids.dim() != 2 or input_ids.shape[1] == 0:
+        raise UserError("custom_generate: needs input_ids [1, L] of a non-empty prompt (not inputs_embeds)")
+    if generation_config.num_beams > 1:
+        raise UserError(f"custom_generate: num_beams={generation_config.num_beams}: beam search is not "
+                        "speculative decoding's target; use num_beams=1")
+    if generation_config.num_return_sequences > 1:
+        raise UserError(f"custom_generate: num_return_sequences={generation_config.num_return_sequences}: one "
+                        "sequence per call (call again for another sample)")
+    if input_ids.shape[0] != 1:
+        raise UserError(f"custom_generate: batch size {input_ids.shape[0]}: one sequence per call (call once "
+                        "per prompt)")
+    mask = model_kwargs.get("attention_mask")
+    if mask is not None and not bool(mask.all()):
+        raise UserError("custom_generate: a padded attention_mask: pass the prompt's tokens alone, unpadded")
+    cache = model_kwargs.get("cache", model_kwargs.get("past_key_values"))  # 5.24 / 4.57's keyword
+    if cache is not None and cache.get_seq_length() > 0:
+        raise UserError("custom_generate: a KV cache with content was passed: start from the prompt alone")
+    if getattr(generation_config, "prompt_lookup_num_tokens", None):
+        raise UserError("custom_generate: prompt_lookup_num_tokens is transformers' own speculative decoding: "
+                        "use one or the other")
+    if generation_config.return_dict_in_generate:
+        for name in ("output_scores", "output_logits", "output_attentions", "output_hidden_states"):
+            if getattr(generation_config, name, False):
+                raise UserError(f"custom_generate: {name}=True: a speculative step has no one-token-at-a-"
+                                "time scores, logits, attentions or hidden states to return")
+    check_supported(model)
+
+def read_logits_processors(logits_processor, do_sample: bool) -> Sampling:
+    """The Sampling that the prepared logits processors amount to: greedy unless do_sample;
+    temperature, top-k and top-p as HF applies them, in that order. Any other processor (a
+    repetition penalty, min_new_tokens, bad words, ...) changes the target's distribution from
+    token to token in a way our verification cannot repeat: refused, by name."""
+    values = {}
+    for processor in logits_processor or []:
+        name = type(processor).__name__
+        if name not in SAMPLING_PROCESSORS:
+            raise UserError(f"custom_generate: logits processor {name} is not supported (only temperature, "
+                            "top_k and top_p keep the output lossless here)")
+        values[name] = processor
+    if not do_sample:
+        return GREEDY
+    temperature = values.get("TemperatureLogitsWarper")
+    top_k = values.get("TopKLogitsWarper")
+    top_p = values.get("TopPLogitsWarper")
+    sampling = Sampling(temperature=float(temperature.temperature) if temperature else 1.0,
+                        top_k=int(top_k.top_k) if top_k else 0,
+                        top_p=float(top_p.top_p) if top_p else 1.0)
+    sampling.check()
+    return sampling
+
+def read_stopping_criteria(stopping_criteria) -> tuple[int, list[int], list]:
+    """(max_length, EOS ids, the other criteria) of the prepared stopping criteria. max_length and
+    EOS are Generation's own rules; the rest (a stop string, max_time, the caller's own) are asked
+    after every token. ConfidenceCriteria reads the scores, which a speculative step does not have:
+    refused."""
+    max_lengths, eos_ids, others = [], set(), []
+    for criterion in stopping_criteria or []:
+        name = type(criterion).__name__
+        if name == "MaxLengthCriteria":
+            max_lengths.append(int(criterion.max_length))
+        elif name == "EosTokenCriteria":
+            eos_ids.update(torch.as_tensor(criterion.eos_token_id).flatten().tolist())
+        elif name == "ConfidenceCriteria":
+            raise UserError("custom_generate: ConfidenceCriteria reads per-token scores, which are not kept")
+        else:
+            others.append(criterion)
+    if not max_lengths:
+        raise UserError("custom_generate: no max_length: give max_new_tokens (or max_length)")
+    return min(max_lengths), sorted(eos_ids), others
+
+def generate_argument(name: str):
+    """An argument the caller gave model.generate that transformers keeps from a callable (the
+    streamer, an assistant_model), or None. subtle: transformers hands a callable only the keywords
+    that _sample()'s signature lacks, and `streamer` is one of its parameters, so the streamer stays
+    behind in generate()'s frame (where it was given the prompt already). That frame is the one
+    place it still is, so we read it there: the nearest caller that is transformers' generate()."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        code = frame.f_code
+        if code.co_name == "generate" and code.co_filename.endswith(os.path.join("generation", "utils.py")):
+            return frame.f_locals.get(name)
+        frame = frame.f_back
+    return None
+
+# what drop-in calls measured or loaded, per model, for this process: model -> {key: value}
+PREPARED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+def once_per_model(model, key: tuple, make: Callable):
+    """make(), once per model and key in this process. A script's prepare() measures a cost curve
+    or loads a table once, before anything is timed; a program that calls model.generate in a loop
+    should not pay for that on every call either."""
+    made = PREPARED.setdefault(model, {})
+    if key not in made:
+        made[key] = make()
+    return made[key]
+
+def model_name_of(model) -> str:
+    """The name a method's prepare() takes (it picks the shipped tables and drafts by it): the
+    default model's name for its converted folder, else the folder or hub id it was loaded from."""
+    path = getattr(model, "name_or_path", "") or ""
+    if path and os.path.abspath(path) == os.path.abspath(converted_dir()):
+        return DEFAULT_MODEL
+    return path
+
+def tokenizer_of(model, instead: str):
+    """The tokenizer beside the model's weights, for what needs one (a frozen table's identity, a
+    named draft's vocabulary): model.generate does not pass its `tokenizer` on to a callable.
+    instead: the keyword that gives what the tokenizer was needed for, named in the error."""
+    try:
+        return transformers.AutoTokenizer.from_pretrained(model.name_or_path)
+    except Exception as e:
+        raise UserError(f"custom_generate: no tokenizer beside the model ({str(e).splitlines()[0][:120]}); "
+                        f"pass {instead}= instead") from None
 
 def main(argv=None) -> int:
     parser = common_parser("Plain greedy decoding with a KV cache (the 'vanilla' baseline), through the\n"
