@@ -583,8 +583,8 @@ def cache_len(cache) -> int:
 class Generation:
     """Collects the emitted tokens with HF generate's stopping rule: right after the first EOS
     (emitted), at max_new_tokens, or where `stop` says -- possibly in the MIDDLE of an accepted
-    draft, whose rest is dropped. target_forwards counts the prefill too, so vanilla decoding has exactly one forward per
-    token."""
+    draft, whose rest is dropped. target_forwards counts the prefill too, so vanilla decoding has
+    exactly one forward per token."""
 
     def __init__(self, max_new_tokens: int, eos_ids: Sequence[int], on_emit=None, on_step=None,
                  stop=None):
@@ -1467,11 +1467,12 @@ def first_difference(model, prompt_ids: Sequence[int], want: Sequence[int],
 #
 # passing on only those keywords whose names its own _sample()'s signature lacks: so `streamer` and
 # `tokenizer` do not reach us (generate_argument finds the streamer; a stop string needs the
-# tokenizer, so it takes the folder form, tools/export_generate.py, or a StopStringCriteria). GenerateCall reads it all
-# back into what a method's generate() takes: the prompt, max_new_tokens and the EOS ids (from the
-# stopping criteria), a Sampling (from the logits processors), and hooks for the streamer and the
-# other stopping criteria. Whatever would break losslessness is refused in one line. The cache
-# transformers made is never filled: ours replaces it (preallocated, and rolled back each step).
+# tokenizer, so it takes the folder form, tools/export_generate.py, or a StopStringCriteria).
+# GenerateCall reads it all back into what a method's generate() takes: the prompt, max_new_tokens
+# and the EOS ids (from the stopping criteria), a Sampling (from the logits processors), and hooks
+# for the streamer and the other stopping criteria. Whatever would break losslessness is refused
+# in one line. The cache transformers made is never filled: ours replaces it (preallocated, and
+# rolled back each step).
 
 # the logits processors that Sampling reproduces: temperature, then top-k, then top-p
 SAMPLING_PROCESSORS = ("TemperatureLogitsWarper", "TopKLogitsWarper", "TopPLogitsWarper")
@@ -1561,8 +1562,9 @@ def check_generate_call(model, input_ids, generation_config, model_kwargs: dict)
         raise UserError(f"custom_generate: num_beams={generation_config.num_beams}: beam search is not "
                         "speculative decoding's target; use num_beams=1")
     if generation_config.num_return_sequences > 1:
-        raise UserError(f"custom_generate: num_return_sequences={generation_config.num_return_sequences}: one "
-                        "sequence per call (call again for another sample)")
+        sequences = generation_config.num_return_sequences
+        raise UserError(f"custom_generate: num_return_sequences={sequences}: one sequence per call (call "
+                        "again for another sample)")
     if input_ids.shape[0] != 1:
         raise UserError(f"custom_generate: batch size {input_ids.shape[0]}: one sequence per call (call once "
                         "per prompt)")
@@ -1573,8 +1575,8 @@ def check_generate_call(model, input_ids, generation_config, model_kwargs: dict)
     if cache is not None and cache.get_seq_length() > 0:
         raise UserError("custom_generate: a KV cache with content was passed: start from the prompt alone")
     if getattr(generation_config, "prompt_lookup_num_tokens", None):
-        raise UserError("custom_generate: prompt_lookup_num_tokens is transformers' own speculative decoding: "
-                        "use one or the other")
+        raise UserError("custom_generate: prompt_lookup_num_tokens is transformers' own speculative "
+                        "decoding: use one or the other")
     if generation_config.return_dict_in_generate:
         for name in ("output_scores", "output_logits", "output_attentions", "output_hidden_states"):
             if getattr(generation_config, name, False):
@@ -1610,7 +1612,9 @@ def read_stopping_criteria(stopping_criteria) -> tuple[int, list[int], list]:
     EOS are Generation's own rules; the rest (a stop string, max_time, the caller's own) are asked
     after every token. ConfidenceCriteria reads the scores, which a speculative step does not have:
     refused."""
-    max_lengths, eos_ids, others = [], set(), []
+    max_lengths = []
+    eos_ids = set()
+    others = []
     for criterion in stopping_criteria or []:
         name = type(criterion).__name__
         if name == "MaxLengthCriteria":
