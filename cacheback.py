@@ -45,7 +45,7 @@ import os
 import sys
 import time
 from collections import OrderedDict
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Iterator, Sequence
 
 import torch
@@ -635,8 +635,10 @@ def custom_generate(model, input_ids, logits_processor, stopping_criteria, gener
         out = model.generate(input_ids, custom_generate=cacheback.custom_generate, max_new_tokens=128)
 
     Returns what model.generate returns (prompt + new tokens), honouring its GenerationConfig, its
-    stopping criteria (per emitted token) and its streamer. Keywords of this method:
-    cacheback_config (default: CachebackConfig.for_device, as the script), frozen_table (the table
+    stopping criteria (per emitted token) and its streamer, and refusing in one line what it cannot
+    reproduce (verify.check_generate_call). Keywords of this method:
+    cacheback_config (default: CachebackConfig.for_device, as the script; for a model other than
+    the default, without a frozen table, which ships for the default model only), frozen_table (the table
     cfg.frozen names, `frozen_table_for`; default: loaded at the first call with the tokenizer
     beside the model), cost (the pruning's curve, `measure_cost`; default: measured at the first
     call), seed (sampled: the noise's key; default drawn from torch's generator). What a first call
@@ -644,6 +646,10 @@ def custom_generate(model, input_ids, logits_processor, stopping_criteria, gener
     call = verify.GenerateCall.read(model, input_ids, logits_processor, stopping_criteria,
                                     generation_config, model_kwargs, seed)
     cfg = CachebackConfig.for_device(model.device) if cacheback_config is None else cacheback_config
+    if cacheback_config is None and verify.model_name_of(model) != verify.DEFAULT_MODEL:
+        # the CUDA default's frozen table ships for the default model only: another model runs the
+        # default without one (Table 1's "no frozen" row) rather than fail; name one to use it
+        cfg = replace(cfg, frozen="none")
     cfg.check()
     if frozen_table is None and cfg.frozen != "none":
         def load() -> CacheTable:  # the tokenizer tells the table's identity (tokenizer_identity)

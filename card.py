@@ -882,12 +882,14 @@ def custom_generate(model, input_ids, logits_processor, stopping_criteria, gener
         out = model.generate(input_ids, custom_generate=card.custom_generate, max_new_tokens=128)
 
     Returns what model.generate returns (prompt + new tokens), honouring its GenerationConfig, its
-    stopping criteria (per emitted token) and its streamer. Keywords of this method: card_config
+    stopping criteria (per emitted token) and its streamer, and refusing in one line what it cannot
+    reproduce (verify.check_generate_call). Keywords of this method: card_config
     (default: CardConfig.for_device, as the script), draft_model (a model with the target's
     tokenizer, or a running DraftProcess to keep one process across calls; default: the draft
     cfg.draft names, built per call, and in parallel mode a draft process started for this call
-    and stopped when it returns, raises or is interrupted), seed (sampled: the noise's key; default
-    drawn from torch's generator). note: not transformers' assistant_model, which is its own."""
+    and stopped when it returns, raises or is interrupted; r = "auto" is measured at the first call
+    and kept for the model), seed (sampled: the noise's key; default drawn from torch's generator).
+    note: not transformers' assistant_model, which is its own."""
     call = verify.GenerateCall.read(model, input_ids, logits_processor, stopping_criteria,
                                     generation_config, model_kwargs, seed)
     cfg = CardConfig.for_device(model.device) if card_config is None else card_config
@@ -897,9 +899,11 @@ def custom_generate(model, input_ids, logits_processor, stopping_criteria, gener
         named = cfg.draft not in ("int8", "self")  # a named draft's vocabulary is checked
         tok = verify.tokenizer_of(model, instead="draft_model") if named else None
         draft = load_draft(model, tok, cfg, verify.model_name_of(model))
-    if cfg.ratio == "auto":  # §3.1's rule, measured now (prepare() does it once for the script)
+    if cfg.ratio == "auto":  # §3.1's rule, measured at the first call (as prepare() does for the script)
         draft_weights = draft.model if isinstance(draft, DraftProcess) else draft
-        cfg = dataclasses.replace(cfg, ratio=measure_ratio(model, draft_weights, cfg.K))
+        measure = functools.partial(measure_ratio, model, draft_weights, cfg.K)
+        key = ("card ratio", cfg.K, id(draft_model) if draft_model is not None else cfg.draft)
+        cfg = dataclasses.replace(cfg, ratio=verify.once_per_model(model, key, measure))
     gen = generate(model, call.prompt_ids, call.max_new_tokens, call.eos_ids, cfg, draft=draft,
                    sampling=call.sampling, **call.hooks())
     return call.output(gen)

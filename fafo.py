@@ -968,7 +968,8 @@ def custom_generate(model, input_ids, logits_processor, stopping_criteria, gener
         out = model.generate(input_ids, custom_generate=fafo.custom_generate, max_new_tokens=128)
 
     Returns what model.generate returns (prompt + new tokens), honouring its GenerationConfig, its
-    stopping criteria (per emitted token) and its streamer. Keywords of this method: fafo_config
+    stopping criteria (per emitted token) and its streamer, and refusing in one line what it cannot
+    reproduce (verify.check_generate_call). Keywords of this method: fafo_config
     (default: FafoConfig.for_device, as the script), pool (an NgramPool carried over between calls;
     default: a fresh one per call), seed (sampled: the noise's key; default drawn from torch's
     generator)."""

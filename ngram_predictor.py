@@ -407,8 +407,9 @@ def custom_generate(model, input_ids, logits_processor, stopping_criteria, gener
         out = model.generate(input_ids, custom_generate=ngram_predictor.custom_generate, max_new_tokens=128)
 
     Returns what model.generate returns (prompt + new tokens), honouring its GenerationConfig, its
-    stopping criteria (per emitted token) and its streamer. Keywords of this method: ngram_config
-    (default: NgramConfig(), as the script), draft_costs (the gate's curve, `measure_draft_costs`;
+    stopping criteria (per emitted token) and its streamer, and refusing in one line what it cannot
+    reproduce (verify.check_generate_call). Keywords of this method: ngram_config
+    (default: NgramConfig.for_device, as the script), draft_costs (the gate's curve, `measure_draft_costs`;
     default: measured at the first call, once per model), seed (sampled: the noise's key; default
     drawn from torch's generator)."""
     call = verify.GenerateCall.read(model, input_ids, logits_processor, stopping_criteria,

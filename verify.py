@@ -1459,8 +1459,9 @@ def first_difference(model, prompt_ids: Sequence[int], want: Sequence[int],
 #     model.generate(input_ids, custom_generate=cacheback.custom_generate, max_new_tokens=128)
 #
 # generate() first does all it does for plain decoding: it merges the GenerationConfig with the
-# keywords and validates them, builds the logits processors and the stopping criteria, an attention
-# mask and an empty DynamicCache, and hands a streamer the prompt. Then it calls
+# keywords and validates them, builds the logits processors and the stopping criteria, the model's
+# inputs (an attention mask, which 5.x drops when it is all ones; position ids in 5.x; an empty
+# DynamicCache) and hands a streamer the prompt. Then it calls
 #
 #     custom_generate(model, input_ids, logits_processor=..., stopping_criteria=...,
 #                     generation_config=..., <the callable's own keywords>, **model_kwargs)
@@ -1474,10 +1475,19 @@ def first_difference(model, prompt_ids: Sequence[int], want: Sequence[int],
 # in one line. The cache transformers made is never filled: ours replaces it (preallocated, and
 # rolled back each step).
 
-# the logits processors that Sampling reproduces: temperature, then top-k, then top-p
+# the logits processors that Sampling reproduces, in the one order it applies them (HF's, for the
+# ones it builds from a GenerationConfig): temperature, then top-k, then top-p
 SAMPLING_PROCESSORS = ("TemperatureLogitsWarper", "TopKLogitsWarper", "TopPLogitsWarper")
-# the stopping criteria Generation applies itself (max_new_tokens, eos_ids); any other is asked per token
+# processors that change neither the argmax nor the distribution sampled from (a log-softmax)
+HARMLESS_PROCESSORS = ("LogitNormalization",)
+# the stopping criteria Generation applies itself, as max_new_tokens and eos_ids; others are asked per token
 OWN_CRITERIA = ("MaxLengthCriteria", "EosTokenCriteria")
+# the decoding modes a method reproduces (GenerationConfig.get_generation_mode's names)
+SPECULATED_MODES = ("greedy_search", "sample")
+# what transformers prepares as the model's inputs; a caller's other keyword would reach only plain
+# generate()'s forwards (inputs_embeds, token_type_ids, pixel_values, ...): refused
+PREPARED_INPUTS = ("attention_mask", "position_ids", "cache", "past_key_values", "use_cache",
+                   "logits_to_keep")
 
 @dataclass
 class GenerateCall:
@@ -1507,16 +1517,16 @@ class GenerateCall:
         losslessly. seed: the sampling noise's key (None: drawn from torch's generator, so
         torch.manual_seed makes a sampled call repeatable, as it does HF's sampler)."""
         check_generate_call(model, input_ids, generation_config, model_kwargs)
-        if generate_argument("assistant_model") is not None:
-            raise UserError("custom_generate: assistant_model is transformers' own speculative decoding: use "
-                            "one or the other")
         prompt_ids = input_ids[0].tolist()
         max_length, eos_ids, criteria = read_stopping_criteria(stopping_criteria)
         sampling = read_logits_processors(logits_processor, generation_config.do_sample)
         if not sampling.greedy:
             if seed is None:
-                seed = int(torch.randint(2**62, (1,)))  # subtle: consumes torch's generator, as HF's does
+                # one draw from torch's generator: torch.manual_seed repeats a call, and two calls
+                # in a row differ, as with HF's sampler (which draws once per token)
+                seed = int(torch.randint(2**62, (1,)))
             sampling = dataclasses.replace(sampling, seed=seed)
+        # subtle: transformers turned max_new_tokens into max_length = prompt + max_new_tokens
         return cls(prompt_ids, max_length - len(prompt_ids), eos_ids, sampling, input_ids.device,
                    bool(generation_config.return_dict_in_generate), generate_argument("streamer"), criteria)
 
@@ -1530,7 +1540,9 @@ class GenerateCall:
         return hooks
 
     def stream(self, tokens: list[int], from_draft: list[bool]) -> None:
-        self.streamer.put(torch.tensor(tokens))  # [n]: every token this step decided, at once
+        # subtle: [n], every token a step decided in one put() (HF's loop puts one at a time; its
+        # TextStreamer takes either)
+        self.streamer.put(torch.tensor(tokens))
 
     def stopped(self, new_tokens: list[int]) -> bool:
         """Whether a stopping criterion says stop now: called after every emitted token, with the
@@ -1538,7 +1550,8 @@ class GenerateCall:
         Scores are None: a method has no per-token scores to give (read_stopping_criteria refuses
         the one criterion that reads them)."""
         ids = torch.tensor([self.prompt_ids + new_tokens], device=self.device)
-        return any(bool(criterion(ids, None).any()) for criterion in self.criteria)
+        # as_tensor: a criterion may answer a plain bool, which HF's StoppingCriteriaList accepts too
+        return any(bool(torch.as_tensor(criterion(ids, None)).any()) for criterion in self.criteria)
 
     def output(self, gen: Generation):
         """What model.generate returns: prompt + new tokens [1, L] (a GenerateDecoderOnlyOutput with
@@ -1558,9 +1571,18 @@ def check_generate_call(model, input_ids, generation_config, model_kwargs: dict)
         raise UserError("custom_generate: encoder-decoder models are not supported (decoder-only only)")
     if input_ids is None or input_ids.dim() != 2 or input_ids.shape[1] == 0:
         raise UserError("custom_generate: needs input_ids [1, L] of a non-empty prompt (not inputs_embeds)")
-    if generation_config.num_beams > 1:
-        raise UserError(f"custom_generate: num_beams={generation_config.num_beams}: beam search is not "
-                        "speculative decoding's target; use num_beams=1")
+    # beam search, contrastive search, DoLa, constrained beams, transformers' own assisted decoding
+    # (assistant_model, prompt_lookup_num_tokens): each is its own loop, which ours is not
+    mode = str(generation_config.get_generation_mode(generate_argument("assistant_model")).value)
+    if mode not in SPECULATED_MODES:
+        raise UserError(f"custom_generate: the call asks for {mode.replace('_', ' ')}; a method here "
+                        "reproduces greedy decoding and sampling only")
+    impl = getattr(generation_config, "cache_implementation", None)
+    if impl not in (None, "dynamic"):
+        raise UserError(f"custom_generate: cache_implementation={impl!r}: the method uses its own cache, "
+                        "rolled back every step")
+    if getattr(generation_config, "token_healing", False):
+        raise UserError("custom_generate: token_healing needs the tokenizer, which a method does not get")
     if generation_config.num_return_sequences > 1:
         sequences = generation_config.num_return_sequences
         raise UserError(f"custom_generate: num_return_sequences={sequences}: one sequence per call (call "
@@ -1568,15 +1590,19 @@ def check_generate_call(model, input_ids, generation_config, model_kwargs: dict)
     if input_ids.shape[0] != 1:
         raise UserError(f"custom_generate: batch size {input_ids.shape[0]}: one sequence per call (call once "
                         "per prompt)")
-    mask = model_kwargs.get("attention_mask")
+    mask = model_kwargs.get("attention_mask")  # subtle: 5.x passes None for an all-ones mask
     if mask is not None and not bool(mask.all()):
         raise UserError("custom_generate: a padded attention_mask: pass the prompt's tokens alone, unpadded")
+    unknown = sorted(k for k, v in model_kwargs.items() if v is not None and k not in PREPARED_INPUTS)
+    if unknown:
+        raise UserError(f"custom_generate: model inputs {', '.join(unknown)} are not passed on (the prompt's "
+                        "input_ids and attention_mask are)")
+    positions = model_kwargs.get("position_ids")
+    if positions is not None and not torch.equal(positions.cpu(), torch.arange(input_ids.shape[1])[None]):
+        raise UserError("custom_generate: position_ids other than 0 .. L-1 are not supported")
     cache = model_kwargs.get("cache", model_kwargs.get("past_key_values"))  # 5.24 / 4.57's keyword
     if cache is not None and cache.get_seq_length() > 0:
         raise UserError("custom_generate: a KV cache with content was passed: start from the prompt alone")
-    if getattr(generation_config, "prompt_lookup_num_tokens", None):
-        raise UserError("custom_generate: prompt_lookup_num_tokens is transformers' own speculative "
-                        "decoding: use one or the other")
     if generation_config.return_dict_in_generate:
         for name in ("output_scores", "output_logits", "output_attentions", "output_hidden_states"):
             if getattr(generation_config, name, False):
@@ -1592,9 +1618,20 @@ def read_logits_processors(logits_processor, do_sample: bool) -> Sampling:
     values = {}
     for processor in logits_processor or []:
         name = type(processor).__name__
+        if name in HARMLESS_PROCESSORS:
+            continue
         if name not in SAMPLING_PROCESSORS:
             raise UserError(f"custom_generate: logits processor {name} is not supported (only temperature, "
                             "top_k and top_p keep the output lossless here)")
+        # a caller's own warper comes before the configured ones, or twice: not what Sampling applies
+        rank = SAMPLING_PROCESSORS.index(name)
+        later = [other for other in values if SAMPLING_PROCESSORS.index(other) >= rank]
+        if later:
+            raise UserError(f"custom_generate: {name} after {later[0]}: only temperature, then top_k, then "
+                            "top_p, once each, as a GenerationConfig builds them")
+        keeps_one = getattr(processor, "min_tokens_to_keep", 1) == 1
+        if not keeps_one or getattr(processor, "filter_value", -float("inf")) != -float("inf"):
+            raise UserError(f"custom_generate: {name} with min_tokens_to_keep or filter_value changed")
         values[name] = processor
     if not do_sample:
         return GREEDY
@@ -1610,16 +1647,16 @@ def read_logits_processors(logits_processor, do_sample: bool) -> Sampling:
 def read_stopping_criteria(stopping_criteria) -> tuple[int, list[int], list]:
     """(max_length, EOS ids, the other criteria) of the prepared stopping criteria. max_length and
     EOS are Generation's own rules; the rest (a stop string, max_time, the caller's own) are asked
-    after every token. ConfidenceCriteria reads the scores, which a speculative step does not have:
-    refused."""
+    after every token, with scores None: a speculative step has no per-token scores (HF passes None
+    too unless output_scores). ConfidenceCriteria always reads them: refused."""
     max_lengths = []
     eos_ids = set()
     others = []
     for criterion in stopping_criteria or []:
         name = type(criterion).__name__
-        if name == "MaxLengthCriteria":
+        if name == OWN_CRITERIA[0]:
             max_lengths.append(int(criterion.max_length))
-        elif name == "EosTokenCriteria":
+        elif name == OWN_CRITERIA[1]:
             eos_ids.update(torch.as_tensor(criterion.eos_token_id).flatten().tolist())
         elif name == "ConfidenceCriteria":
             raise UserError("custom_generate: ConfidenceCriteria reads per-token scores, which are not kept")
@@ -1634,7 +1671,10 @@ def generate_argument(name: str):
     streamer, an assistant_model), or None. subtle: transformers hands a callable only the keywords
     that _sample()'s signature lacks, and `streamer` is one of its parameters, so the streamer stays
     behind in generate()'s frame (where it was given the prompt already). That frame is the one
-    place it still is, so we read it there: the nearest caller that is transformers' generate()."""
+    place it still is, so we read it there: the nearest caller that is transformers' generate().
+    fragile: it rests on generate() keeping the argument in a local of that name (4.57 and 5.x do;
+    tests/test_custom_generate.py fails if a release stops). Called directly, not from
+    model.generate, there is no such frame: None."""
     frame = sys._getframe(1)
     while frame is not None:
         code = frame.f_code

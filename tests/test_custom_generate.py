@@ -11,7 +11,8 @@ import sys
 
 import pytest
 import torch
-from transformers import StoppingCriteria, StoppingCriteriaList, StopStringCriteria, TextStreamer
+from transformers import (LogitsProcessorList, StoppingCriteria, StoppingCriteriaList, StopStringCriteria,
+                          TextStreamer, TopPLogitsWarper)
 
 import cacheback
 import card
@@ -255,12 +256,20 @@ def test_a_stop_string_inside_an_accepted_draft(real, exported):
 # ------------------------------------------------------------------------------------ outputs and streaming
 
 
+class Never(StoppingCriteria):
+    """A caller's criterion that answers a plain bool, as StoppingCriteriaList allows."""
+
+    def __call__(self, input_ids, scores, **kwargs):
+        return False
+
+
 @pytest.mark.compat
 def test_return_dict_in_generate(llama):
     model, draft = llama
     want = model.generate(IDS, max_new_tokens=NEW, do_sample=False, return_dict_in_generate=True)
     got = model.generate(IDS, custom_generate=cacheback.custom_generate, max_new_tokens=NEW,
-                         return_dict_in_generate=True, **tiny_options("cacheback", draft))
+                         return_dict_in_generate=True, stopping_criteria=StoppingCriteriaList([Never()]),
+                         **tiny_options("cacheback", draft))
     assert type(got) is type(want)
     assert torch.equal(got.sequences, want.sequences)
 
@@ -315,10 +324,16 @@ def _refusals(model, draft):
     yield "RepetitionPenaltyLogitsProcessor", model, dict(repetition_penalty=1.3)
     yield "Min(NewTokens)?LengthLogitsProcessor", model, dict(min_new_tokens=5)
     yield "NoBadWordsLogitsProcessor", model, dict(bad_words_ids=[[7]])
-    yield "num_beams", model, dict(num_beams=2)
+    yield "beam search", model, dict(num_beams=2)
+    yield "contrastive search", model, dict(penalty_alpha=0.6, top_k=4)
+    yield "dola generation", model, dict(dola_layers="low")
     yield "output_scores", model, dict(return_dict_in_generate=True, output_scores=True)
-    yield "assistant_model", model, dict(assistant_model=draft)
-    yield "prompt_lookup_num_tokens", model, dict(prompt_lookup_num_tokens=3)
+    yield "assisted generation", model, dict(assistant_model=draft)
+    yield "assisted generation", model, dict(prompt_lookup_num_tokens=3)
+    yield "TemperatureLogitsWarper after TopPLogitsWarper", model, dict(
+        do_sample=True, temperature=0.7, logits_processor=LogitsProcessorList([TopPLogitsWarper(0.9)]))
+    yield "position_ids", model, dict(position_ids=torch.arange(len(PROMPT))[None] + 3)
+    yield "cache_implementation", model, dict(cache_implementation="static")
     yield "sliding-window", sliding, {}
 
 
