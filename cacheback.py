@@ -14,13 +14,14 @@ The paper, section by section, and where it is here (this file's sections in bra
     §3, §4          LL, FL, LC, FC, TDL, CRT           CachebackConfig                         [0]
     §3.1            the two-level LRU table            CacheTable: insert, query               [1]
     §3.2, §3.3      dual tables, dynamic and frozen    update_table, windows, check_frozen     [2]
-    §3.2, Figure 2  the draft tree under TDL and CRT   grow_tree, DraftTree                    [3]
+    §3.2, Figure 2  the draft tree under TDL and CRT   grow_tree (the levels, the budget),     [3]
+                    (§3.3: the frozen table's order)   add_followers (one node), DraftTree
     §3.2            draft, verify, accept, update      generate                                [4]
     beyond the paper: cost-aware pruning for CPUs      CostPruner, NoPruning, prune            [5]
     §3.3, §4        the frozen table's file            load_frozen, frozen_table_for           [6]
                     (built offline by tools/build_frozen.py)
-                    model.generate(..., custom_generate=...)   custom_generate                         [7]
-                    the CLI: prepare, main                                                             [8]
+    model.generate(..., custom_generate=...)           custom_generate                         [7]
+    the CLI                                            prepare, main                           [8]
 
     python cacheback.py --prompt "Summarize: ..." --compare
 
@@ -56,6 +57,7 @@ from verify import Generation, Tree
 # the shipped frozen tables
 CORPUS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "corpus")
 FROZEN_CORPORA = ("stdlib", "selfchat")
+FROZEN_ORDERS = ("each-node", "after")  # CachebackConfig.frozen_order
 
 # ---- 0. Configuration (§3, §4) -----------------------------------------------------------------------------
 
@@ -76,6 +78,10 @@ class CachebackConfig:
     crt: int = 16  # CRT, chaining-reserved tokens: TDL budget kept for tree levels 2 and deeper
     # the frozen table (§3.3): 'none', 'stdlib', 'selfchat' (section 6) or a file
     frozen: str = "none"
+    # where the frozen table's followers enter the tree (§3.3; section 3 says how, TUTORIAL §3.3
+    # which measures better where): 'each-node' = at every node, right after the dynamic table's
+    # (the authors' code); 'after' = once the dynamic tree is grown, in a second pass (ours)
+    frozen_order: str = "after"
     # 'none' verifies whole trees (the paper); 'cost' = our pruning pass (section 5)
     prune: str = "none"
     dynamic_table: bool = True  # False leaves the dynamic table empty: Table 1's "only frozen" row
@@ -84,7 +90,11 @@ class CachebackConfig:
     def paper(cls) -> "CachebackConfig":
         """§4's values, whole trees, and a frozen table. The paper's corpus (1% of OpenWebText) is
         not available offline; 'selfchat' is our stand-in with the most accepted tokens
-        (RESULTS.md)."""
+        (RESULTS.md). deviation: the frozen followers enter 'after' the dynamic tree, not at each
+        node as in the authors' code ('each-node'): at these settings the authors' order ties on
+        accepted tokens over all steps of the tuning half (2.32 against 2.31) and loses on the
+        per-prompt mean that SpecBench's speedup follows (2.69 against 3.16; RESULTS.md, "The
+        frozen table's order")."""
         return cls(frozen="selfchat")
 
     @classmethod
@@ -111,6 +121,9 @@ class CachebackConfig:
             raise verify.UserError(f"need TDL >= 1 and 0 <= CRT < TDL (got TDL {self.tdl}, CRT {self.crt})")
         if self.prune not in ("cost", "none"):
             raise verify.UserError(f"--prune must be cost or none (got {self.prune!r})")
+        if self.frozen_order not in FROZEN_ORDERS:
+            raise verify.UserError(f"--frozen-order must be {' or '.join(FROZEN_ORDERS)} (got "
+                                   f"{self.frozen_order!r})")
         if self.frozen not in ("none", *FROZEN_CORPORA) and not os.path.isfile(self.frozen):
             raise verify.UserError(f"--frozen {self.frozen}: expected none, {', '.join(FROZEN_CORPORA)} "
                                    "or a table file")
@@ -234,9 +247,15 @@ def check_frozen(cfg: CachebackConfig, frozen_table: CacheTable | None) -> None:
 #     level 2: leaf "deep": query (hid, deep) -> nothing (or no budget left)
 #
 # Queries: the dynamic table first, then the frozen one "to further grow the tree if TDL still
-# allows": the whole dynamic tree is grown first, then the frozen table's followers are hung into it
-# breadth first while budget is left. A follower found in both is added once. A leaf whose leader is
-# in neither table stays a leaf (no backoff).
+# allows" (§3.3). The sentence fits two orders, cfg.frozen_order:
+#   each-node  one breadth-first pass; at every node the dynamic table's followers, then the frozen
+#              table's (the authors' code)
+#   after      a first pass grows the whole tree from the dynamic table; a second walks it again,
+#              breadth first, with both: the dynamic followers are there already (they merge for
+#              free) and the frozen ones fill what budget is left (ours: frozen followers at level 1
+#              cannot take the budget of the text's own deeper continuations)
+# A follower found in both tables is added once. A leaf whose leader is in neither table stays a
+# leaf (no backoff).
 #
 # Design choice (ours): only the level-1 query, made with the real, verified context, refreshes the
 # leader's recency. Deeper queries are made with *speculative* tokens that may never
@@ -255,11 +274,11 @@ def fanout_bucket(followers: int) -> int:
 
 @dataclass
 class DraftTree(Tree):
-    """A verify.Tree that also remembers where each node's token came from: origins[i] = (table,
-    rank, pos, fanout) -- the table (0 dynamic, 1 frozen), the follower's rank in that table's
-    answer (0 = most recent; 3 = 4th or later), the node's position inside its follower, and how
-    many followers its leader had (0: one, 1: 2-3, 2: more). The growth below does not read them;
-    section 5's pruning learns an acceptance rate per origin from them.
+    """A verify.Tree that also remembers where each node's token came from, for section 5's pruning
+    (beyond the paper: the growth below never reads them; the pruning learns an acceptance rate per
+    origin). origins[i] = (table, rank, pos, fanout): the table (0 dynamic, 1 frozen), the
+    follower's rank in that table's answer (0 = most recent; 3 = 4th or later), the node's position
+    inside its follower, and how many followers its leader had (0: one, 1: 2-3, 2: more).
 
     Why these buckets: an origin's rate is learned from the steps of one prompt, a few hundred
     trials spread over every origin, so there must be few origins. FC = 4 to 16 followers per leader
@@ -285,6 +304,16 @@ class DraftTree(Tree):
                 self.origins.append((table, min(rank, MAX_RANK), pos, fanout))
         return nodes
 
+    def new_tokens(self, node: int, follower: Sequence[int]) -> int:
+        """How many nodes adding `follower` below `node` would create (the rest is a shared prefix
+        already in the tree)."""
+        for i, t in enumerate(follower):
+            child = self.children[node].get(int(t))
+            if child is None:
+                return len(follower) - i
+            node = child
+        return 0
+
     def subtree(self, keep) -> "DraftTree":
         """A copy with the nodes for which keep(i) is true (a kept node's parent must be kept
         too)."""
@@ -297,25 +326,25 @@ class DraftTree(Tree):
         return out
 
 def grow_tree(root: int, context: Sequence[int], dynamic: CacheTable, frozen: CacheTable | None,
-              tdl: int,
-              crt: int) -> DraftTree:
+              tdl: int, crt: int, frozen_order: str = "after") -> DraftTree:
     """Build the draft tree for one step. `context` = the text so far, ending with `root` (the
-    pending token). Returns a DraftTree whose node 0 is `root`."""
+    pending token). Returns a DraftTree whose node 0 is `root`. frozen_order: see above."""
     ll = dynamic.ll
     tree = DraftTree.root_only(root)
     budget = tdl - 1  # draft tokens; the root is the one token not yet in the KV cache
-    # Pass 1 grows the tree from the dynamic table alone; pass 2 walks it again, breadth first, with
-    # both tables: the dynamic followers are already there (they merge for free), the frozen ones
-    # fill what budget is left. (One pass with both tables would let frozen followers at level 1
-    # take the budget that the dynamic table's deeper levels -- the text's own continuations --
-    # should get.)
-    passes = [[dynamic]] + ([[dynamic, frozen]] if frozen is not None else [])
+    # the tables asked at each node, pass by pass
+    if frozen is None:
+        passes = [[dynamic]]
+    elif frozen_order == "each-node":
+        passes = [[dynamic, frozen]]
+    else:
+        passes = [[dynamic], [dynamic, frozen]]
     for n_pass, tables in enumerate(passes):
-        # Level 1 may not use the CRT reserved tokens. subtle: the check below counts the WHOLE
-        # tree, so in pass 2 the limit must not be below what pass 1 already grew (all levels): else
-        # the first existing dynamic follower (0 new tokens) would already "not fit", and the frozen
-        # table could never add anything once the dynamic tree holds more than TDL-1-CRT tokens,
-        # against §3.3's "then the frozen one to further grow the tree if TDL still allows".
+        # Level 1 may not use the CRT reserved tokens. subtle: the check counts the WHOLE tree, so
+        # in a second pass the limit must not be below what the first already grew (all levels):
+        # else the first existing dynamic follower (0 new tokens) would already "not fit", and the
+        # frozen table could never add anything once the dynamic tree holds more than TDL-1-CRT
+        # tokens, against §3.3's "then the frozen one to further grow the tree if TDL still allows".
         limit = max(budget - crt, len(tree) - 1)
         # The leaves to extend, each with the last LL tokens of its root-to-leaf text (its leader).
         frontier = [(0, tuple(context[-ll:]))] if len(context) >= ll else []
@@ -324,9 +353,8 @@ def grow_tree(root: int, context: Sequence[int], dynamic: CacheTable, frozen: Ca
             # follower-end node -> its leader (dict: each node once)
             next_frontier: dict[int, tuple] = {}
             for node, leader in frontier:
-                _add_followers(tree, node, leader, tables, limit,
-                               refresh=(level == 1 and n_pass == 0),
-                               out=next_frontier)
+                refresh = level == 1 and n_pass == 0  # the real context's query only (see above)
+                add_followers(tree, node, leader, tables, limit, refresh, next_frontier)
             if level == 1:
                 limit = budget  # from level 2 on, the reserved CRT tokens are available too
             frontier = list(next_frontier.items())
@@ -335,11 +363,11 @@ def grow_tree(root: int, context: Sequence[int], dynamic: CacheTable, frozen: Ca
             level += 1
     return tree
 
-def _add_followers(tree: DraftTree, node: int, leader: tuple, tables: list[CacheTable], limit: int,
-                   refresh: bool, out: dict[int, tuple]) -> None:
+def add_followers(tree: DraftTree, node: int, leader: tuple, tables: list[CacheTable], limit: int,
+                  refresh: bool, out: dict[int, tuple]) -> None:
     """Hang the followers of `leader` below `node`: the dynamic table's first, then the frozen
-    table's, each follower once, until one does not fit in `limit` draft tokens. Records each new
-    branch end in `out`."""
+    table's (when asked), each follower once, until one does not fit in `limit` draft tokens.
+    Records each new branch end in `out`, with its leader for the next level."""
     ll = tables[0].ll
     seen = set()
     for source, table in enumerate(tables):
@@ -349,20 +377,11 @@ def _add_followers(tree: DraftTree, node: int, leader: tuple, tables: list[Cache
             if follower in seen:
                 continue  # in both tables: add once
             seen.add(follower)
-            if len(tree) - 1 + _new_tokens(tree, node, follower) > limit:
+            if len(tree) - 1 + tree.new_tokens(node, follower) > limit:
                 # this follower does not fit: stop querying this leader (frozen table included)
                 return
             nodes = tree.add_follower(node, follower, source, rank, fanout)
             out.setdefault(nodes[-1], (leader + follower)[-ll:])  # the last LL tokens of its text
-
-def _new_tokens(tree: Tree, node: int, follower: Sequence[int]) -> int:
-    """How many nodes adding `follower` below `node` would create (the rest is a shared prefix)."""
-    for i, t in enumerate(follower):
-        child = tree.children[node].get(int(t))
-        if child is None:
-            return len(follower) - i
-        node = child
-    return 0
 
 # ---- 4. The decode loop ------------------------------------------------------------------------------------
 
@@ -384,6 +403,7 @@ def generate(model, prompt_ids: Sequence[int], max_new_tokens: int, eos_ids: Seq
     dynamic = CacheTable(cfg.ll, cfg.fl, cfg.lc, cfg.fc)
     # the cache's capacity: prompt + output + the largest step (the root and up to TDL tree tokens)
     cache = verify.new_cache(model, len(prompt_ids) + max_new_tokens + cfg.tdl + 1)
+    # deviation: the first forward is the prompt alone; the authors' also verifies a first tree
     pending = verify.first_token(verify.prefill(model, cache, prompt_ids), len(prompt_ids), sampling)
     text = list(prompt_ids) + [pending]  # prompt + emitted tokens: what the tables are queried with
     if cfg.dynamic_table:  # §3.3: the dynamic table starts from a sliding window over the prompt
@@ -393,7 +413,7 @@ def generate(model, prompt_ids: Sequence[int], max_new_tokens: int, eos_ids: Seq
     while True:
         # -- DRAFT (§3.2): a tree below the pending token, at most TDL tokens including it
         t0 = time.perf_counter()
-        tree = grow_tree(pending, text, dynamic, frozen_table, cfg.tdl, cfg.crt)
+        tree = grow_tree(pending, text, dynamic, frozen_table, cfg.tdl, cfg.crt, cfg.frozen_order)
         grown = len(tree) - 1
         room = max_new_tokens - len(gen.tokens)  # a step emits at most depth + 1 tokens
         if max(tree.depths) >= room:
@@ -496,7 +516,8 @@ class CostPruner:
         lo = max([x for x in xs if x < n], default=xs[0])
         hi = min([x for x in xs if x > n], default=None)
         if hi is None:  # past the last measured size: continue the last segment's slope
-            lo, hi = xs[-2], xs[-1]
+            lo = xs[-2]
+            hi = xs[-1]
         return self.cost[lo] + (self.cost[hi] - self.cost[lo]) * (n - lo) / (hi - lo)
 
     def node_probs(self, tree: DraftTree) -> list[float]:
@@ -696,6 +717,10 @@ def make_parser():
                    help="CRT, chaining-reserved tokens: TDL kept for tree levels 2+" + default("crt"))
     g.add_argument("--frozen", help="frozen table (§3.3): none, stdlib, selfchat, or a file from "
                    "tools/build_frozen.py" + default("frozen"))
+    g.add_argument("--frozen-order", choices=list(FROZEN_ORDERS),
+                   help="where frozen followers enter the tree: each-node = after the dynamic table's at "
+                   "every node (the authors' code); after = once the dynamic tree is grown (ours)"
+                   + default("frozen_order"))
     g.add_argument("--prune", choices=["cost", "none"],
                    help="ours: cost = verify only what is worth its measured cost" + default("prune"))
     return parser

@@ -173,7 +173,8 @@ class CandidateCache:
         self.root = self._add(root_token, -1, 1.0)
 
     def _add(self, token: int, parent: int, sigma: float) -> int:
-        i, self._next = self._next, self._next + 1
+        i = self._next
+        self._next += 1
         depth = 0 if parent < 0 else self.nodes[parent].depth + 1
         self.nodes[i] = Node(int(token), parent, depth, sigma)
         if parent >= 0:
@@ -297,8 +298,10 @@ class Drafter:
 
     def __init__(self, model, K: int, k: int, correct: bool = True):
         self.model = model
-        self.tree = CandidateCache(K, k)  # the paper's "cache": the candidates
-        self.cache = None  # the draft model's KV cache (verify.PreallocatedKVCache)
+        # two caches, two names: the paper's "cache" of candidates (section 1), and the draft
+        # model's KV cache (verify.PreallocatedKVCache, made by start())
+        self.candidates = CandidateCache(K, k)
+        self.kv_cache = None
         self.correcting = correct  # False: Table 2's "cache only" ablation (see correct())
         self.layers_fed = 0  # draft forwards done (one per layer)
         self.hits = 0  # corrections whose bonus token was in the cache
@@ -308,18 +311,17 @@ class Drafter:
         self.show = False  # report the cache to an on_step hook (start(show=True))
 
     def start(self, text: Sequence[int], capacity: int = 256, max_lead: int = 14,
-              wait: int | None = None, show: bool = False) -> None:
-        """text = the verified tokens, its last one the (unfed) root; capacity: the draft cache's
-        size; max_lead: the most layers the cache may lead the verified text by (the reference's 2r;
-        14 = 2 x §3.1's r = 7). `wait` is unused here: it keeps start() the same call as
-        DraftProcess.start, which sends it with each query. show: report the candidate cache to an
-        on_step hook (shown())."""
+              show: bool = False) -> None:
+        """text = the verified tokens, its last one the (unfed) root; capacity: the draft's KV
+        cache's size; max_lead: the most layers the candidate cache may lead the verified text by
+        (the reference's 2r; 14 = 2 x §3.1's r = 7). show: report the candidate cache to an on_step
+        hook (shown())."""
         self.show = show
         self.text = list(text)
-        self.cache = verify.new_cache(self.model, capacity)
+        self.kv_cache = verify.new_cache(self.model, capacity)
         self.max_lead = max_lead
         self.dp = 0  # verified tokens whose KV is in the draft cache (text[:dp])
-        self.tree.reset(self.text[-1])
+        self.candidates.reset(self.text[-1])
         self.root_pos = len(self.text) - 1  # the text position of the tree's root
         # cache only: the node the verified text has reached in the tree (None: the root)
         self.qroot = None
@@ -334,46 +336,48 @@ class Drafter:
     def _topk(self, logits: torch.Tensor) -> list[list[tuple[int, float]]]:
         """Eq. 1-2: the draft's distribution at each fed node, reduced to its top-k (token, p)."""
         probs = torch.softmax(logits.float(), dim=-1)  # [N, V]
-        p, t = probs.topk(self.tree.k, dim=-1)
+        p, t = probs.topk(self.candidates.k, dim=-1)
         return [list(zip(ti, pi)) for ti, pi in zip(t.tolist(), p.tolist())]
 
     @torch.no_grad()
     def step(self) -> None:
         """One draft forward: feed the frontier (or, first, the root) and grow the next layer."""
-        tree, model = self.tree, self.model
+        tree, model = self.candidates, self.model
         root = tree.nodes[tree.root]
         if root.slot is None:
             # Catch up: feed the verified tokens the draft has not seen, ending with the root
             # (causal).
-            assert verify.cache_len(self.cache) == self.dp
+            assert verify.cache_len(self.kv_cache) == self.dp
             ids = torch.tensor([self.text[self.dp :]], device=model.device)
-            out = verify.model_forward(model, self.cache, input_ids=ids,
+            out = verify.model_forward(model, self.kv_cache, input_ids=ids,
                                        **verify.last_logits_only(model))
             self.dp = len(self.text) - 1
-            root.slot, root.cands = self.dp, self._topk(out.logits[0, -1:])[0]
+            root.slot = self.dp
+            root.cands = self._topk(out.logits[0, -1:])[0]
         else:
             front = tree.frontier()
-            c = verify.cache_len(self.cache)  # n = len(front) new nodes after c cached entries
+            c = verify.cache_len(self.kv_cache)  # n = len(front) new nodes after c cached entries
             allowed = draft_mask(tree, front, self.dp, c)  # [n, c+n]
             mask = verify.additive_mask(allowed, model.dtype, model.device)  # [1, 1, n, c+n]
             # [1, n]
             ids = torch.tensor([[tree.nodes[i].token for i in front]], device=model.device)
             pos = torch.tensor([[self.root_pos + tree.nodes[i].depth for i in front]],
                                device=model.device)
-            out = verify.model_forward(model, self.cache, input_ids=ids, attention_mask=mask,
+            out = verify.model_forward(model, self.kv_cache, input_ids=ids, attention_mask=mask,
                                        position_ids=pos)
             for row, (i, cands) in enumerate(zip(front, self._topk(out.logits[0]))):
-                tree.nodes[i].slot, tree.nodes[i].cands = c + row, cands
+                tree.nodes[i].slot = c + row
+                tree.nodes[i].cands = cands
         self.layers_fed += 1
         tree.grow()
 
     def lead(self) -> int:
         """How many layers the cache reaches below the verified text."""
-        return self.tree.depth - (0 if self.qroot is None else self.tree.nodes[self.qroot].depth)
+        return self.candidates.depth - (0 if self.qroot is None else self.candidates.nodes[self.qroot].depth)
 
     def query(self, r: int) -> list[int]:
         """The tokens of the best path of up to r tokens below the verified text (§2, Figure 2)."""
-        return [self.tree.nodes[i].token for i in self.tree.query(r, self.qroot)]
+        return [self.candidates.nodes[i].token for i in self.candidates.query(r, self.qroot)]
 
     def shown(self) -> dict:
         """What an on_step hook is shown of the draft side (start(show=True); else {}): the cache
@@ -381,24 +385,35 @@ class Drafter:
         far hit or missed."""
         if not self.show:
             return {}
-        return dict(layers=self.tree.as_ids(self.qroot), hits=self.hits, misses=self.misses)
+        return dict(layers=self.candidates.as_ids(self.qroot), hits=self.hits, misses=self.misses)
 
     def correct(self, accepted: Sequence[int], bonus: int) -> bool:
         """CORRECT (§2.4) after the target accepted `accepted` (tokens of the queried path) and
-        emitted `bonus`. Returns True on a cache hit (the bonus token is in the cache below the
-        accepted path), and counts it.
+        emitted `bonus`: keep the subtree below the bonus token if the cache holds it (a hit), else
+        restart the cache from the bonus token (a miss). Returns True on a hit, and counts it.
 
         Table 2's "cache only" ablation (correct=False) queries but does not correct: on a hit it
         follows the text down the cache (`qroot`) and prunes nothing, so the draft keeps growing
-        branches the text has left; only on a miss is the cache restarted from the target's token,
-        as the full method does."""
-        hit = self._correct_or_follow(accepted, bonus)
-        if hit:
+        branches the text has left; only on a miss is the cache restarted, as the full method
+        does."""
+        self.text += list(accepted) + [int(bonus)]
+        nodes = self.candidates.nodes
+        start = self.candidates.root if self.qroot is None else self.qroot  # the verified text's end
+        walked = []  # the accepted tokens ARE a path of the cache: they were queried from it
+        for t in accepted:
+            walked.append(nodes[walked[-1] if walked else start].children[t])
+        x = nodes[walked[-1] if walked else start].children.get(int(bonus))  # the bonus's node
+        if x is not None and not self.correcting:
+            self.qroot = x  # cache only: follow the text, prune nothing
+        else:
+            self.qroot = None
+            self._keep_below(start, walked, x, bonus)
+        if x is not None:
             self.hits += 1
             self.hit_tokens += len(accepted) + 1
         else:
             self.misses += 1
-        return hit
+        return x is not None
 
     def statistics(self) -> dict:
         """The counts generate() reports: draft forwards, hits and misses, the tokens of hit steps,
@@ -407,63 +422,48 @@ class Drafter:
             self.model_bytes = verify.tensor_bytes(self.model)  # once: the weights do not change
         return dict(draft_layers=self.layers_fed, hits=self.hits, misses=self.misses,
                     hit_tokens=self.hit_tokens,
-                    draft_held_bytes=self.model_bytes + verify.tensor_bytes(self.cache))
+                    draft_held_bytes=self.model_bytes + verify.tensor_bytes(self.kv_cache))
 
-    def _correct_or_follow(self, accepted: Sequence[int], bonus: int) -> bool:
-        self.text += list(accepted) + [int(bonus)]
-        start = self.tree.root if self.qroot is None else self.qroot
-        if not self.correcting:
-            node = start
-            for t in accepted:
-                node = self.tree.nodes[node].children[t]
-            self.qroot = self.tree.nodes[node].children.get(int(bonus))
-            if self.qroot is not None:
-                return True
-        return self._correct(start, accepted, bonus)
-
-    def _correct(self, start: int, accepted: Sequence[int], bonus: int) -> bool:
-        """Prune the cache to the subtree below the verified text (root, start, accepted); compact
-        the KV."""
-        tree = self.tree
-        node, walked = start, []
-        # the accepted tokens ARE a path of the cache (they were queried from it)
-        for t in accepted:
-            node = tree.nodes[node].children[t]
-            walked.append(node)
-        x = tree.nodes[node].children.get(int(bonus))
-        # Verified nodes that are fed become the new verified prefix of the draft cache.
-        verified = [n for n in [tree.root, *tree.path_to(start), *walked]
-                    if tree.nodes[n].slot is not None]
-        keep = [n for n in self._subtree(x) if tree.nodes[n].slot is not None] if x is not None else []
+    def _keep_below(self, start: int, walked: list[int], x: int | None, bonus: int) -> None:
+        """§2.4's pruning: the fed nodes of the verified text (root .. start, then `walked`) become
+        the draft's verified KV prefix, the fed nodes below the bonus's node x keep theirs
+        (compacted behind it), and the rest is forgotten. x None (a miss): restart the cache from
+        the bonus token; else x becomes the new root (_reroot)."""
+        candidates = self.candidates
+        verified = [n for n in [candidates.root, *candidates.path_to(start), *walked]
+                    if candidates.nodes[n].slot is not None]
+        keep = []
+        if x is not None:
+            keep = [n for n in self._subtree(x) if candidates.nodes[n].slot is not None]
         # slot order (BFS order can differ within a layer)
-        keep.sort(key=lambda n: tree.nodes[n].slot)
-        slots = [tree.nodes[n].slot for n in verified + keep]
+        keep.sort(key=lambda n: candidates.nodes[n].slot)
+        slots = [candidates.nodes[n].slot for n in verified + keep]
         assert slots == sorted(slots)
-        verify.compact_kv(self.cache, self.dp, [s - self.dp for s in slots])
+        verify.compact_kv(self.kv_cache, self.dp, [s - self.dp for s in slots])
         self.dp += len(verified)
         self.root_pos = len(self.text) - 1
         if x is None:  # MISS: restart the cache from the target's token
-            tree.reset(bonus)
-            return False
-        self._reroot(x, {n: self.dp + j for j, n in enumerate(keep)})  # HIT: keep x's subtree
-        return True
+            candidates.reset(bonus)
+        else:  # HIT: keep x's subtree
+            self._reroot(x, {n: self.dp + j for j, n in enumerate(keep)})
 
     def _subtree(self, x: int) -> list[int]:
         """x and its descendants, layer by layer."""
         out, level = [], [x]
         while level:
             out += level
-            level = [c for i in level for c in self.tree.nodes[i].children.values()]
+            level = [c for i in level for c in self.candidates.nodes[i].children.values()]
         return out
 
     def _reroot(self, x: int, new_slot: dict[int, int]) -> None:
         """Make x the root: depths shift, sigmas are renormalized by sigma(x) (no underflow), fed
         nodes move to their compacted slots, and the unfed frontier is rebuilt from the surviving
         parents' B."""
-        old = self.tree
+        old = self.candidates
         new = CandidateCache(old.K, old.k)
         new._next = old._next
-        base, s0 = old.nodes[x].depth, old.nodes[x].sigma
+        base = old.nodes[x].depth
+        s0 = old.nodes[x].sigma
         for i in self._subtree(x):
             n = old.nodes[i]
             new.nodes[i] = Node(n.token, -1 if i == x else n.parent, n.depth - base, n.sigma / s0,
@@ -475,8 +475,12 @@ class Drafter:
             if n.parent >= 0:
                 new.nodes[n.parent].children[n.token] = i
         new.root = x
-        self.tree = new
-        # rebuild the unfed frontier from B of the newest fed layer
+        self.candidates = new
+        # Rebuild the unfed frontier. Why: it was the top K of B over the WHOLE newest fed layer,
+        # branches the text has left included; only its nodes below x survive, so the layer would
+        # hold fewer than K candidates while B restricted to x's subtree has better ones that lost
+        # to the pruned branches. Dropping it and growing it again fills it with the top K below x
+        # (and a cache whose layers were all fed gets its next layer, as after any feed).
         if new.nodes[x].slot is not None:
             if new.frontier():
                 for i in new.layers.pop():
@@ -522,20 +526,20 @@ def generate(model, prompt_ids: Sequence[int], max_new_tokens: int, eos_ids: Seq
              on_step=None, stop=None) -> Generation:
     """CARD decoding. `model` is the target, `draft` the draft model (same tokenizer; `load_draft`
     builds the one cfg names) or a running DraftProcess. Both modes emit the same tokens, greedy or
-    sampled (verify.Sampling): the target decides every one; timing decides only how long the
-    chains are."""
+    sampled: the target decides every one. The loop reads as lockstep; in parallel mode (the CPU
+    default) `drafter` is a DraftProcess: draft(r) returns at once (its process drafts all the
+    time) and query(r) waits on the pipe for the chain."""
     cfg.check()
     if draft is None or cfg.ratio == "auto":
         raise verify.UserError("CARD needs a draft model (draft=...) and a whole r (prepare() "
                                "measures auto)")
     r = cfg.ratio
     max_lead = 2 * r if cfg.max_lead is None else cfg.max_lead  # the reference's 2r
-    wait = r if cfg.wait is None else cfg.wait  # parallel: a query waits until the cache leads by this
     gen = Generation(max_new_tokens, eos_ids, on_emit=on_emit, on_step=on_step, stop=stop)
     gen.extra.update(verified=0)
     # the target's cache: prompt + output + the largest step (the pending token and a chain of r)
-    cache = verify.new_cache(model, len(prompt_ids) + max_new_tokens + r + 1)
-    pending = verify.first_token(verify.prefill(model, cache, prompt_ids), len(prompt_ids),
+    kv_cache = verify.new_cache(model, len(prompt_ids) + max_new_tokens + r + 1)
+    pending = verify.first_token(verify.prefill(model, kv_cache, prompt_ids), len(prompt_ids),
                                  sampling)
     if gen.finish_prefill(pending):
         return gen
@@ -544,33 +548,33 @@ def generate(model, prompt_ids: Sequence[int], max_new_tokens: int, eos_ids: Seq
     capacity = len(prompt_ids) + max_new_tokens + (max_lead + 2) * cfg.K
     with draft_side(draft, cfg) as drafter:
         # show: any on_step hook (--trace too) is also sent the candidate cache, at a cost (as_ids)
-        drafter.start(list(prompt_ids) + [pending], capacity, max_lead, wait, show=on_step is not None)
+        drafter.start(list(prompt_ids) + [pending], capacity, max_lead, show=on_step is not None)
         while True:
             started = time.perf_counter()
             # -- DRAFT: r layers of the candidate cache (parallel: the process drafts on its own)
             drafter.draft(r)
             # -- QUERY: the cache's best chain of at most r tokens below the verified text
-            chain = drafter.query(r)  # (parallel: waits until the cache leads by `wait` layers)
+            chain = drafter.query(r)  # (parallel: waits until the cache leads by cfg.wait layers)
             room = max(max_new_tokens - len(gen.tokens) - 1, 0)  # a step emits <= len(chain) + 1
             chain = chain[:room]
             draft_s = time.perf_counter() - started  # what the target waited for the draft
             # -- VERIFY the chain in one target forward (parallel: the draft keeps drafting)
-            tree = Tree.chain(pending, chain)  # a verify.Tree, the chain: not the candidate cache
-            prefix_len = verify.cache_len(cache)
-            logits = verify.tree_forward(model, cache, tree)
-            path, bonus = verify.accept(tree, logits, prefix_len, sampling)
-            verify.rollback(cache, prefix_len + len(path))
-            gen.extra["verified"] += len(tree)
+            chain_tree = Tree.chain(pending, chain)  # the chain as a verify.Tree
+            prefix_len = verify.cache_len(kv_cache)
+            logits = verify.tree_forward(model, kv_cache, chain_tree)
+            path, bonus = verify.accept(chain_tree, logits, prefix_len, sampling)
+            verify.rollback(kv_cache, prefix_len + len(path))
+            gen.extra["verified"] += len(chain_tree)
             # an on_step hook is shown the KV lengths before and after the rollback, and the cache
-            if gen.finish_step(tree, path, bonus, draft_s, kv_before=prefix_len + len(tree),
+            if gen.finish_step(chain_tree, path, bonus, draft_s, kv_before=prefix_len + len(chain_tree),
                                kv_after=prefix_len + len(path), **drafter.shown()):
                 break
             # -- CORRECT the cache: keep the subtree below the accepted text, or restart on a miss
-            accepted = [tree.tokens[i] for i in path[1:]]
+            accepted = [chain_tree.tokens[i] for i in path[1:]]
             drafter.correct(accepted, bonus)
             pending = bonus
         gen.extra.update(drafter.statistics())
-    gen.extra["held_bytes"] = verify.tensor_bytes(cache) + gen.extra["draft_held_bytes"]
+    gen.extra["held_bytes"] = verify.tensor_bytes(kv_cache) + gen.extra["draft_held_bytes"]
     steps = max(gen.steps, 1)
     corrections = max(gen.extra["hits"] + gen.extra["misses"], 1)
     gen.extra.update(hit_rate=gen.extra["hits"] / corrections,
@@ -638,7 +642,8 @@ def _draft_process(conn, K: int, k: int, correct: bool, threads: int | None) -> 
                 drafter, asked = None, None
             elif msg[0] == "start":
                 _, run, text, capacity, max_lead, show = msg
-                drafter, asked = Drafter(draft, K, k, correct), None
+                drafter = Drafter(draft, K, k, correct)
+                asked = None
                 drafter.start(text, capacity, max_lead, show=show)
             elif msg[0] == "correct":
                 _, run, accepted, bonus = msg
@@ -683,6 +688,7 @@ class DraftProcess:
             threads = max(1, torch.get_num_threads() // 2)
         self.threads = threads
         self.run = 0  # generate() calls served so far
+        self.wait = 0  # layers the cache must lead by before a query is answered (serving() sets it)
         self.conn, child_end = ctx.Pipe()
         self.process = ctx.Process(target=_draft_process, name="card-draft", daemon=True,
                                    args=(child_end, cfg.K, cfg.k, cfg.correct, threads))
@@ -727,12 +733,14 @@ class DraftProcess:
 
     @contextlib.contextmanager
     def serving(self, cfg: CardConfig):
-        """For one generate() call: the target takes the threads this process leaves (a CPU has only
-        so many cores), and afterwards the process stops drafting."""
+        """For one generate() call: a query waits until the cache leads by cfg.wait layers (None: r),
+        the target takes the threads this process leaves (a CPU has only so many cores), and
+        afterwards the process stops drafting."""
         if self.drafts_with != (cfg.K, cfg.k, cfg.correct):
             K, k, correct = self.drafts_with
             raise verify.UserError(f"this DraftProcess drafts with K={K}, k={k}, correct={correct}, "
                                    "unlike the config")
+        self.wait = cfg.ratio if cfg.wait is None else cfg.wait
         main_threads = torch.get_num_threads()
         if self.threads:
             torch.set_num_threads(max(1, main_threads - self.threads))
@@ -744,10 +752,8 @@ class DraftProcess:
 
     # generate()'s four calls, as the Drafter takes them (section 3)
 
-    def start(self, text: Sequence[int], capacity: int, max_lead: int, wait: int,
-              show: bool = False) -> None:
+    def start(self, text: Sequence[int], capacity: int, max_lead: int, show: bool = False) -> None:
         self.run += 1
-        self.wait = wait
         self.counts = dict(draft_layers=0, hits=0, misses=0, hit_tokens=0, draft_held_bytes=0)
         self.cache_shown = {}  # the last answer's Drafter.shown() ({} unless show)
         self._send(("start", self.run, list(text), capacity, max_lead, show))

@@ -141,7 +141,8 @@ class FafoConfig:
         for name in ("n_guess", "k", "m", "recent", "page_size", "top_pages", "window_size",
                      "kernel_size",
                      "sink", "pool_cap"):
-            low, v = 0 if name == "sink" else 1, getattr(self, name)
+            low = 0 if name == "sink" else 1
+            v = getattr(self, name)
             if v is not None and v < low:
                 raise UserError(f"--{name.replace('_', '-')} must be at least {low} (got {v})")
         for ok, what in ((self.lookback is None or 1 <= self.lookback <= self.k,
@@ -201,6 +202,19 @@ class NgramPool:
         self.table: dict[tuple, OrderedDict] = {}
         # the key of each k-gram the last retrieve() returned (a new list each call: a step hook keeps it)
         self.found_under: list[tuple] = []
+
+    @classmethod
+    def for_run(cls, cfg: "FafoConfig", pool: "NgramPool | None",
+                prompt_ids: Sequence[int]) -> "NgramPool":
+        """The pool generate() uses: the caller's (same k; it keeps its own cap and lookback), or a
+        new one with cfg's; seeded with the prompt's k-grams when cfg.prompt_pool."""
+        if pool is None:
+            pool = cls(cfg.k, cfg.pool_cap or cfg.n_guess, cfg.lookback, cfg.pool_refresh)
+        if pool.k != cfg.k:
+            raise UserError(f"the pool given was built for k = {pool.k}, not k = {cfg.k}")
+        if cfg.prompt_pool:
+            pool.seed(prompt_ids)
+        return pool
 
     def __len__(self) -> int:
         return sum(len(v) for v in self.table.values())
@@ -316,20 +330,20 @@ class Compressor:
     needs_query = False  # True -> observe() receives per-layer queries [L, H, D]
     window = 0  # > 0: the prefill keeps its hidden states for the prompt's last `window` rows (SnapKV)
 
-    def observe(self, kv, queries: torch.Tensor | None) -> None:
+    def observe(self, backend, queries: torch.Tensor | None) -> None:
         pass
 
-    def observe_prompt(self, kv, queries: torch.Tensor, scale: float) -> None:
+    def observe_prompt(self, backend, queries: torch.Tensor, scale: float) -> None:
         pass
 
-    def after_prefill(self, model, kv, hidden_states, prompt_len: int) -> None:
+    def after_prefill(self, model, backend, hidden_states, prompt_len: int) -> None:
         """What the compressor learns from the prompt (Quest and SnapKV read queries: section 8)."""
-        self.observe(kv, None)
+        self.observe(backend, None)
 
-    def after_step(self, model, kv, hidden_states, row: int, position: int) -> None:
+    def after_step(self, model, backend, hidden_states, row: int, position: int) -> None:
         """What it learns from a verified step: the cache as it now is (and, Quest, the queries of
         input `row`, the one that produced the bonus token, at `position`)."""
-        self.observe(kv, None)
+        self.observe(backend, None)
 
     def select(self, length: int) -> list[int]:
         return list(range(length))
@@ -437,11 +451,13 @@ class StepLayout:
         for i, w in enumerate(windows):
             for j, t in enumerate(w):
                 r = self.fumble_row(i, j)
-                tokens[r], positions[r] = t, p + 1 + i + j
+                tokens[r] = t
+                positions[r] = p + 1 + i + j
         for c, cand in enumerate(cands):
             for t, tok in enumerate(cand):
                 r = self.cand_row(c, t)
-                tokens[r], positions[r] = tok, p + 1 + t
+                tokens[r] = tok
+                positions[r] = p + 1 + t
         return tokens, positions
 
 def combined_mask(layout: StepLayout, cache_len: int, selected: Sequence[int]) -> np.ndarray:
@@ -574,24 +590,22 @@ def generate(model, prompt_ids: Sequence[int], max_new_tokens: int, eos_ids: Seq
     m = cfg.m  # candidates verified per step (Lookahead's G)
     gen = Generation(max_new_tokens, eos_ids, on_emit=on_emit, on_step=on_step, stop=stop)
     compressor = make_compressor(cfg)
-    pool = NgramPool(k, cfg.pool_cap or n, cfg.lookback, cfg.pool_refresh) if pool is None else pool
-    if pool.k != k:
-        raise UserError(f"the pool given was built for k = {pool.k}, not k = {k}")
+    pool = NgramPool.for_run(cfg, pool, prompt_ids)  # the caller's, or a new one
     streams = Streams.from_prompt(prompt_ids, n, k, cfg.seed)  # random prompt tokens at first
-    if cfg.prompt_pool:
-        pool.seed(prompt_ids)
     layout = StepLayout(n, k, m)  # the rows of a full step (Figure 4)
-    cache, last_logits, hidden = prefill(model, prompt_ids, max_new_tokens, cfg, compressor, layout)
+    cache, last_logits, hidden = prefill_prompt(model, prompt_ids, max_new_tokens, cfg, compressor,
+                                                layout)
     pending = verify.first_token(last_logits, len(prompt_ids), sampling)
     if gen.finish_prefill(pending):
         return gen
     context = list(prompt_ids) + [pending]  # x_1 .. x_|x|; the last one is not in the KV cache yet
-    kv = make_backend(model, cache, layout, cfg, compressor, len(prompt_ids) + max_new_tokens)
-    compressor.after_prefill(model, kv, hidden, len(prompt_ids))
-    gen.extra.update(compress=compressor.name, guess_rows=0, candidates=0)
+    # the attention back-end (section 6): it holds the KV cache and runs a step's forward
+    backend = make_backend(model, cache, layout, cfg, compressor, len(prompt_ids) + max_new_tokens)
+    compressor.after_prefill(model, backend, hidden, len(prompt_ids))
+    gen.extra.update(compress=compressor.name, candidates=0)
     while True:
         started = time.perf_counter()
-        p = kv.length  # the cached positions, kv_1 .. kv_p (p = |x| - 1; p is never a probability here)
+        p = backend.length  # the cached positions kv_1 .. kv_p (p = |x| - 1, not a probability)
         # -- Find Out, retrieve (Algorithm 3): up to m pool candidates keyed by the text's tail
         cands = pool.retrieve(context, m)
         real = len(cands)
@@ -600,12 +614,12 @@ def generate(model, prompt_ids: Sequence[int], max_new_tokens: int, eos_ids: Seq
             cands = cands + [(pending,) * k] * (m - real)
             step = layout
         selected = compressor.select(p)  # -- compress (§4.1): C(kv_1..p), what guess rows see
-        kv.select(selected)
+        backend.select(selected)
         tokens, positions = step.inputs(pending, p, streams.windows, cands)
         draft_s = time.perf_counter() - started
         # -- one forward: x, the guess rows (Fumble Around), the candidates (Find Out)
         read = step.read_rows()  # the rows whose predictions we use
-        logits, hidden = kv.forward(tokens, positions, compressor.needs_query, step, rows=read)
+        logits, hidden = backend.forward(tokens, positions, compressor.needs_query, step, rows=read)
         choice = choices(logits, read, step, real, positions, sampling)  # input row -> model's token
         # -- Find Out, verify and accept (Algorithm 4), on the real candidates only
         cand_choices = [[choice[step.cand_row(c, t)] for t in range(k)] for c in range(real)]
@@ -614,19 +628,17 @@ def generate(model, prompt_ids: Sequence[int], max_new_tokens: int, eos_ids: Seq
         rows = [0] + [step.cand_row(best, t) for t in range(n_accepted)]  # verification rows kept
         # -- Fumble Around's result (Eq. 1): each stream's next token; its new k-gram -> pool (Alg. 2)
         streams.advance([choice[step.fumble_row(i, k - 1)] for i in range(n)], pool)
-        kv.keep(rows, [p + j for j in range(len(rows))])  # -- keep x's and the accepted tokens' KV
-        compressor.after_step(model, kv, hidden, rows[-1], positions[rows[-1]])
-        tree = Tree.from_branches(pending, [list(c) for c in cands[:real]])  # Generation's (tree, path)
-        path = [0] + tree.add_branch(accepted)  # finds the accepted tokens' nodes (adds none)
-        gen.extra["guess_rows"] += n * k
+        backend.keep(rows, [p + j for j in range(len(rows))])  # -- keep x's, the accepted tokens' KV
+        compressor.after_step(model, backend, hidden, rows[-1], positions[rows[-1]])
+        tree, path = candidate_tree(pending, cands[:real], accepted)  # for Generation and --trace
         gen.extra["candidates"] += real
         context = context + accepted + [bonus]
         pending = bonus
         # an on_step hook is shown the KV lengths (kv_before: rows written, flex's padding too) and the step
-        if gen.finish_step(tree, path, bonus, draft_s, kv_before=p + step.rows, kv_after=kv.length,
-                           layout=step, tokens=tokens, choice=choice, pool_keys=pool.found_under,
-                           winner=best, selected=selected):
-            return step_statistics(gen, pool, kv)
+        if gen.finish_step(tree, path, bonus, draft_s, kv_before=p + step.rows,
+                           kv_after=backend.length, layout=step, tokens=tokens, choice=choice,
+                           pool_keys=pool.found_under, winner=best, selected=selected):
+            return step_statistics(gen, pool, backend, layout)
 
 def choices(logits, read, step: StepLayout, real: int, positions,
             sampling: verify.Sampling) -> dict:
@@ -641,12 +653,20 @@ def choices(logits, read, step: StepLayout, real: int, positions,
             choice[r] = tok
     return choice
 
+def candidate_tree(pending: int, cands: Sequence[Sequence[int]], accepted: Sequence[int]):
+    """(the step's candidates as a trie below the pending token, the accepted path's nodes): FAFO
+    verifies candidates, not a tree, but in this form Generation counts the drafted tokens and the
+    accepted ones as for every method, and --trace prints the step."""
+    tree = Tree.from_branches(pending, [list(c) for c in cands])
+    path = [0] + tree.add_branch(accepted)  # finds the accepted tokens' nodes (adds none)
+    return tree, path
+
 @torch.no_grad()
-def prefill(model, prompt_ids: Sequence[int], max_new_tokens: int, cfg: FafoConfig, compressor,
-            layout: StepLayout):
+def prefill_prompt(model, prompt_ids: Sequence[int], max_new_tokens: int, cfg: FafoConfig,
+                   compressor, layout: StepLayout):
     """The prompt through the model, into a cache for prompt + output + one whole step's rows.
-    Returns (the cache, the last position's logits [V], the hidden states when the compressor reads
-    queries, else None)."""
+    Unlike verify.prefill it returns (the cache, the last position's logits [V], the hidden states
+    when the compressor reads queries, else None)."""
     check_reach(model, cfg, len(prompt_ids), max_new_tokens)
     cache = verify.new_cache(model, len(prompt_ids) + max_new_tokens + layout.rows)
     ids = torch.tensor([list(prompt_ids)], device=model.device)
@@ -680,14 +700,14 @@ def make_backend(model, cache, layout: StepLayout, cfg: FafoConfig, compressor, 
     return FlexKV(model, cache, layout, compressor.budget, tail_slots, cfg.block_size,
                   compiled=cfg.attn == "flex-compiled")
 
-def step_statistics(gen: Generation, pool, kv) -> Generation:
+def step_statistics(gen: Generation, pool, backend, layout: StepLayout) -> Generation:
     """gen.extra's counts as per-step rates, with the pool's size and the back-end's own."""
     steps = gen.steps
     gen.extra["pool_ngrams"] = len(pool)
-    gen.extra["held_bytes"] = verify.tensor_bytes(kv.cache) + pool.held_bytes()
-    gen.extra["guess_rows_per_step"] = gen.extra.pop("guess_rows") / steps
+    gen.extra["held_bytes"] = verify.tensor_bytes(backend.cache) + pool.held_bytes()
+    gen.extra["guess_rows_per_step"] = layout.n * layout.k  # every step runs n streams x k tokens
     gen.extra["candidates_per_step"] = gen.extra.pop("candidates") / steps
-    gen.extra.update(kv.statistics(steps))
+    gen.extra.update(backend.statistics(steps))
     return gen
 
 # ---- Beyond the paper --------------------------------------------------------------------------------------
@@ -725,12 +745,13 @@ class Quest(Compressor):
         self.pages_done = 0  # pages whose min/max are final (complete pages)
         self.scores: torch.Tensor | None = None  # [P] of the last selection
 
-    def observe(self, kv, queries: torch.Tensor | None) -> None:
-        length = kv.length
+    def observe(self, backend, queries: torch.Tensor | None) -> None:
+        length = backend.length
         ps = self.page_size
         done = self.pages_done
         # only the pages that changed (the newest, partial ones): keys [L, H_kv, n, D] each
-        pages = [kv.keys(p * ps, min(length, (p + 1) * ps)) for p in range(done, -(-length // ps))]
+        new_pages = range(done, -(-length // ps))
+        pages = [backend.keys(p * ps, min(length, (p + 1) * ps)) for p in new_pages]
         if pages:
             new_min = torch.stack([k.amin(dim=2) for k in pages], 1)  # [L, P', H_kv, D]
             new_max = torch.stack([k.amax(dim=2) for k in pages], 1)
@@ -740,14 +761,15 @@ class Quest(Compressor):
             else:  # the complete pages stay, the changed ones are replaced
                 self.kmin = torch.cat([self.kmin[:, :done], new_min], 1)
                 self.kmax = torch.cat([self.kmax[:, :done], new_max], 1)
-        self.pages_done, self.queries = length // ps, queries  # queries [L, H, D]
+        self.pages_done = length // ps
+        self.queries = queries  # [L, H, D]
 
-    def after_prefill(self, model, kv, hidden_states, prompt_len: int) -> None:
+    def after_prefill(self, model, backend, hidden_states, prompt_len: int) -> None:
         last = [prompt_len - 1]
-        self.observe(kv, layer_queries(model, hidden_states, last, last)[:, :, 0])  # [L, H, D]
+        self.observe(backend, layer_queries(model, hidden_states, last, last)[:, :, 0])  # [L, H, D]
 
-    def after_step(self, model, kv, hidden_states, row: int, position: int) -> None:
-        self.observe(kv, layer_queries(model, hidden_states, [row], [position])[:, :, 0])
+    def after_step(self, model, backend, hidden_states, row: int, position: int) -> None:
+        self.observe(backend, layer_queries(model, hidden_states, [row], [position])[:, :, 0])
 
     def select(self, length: int) -> list[int]:
         ps = self.page_size
@@ -764,7 +786,8 @@ def snapkv_votes(queries: torch.Tensor, keys: torch.Tensor, scale: float) -> tor
     """SnapKV's vote (Li et al. 2024): the attention the window's queries [L, H, w, D]
     (RoPE applied) paid in the prefill to each position of keys [L, H_kv, P, D] before the window,
     summed -> [P - w] (tested)."""
-    (L, H, w, _), P = queries.shape, keys.shape[2]
+    L, H, w, _ = queries.shape
+    P = keys.shape[2]
     G = H // keys.shape[1]  # query heads per KV head (grouped-query attention)
     row_pos = torch.arange(P - w, P, device=keys.device)  # where the window's rows sit
     future = torch.arange(P, device=keys.device)[None, :] > row_pos[:, None]  # [w, P]: causal mask
@@ -791,24 +814,26 @@ class SnapKV(Compressor):
 
     def __init__(self, window_size: int, max_capacity_prompt: int, kernel_size: int, recent: int):
         self.window, self.capacity, self.kernel = window_size, max_capacity_prompt, kernel_size
-        self.recent, self.budget = recent, max_capacity_prompt + recent
+        self.recent = recent
+        self.budget = max_capacity_prompt + recent
         self.kept: list[int] = []  # the prompt positions SnapKV keeps
 
-    def observe_prompt(self, kv, queries: torch.Tensor, scale: float) -> None:
-        P, w = kv.length, queries.shape[2]
+    def observe_prompt(self, backend, queries: torch.Tensor, scale: float) -> None:
+        P = backend.length
+        w = queries.shape[2]
         if P <= self.capacity:
             self.kept = list(range(P))
             return
-        votes = snapkv_votes(queries, kv.keys(0, P), scale)  # [P - w]
+        votes = snapkv_votes(queries, backend.keys(0, P), scale)  # [P - w]
         pooled = torch.nn.functional.avg_pool1d(votes[None, None], self.kernel, stride=1,
                                                 padding=self.kernel // 2)[0, 0]  # [P - w] (odd kernel)
         top = torch.topk(pooled, self.capacity - w).indices
         self.kept = sorted(top.tolist()) + list(range(P - w, P))
 
-    def after_prefill(self, model, kv, hidden_states, prompt_len: int) -> None:
+    def after_prefill(self, model, backend, hidden_states, prompt_len: int) -> None:
         window = list(range(max(0, prompt_len - self.window), prompt_len))
         queries = layer_queries(model, hidden_states, window, window)  # [L, H, w, D]
-        self.observe_prompt(kv, queries, attention_scale(model))
+        self.observe_prompt(backend, queries, attention_scale(model))
 
     def select(self, length: int) -> list[int]:
         return sorted(set(self.kept).union(range(max(0, length - self.recent), length)))
@@ -931,32 +956,34 @@ class FlexKV(DenseKV):
 
     def __init__(self, model, cache, layout: StepLayout, budget: int, tail_slots: int, block_size: int,
                  compiled: bool):
-        kv = verify.CompactedKVCache(model, head_slots=budget, input_rows=layout.rows,
-                                     tail_slots=tail_slots,
-                                     block_size=block_size)
-        kv.load(cache)  # everything to the tail; the first select() swaps C(kv) in
-        super().__init__(model, kv, layout)
-        self.kv, self.compiled = kv, compiled
-        self.block_mask = kv.block_mask(layout.inner_mask(), layout.guess_rows())  # built ONCE
+        compacted = verify.CompactedKVCache(model, head_slots=budget, input_rows=layout.rows,
+                                            tail_slots=tail_slots,
+                                            block_size=block_size)
+        compacted.load(cache)  # everything to the tail; the first select() swaps C(kv) in
+        super().__init__(model, compacted, layout)  # self.cache: the compacted buffer
+        self.compiled = compiled
+        # built ONCE: static shapes
+        self.block_mask = compacted.block_mask(layout.inner_mask(), layout.guess_rows())
 
     @property
     def length(self) -> int:
-        return self.kv.length
+        return self.cache.length
 
     def select(self, positions: Sequence[int]) -> None:
-        self.kv.reselect(positions)
+        self.cache.reselect(positions)
 
     def mask(self, layout: StepLayout):
         return self.block_mask, verify.flex_mode(self.model, self.compiled)
 
     def keep(self, rows: Sequence[int], positions: Sequence[int]) -> None:
-        self.kv.commit(rows, positions)
+        self.cache.commit(rows, positions)
 
     def keys(self, start: int, end: int) -> torch.Tensor:
-        return self.kv.key_buffer[:, 0][:, :, self.kv.logical_slots(start, end)]  # [L, H_kv, n, D]
+        # [L, H_kv, n, D]
+        return self.cache.key_buffer[:, 0][:, :, self.cache.logical_slots(start, end)]
 
     def statistics(self, steps: int) -> dict:
-        return {"slots_swapped_per_step": self.kv.moved / steps}
+        return {"slots_swapped_per_step": self.cache.moved / steps}
 
 # ---- 11. From model.generate: the drop-in (verify.py section 13 reads the call) ----------------------------
 

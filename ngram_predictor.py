@@ -84,8 +84,8 @@ class NgramConfig:
         return cls()
 
     def check(self) -> None:
-        """Raise verify.UserError (a ValueError) for an impossible value; accept draft_cost as text
-        too."""
+        """Raise verify.UserError (a ValueError) for an impossible value. draft_cost may come as the
+        command line's text ('auto' or a number): it is read into None or a float here."""
         if self.max_order < 2:
             raise verify.UserError(f"--max-order must be at least 2 (got {self.max_order})")
         if self.draft_count < 0:
@@ -95,12 +95,17 @@ class NgramConfig:
         if self.max_batch < 1:
             raise verify.UserError(f"--max-batch must be at least 1 (got {self.max_batch})")
         cost = self.draft_cost
+        if cost in (None, "auto"):
+            self.draft_cost = None  # measured
+            return
+        refusal = verify.UserError(f"--draft-cost must be 'auto' or a number >= 1 (got {cost!r})")
         try:
-            self.draft_cost = None if cost in (None, "auto") else float(cost)
+            value = float(cost)
         except ValueError:
-            self.draft_cost = 0.0
-        if self.draft_cost is not None and not self.draft_cost >= 1.0:  # (nan too)
-            raise verify.UserError(f"--draft-cost must be 'auto' or a number >= 1 (got {cost!r})")
+            raise refusal from None
+        if not value >= 1.0:  # (nan too)
+            raise refusal
+        self.draft_cost = value
 
 # ---- 1. Hashing: 64-bit FNV-1a over token ids --------------------------------------------------------------
 #
@@ -370,7 +375,9 @@ class CostGate:
     def alpha(self, order: int) -> float:
         return self.hits[order] / self.trials[order]
 
-    def expected_accepted(self, orders: Sequence[int]) -> float:
+    def expected_accepted_of(self, orders: Sequence[int]) -> float:
+        """E[accepted] of one draft whose tokens came from these orders, each with its measured
+        alpha (section 3's expected_accepted assumes one alpha for all)."""
         e, p = 0.0, 1.0
         for order in orders:
             p *= self.alpha(order)  # P(the first k drafts are all accepted)
@@ -378,7 +385,7 @@ class CostGate:
         return e
 
     def allows(self, orders: Sequence[int]) -> bool:
-        ok = 1 + self.expected_accepted(orders) > self.cost_of(len(orders))
+        ok = 1 + self.expected_accepted_of(orders) > self.cost_of(len(orders))
         self.skipped += not ok
         return ok
 

@@ -21,7 +21,7 @@ The public names, section by section, in the order a reader needs them:
                                         tree_position_ids
      3  verification: one forward       forward_parameters, cache_keyword, model_forward, prefill,
                                         tree_forward
-     4  greedy acceptance               accept_greedy
+     4  acceptance: the walk            accepted_path
      5  rollback and compaction         rollback, compact_kv
      6  sampling that stays lossless    Sampling, accept, first_token
      7  the KV cache; which models can be rolled back
@@ -44,9 +44,18 @@ The public names, section by section, in the order a reader needs them:
                                         read_stopping_criteria, generate_argument, once_per_model,
                                         model_name_of, tokenizer_of
 
-Copying it for one method: ngram_predictor.py, cacheback.py and card.py use sections 1-9 (9: the
-cost gate, the pruning, CARD's measured r), fafo.py 1-10; sections 11-12 serve `python FILE.py`,
-section 13 `model.generate(..., custom_generate=FILE.custom_generate)`.
+What each method reads (a method file and this whole file are what you copy; the map is for reading):
+    ngram_predictor.py  1, 3-9 (prefill, tree_forward, accept, rollback, Sampling, the cache,
+                        Generation, measure_cost_curve for its gate), 13
+    cacheback.py        the same, compact_kv instead of rollback (tree attention, 2, inside
+                        tree_forward), 13
+    card.py             the same, rollback and compact_kv (its draft's KV), its draft's own forwards
+                        (additive_mask, model_forward, last_logits_only, measure_step_times for r),
+                        and for a named draft 11 (load_model, pick_dtype); 13
+    fafo.py             1 (a Tree for the bookkeeping), 2's additive_mask, 3's model_forward, 5's
+                        compact_kv, 6 without accept (its Find Out verifies), 7-9, 10 (its flex
+                        back-end), 11's context_length; 13
+Sections 11-12 serve `python FILE.py`, section 13 `model.generate(..., custom_generate=FILE.custom_generate)`.
 
 Greedy speculative decoding is *lossless*: a token is only emitted if it is the target's argmax
 given exactly the tokens before it, so in float32 the output is `model.generate(do_sample=False)`'s
@@ -278,7 +287,7 @@ def tree_forward(model, cache, tree: Tree) -> torch.Tensor:
     out = model_forward(model, cache, input_ids=ids, attention_mask=mask, position_ids=positions)
     return out.logits[0]  # [N, V]
 
-# ---- 4. Greedy acceptance --------------------------------------------------------------------------------
+# ---- 4. Acceptance: the walk down the tree ---------------------------------------------------------------
 #
 # Row i of the logits is what the model would emit right after node i. Start at the root: if a child
 # carries exactly the model's choice there, the guess was right: step into it and repeat. When no
@@ -290,11 +299,12 @@ def tree_forward(model, cache, tree: Tree) -> torch.Tensor:
 #   argmax per row:     [" quick", " brown", " fox", " jumped", ...]
 #   -> path = [0, 1, 2, 3] (root + 3 accepted drafts), bonus = " jumped"  => 4 tokens from one forward
 
-def accept_greedy(tree: Tree, logits: torch.Tensor,
+def accepted_path(tree: Tree, logits: torch.Tensor,
                   choose: Callable[[int], int] | None = None) -> tuple[list[int], int]:
-    """Returns (path, bonus): path = node indices from the root (included) down the longest accepted
-    branch; bonus = the model's argmax after its last node. `choose(i)`, if given, picks the token
-    after node i instead (sampled: `accept`, section 6), only for the nodes the walk reaches."""
+    """The walk behind `accept` (section 6): returns (path, bonus), path = node indices from the root
+    (included) down the longest accepted branch; bonus = the model's argmax after its last node.
+    `choose(i)`, if given, picks the token after node i instead (sampled: `accept` passes it),
+    only for the nodes the walk reaches."""
     if choose is None:
         choice = logits.argmax(dim=-1).tolist()  # [N] the model's greedy token after each node
         choose = choice.__getitem__
@@ -350,7 +360,7 @@ def compact_kv(cache, prefix_len: int, path: Sequence[int]) -> None:
 # (the Gumbel-max trick). We draw G keyed by (seed, absolute position) ALONE, so the token at
 # position p is a function of (context, p, seed): the plain sampler and any draft node whose path is
 # the true context compute the same token. Accepting a draft token exactly when it EQUALS its node's
-# sample (accept_greedy's walk) emits the plain sampler's tokens for that seed. Top-k, then top-p,
+# sample (accepted_path's walk) emits the plain sampler's tokens for that seed. Top-k, then top-p,
 # remove tokens before the noise.
 #
 #   logits (2.0, 1.0, 0.0), T = 1, noise (-0.3, 1.6, 0.4) -> sums (1.7, 2.6, 0.4) -> token 1, not the argmax:
@@ -420,12 +430,13 @@ GREEDY = Sampling()
 
 def accept(tree: Tree, logits: torch.Tensor, prefix_len: int,
            sampling: Sampling = GREEDY) -> tuple[list[int], int]:
-    """accept_greedy with the token after node i chosen by `sampling` at its position, prefix_len +
+    """ACCEPT, the entry point every method calls: greedy, the walk on the argmax (accepted_path);
+    sampled, the walk with the token after node i chosen by `sampling` at its position, prefix_len +
     depth(i) + 1. note: sampled lazily along the walk, so a rejected branch's rows never pay for the
     noise."""
     if sampling.greedy:
-        return accept_greedy(tree, logits)
-    return accept_greedy(tree, logits, lambda i: sampling.choose(logits[i : i + 1],
+        return accepted_path(tree, logits)
+    return accepted_path(tree, logits, lambda i: sampling.choose(logits[i : i + 1],
                                                                  [prefix_len + tree.depths[i] + 1])[0])
 
 def first_token(logits: torch.Tensor, prompt_len: int, sampling: Sampling = GREEDY) -> int:
@@ -536,10 +547,12 @@ class PreallocatedLayer(DynamicLayer):
         views."""
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
-        start, end = self.length, self.length + key_states.shape[-2]
+        start = self.length
+        end = self.length + key_states.shape[-2]
         # the caller's estimate was short: double, copying the filled part once
         if end > self.capacity:
-            self.capacity, self.grown = max(2 * self.capacity, end), self.grown + 1
+            self.capacity = max(2 * self.capacity, end)
+            self.grown += 1
             for name in ("k_buf", "v_buf"):
                 old = getattr(self, name)
                 setattr(self, name, old.new_empty(*old.shape[:2], self.capacity, old.shape[-1]))
@@ -643,7 +656,8 @@ class Generation:
         """Book-keep one verification step (one target forward) and emit its tokens. `facts`: what
         the method shows an on_step hook of this step (values it holds anyway: a normal run pays
         for one small dict)."""
-        self.target_forwards, self.steps = self.target_forwards + 1, self.steps + 1
+        self.target_forwards += 1
+        self.steps += 1
         self.step_facts = facts
         self.draft_s += draft_s
         self.accepted.append(len(path) - 1)
@@ -663,7 +677,8 @@ def vanilla_generate(model, prompt_ids: Sequence[int], max_new_tokens: int, eos_
     pending = first_token(prefill(model, cache, prompt_ids), len(prompt_ids), sampling)
     done = gen.finish_prefill(pending)
     while not done:
-        tree, prefix_len = Tree.root_only(pending), cache_len(cache)
+        tree = Tree.root_only(pending)
+        prefix_len = cache_len(cache)
         path, pending = accept(tree, tree_forward(model, cache, tree), prefix_len, sampling)
         done = gen.finish_step(tree, path, pending)
     gen.extra["held_bytes"] = tensor_bytes(cache)  # its KV cache
@@ -696,7 +711,8 @@ def measure_step_times(model, sizes: Sequence[int], context: int = 256,
     """{n: seconds} for one verification forward over n new tokens after `context` cached tokens:
     the fastest of `repeats` after a warm-up (the minimum is the least noisy estimate)."""
     prompt_ids = [i % model.config.vocab_size for i in range(1000, 1000 + context)]
-    cache, times = new_cache(model), {}
+    cache = new_cache(model)
+    times = {}
     prefill(model, cache, prompt_ids)
     for n in sorted(set(sizes)):
         ts = []
@@ -900,7 +916,8 @@ class CompactedKVCache(Cache):
         self.key_buffer[:, :, :, dst] = self.key_buffer[:, :, :, src]
         self.value_buffer[:, :, :, dst] = self.value_buffer[:, :, :, src]
         for x, s in zip(positions, dst):
-            self.slot_pos[s], self.slot_of[int(x)] = int(x), s
+            self.slot_pos[s] = int(x)
+            self.slot_of[int(x)] = s
         self.n_tail += len(rows)
         self._sync_bounds()
 
@@ -920,11 +937,13 @@ class CompactedKVCache(Cache):
         where = self.slot_of
 
         def move(a, b):  # content of slot a -> slot b (a's content stays too until overwritten)
-            origin[b], pos[b] = origin[a], pos[a]
+            origin[b] = origin[a]
+            pos[b] = pos[a]
             where[int(pos[b])] = b
 
         def swap(a, b):
-            origin[[a, b]], pos[[a, b]] = origin[[b, a]], pos[[b, a]]
+            origin[[a, b]] = origin[[b, a]]  # fancy indexing copies the right side first: a swap
+            pos[[a, b]] = pos[[b, a]]
             where[int(pos[a])], where[int(pos[b])] = a, b
 
         def close(hole, last):  # a region's last entry fills the hole an entry left; `last` is then unused
@@ -940,11 +959,13 @@ class CompactedKVCache(Cache):
                 swap(leaving.pop(), t)
             else:  # the head grows by one; the tail's last entry fills the hole
                 move(t, n_head)
-                n_head, n_tail = n_head + 1, n_tail - 1
+                n_head += 1
+                n_tail -= 1
                 close(t, self.tail_start + n_tail)
         for h in sorted(leaving, reverse=True):  # the head shrinks; its last entry fills the hole
             move(h, self.tail_start + n_tail)
-            n_head, n_tail = n_head - 1, n_tail + 1
+            n_head -= 1
+            n_tail += 1
             close(h, n_head)
         dst = np.nonzero(origin != np.arange(self.slots))[0]
         if len(dst):
@@ -1149,7 +1170,8 @@ def load_model(name: str = DEFAULT_MODEL, device: str = "auto", dtype: str = "au
     refused."""
     transformers.logging.set_verbosity_error()
     transformers.utils.logging.disable_progress_bar()
-    dev, dt = pick_device(device), pick_dtype(dtype)
+    dev = pick_device(device)
+    dt = pick_dtype(dtype)
     if attn_implementation not in ("auto", *MASK_HONOURING):  # FlashAttention knows no tree mask
         raise UserError(f"--attn-implementation {attn_implementation}: ignores the tree attention mask (use "
                         "auto, sdpa or eager)")
@@ -1238,7 +1260,8 @@ class Printer:
         for t, d in zip(tokens, from_draft):
             self.ids.append(t)
             text = self.tok.decode(self.ids, skip_special_tokens=True)
-            piece, self.shown = text[len(self.shown) :], text
+            piece = text[len(self.shown) :]
+            self.shown = text
             self.out.write(f"\x1b[32m{piece}\x1b[0m" if (d and self.color and piece) else piece)
         self.out.flush()
 

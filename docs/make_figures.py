@@ -157,7 +157,7 @@ def cacheback_tree(model, tok) -> None:
     verify.prefill(model, cache, text[:-1])
     tree = cb.grow_tree(text[-1], text, dyn, None, tdl=12, crt=2)
     logits = verify.tree_forward(model, cache, tree)
-    path, bonus = verify.accept_greedy(tree, logits)
+    path, bonus = verify.accepted_path(tree, logits)
 
     # layout: x = depth, y = leaf order (a simple tidy-tree: each leaf gets its own row)
     children = [[] for _ in tree.tokens]

@@ -15,31 +15,31 @@ def logits_choosing(choices, vocab=50):
 
 def test_nothing_accepted():
     tree = Tree.chain(3, [10, 11, 12])
-    path, bonus = verify.accept_greedy(tree, logits_choosing([20, 11, 12, 13]))
+    path, bonus = verify.accepted_path(tree, logits_choosing([20, 11, 12, 13]))
     assert path == [0] and bonus == 20
 
 
 def test_everything_accepted_gives_bonus_from_last_row():
     tree = Tree.chain(3, [10, 11, 12])
-    path, bonus = verify.accept_greedy(tree, logits_choosing([10, 11, 12, 13]))
+    path, bonus = verify.accepted_path(tree, logits_choosing([10, 11, 12, 13]))
     assert path == [0, 1, 2, 3] and bonus == 13
 
 
 def test_partial_chain():
     tree = Tree.chain(3, [10, 11, 12])
-    path, bonus = verify.accept_greedy(tree, logits_choosing([10, 11, 40, 13]))
+    path, bonus = verify.accepted_path(tree, logits_choosing([10, 11, 40, 13]))
     assert path == [0, 1, 2] and bonus == 40
 
 
 def test_tree_follows_the_matching_branch():
     # nodes: 0:3  1:10 2:11  3:20 4:21 5:22
     tree = Tree.from_branches(3, [[10, 11], [20, 21, 22]])
-    path, bonus = verify.accept_greedy(tree, logits_choosing([20, 0, 0, 21, 9, 0]))
+    path, bonus = verify.accepted_path(tree, logits_choosing([20, 0, 0, 21, 9, 0]))
     assert path == [0, 3, 4] and bonus == 9
 
 
 def test_root_only_tree_is_plain_decoding():
-    path, bonus = verify.accept_greedy(Tree.root_only(3), logits_choosing([7]))
+    path, bonus = verify.accepted_path(Tree.root_only(3), logits_choosing([7]))
     assert path == [0] and bonus == 7
 
 
@@ -79,7 +79,7 @@ def oracle_draft_decode(model, prompt, max_new, eos, future, spoil_every=3):
         # a tree: the (possibly spoiled) chain plus a decoy branch
         tree = Tree.from_branches(pending, [draft, [(pending + 7) % model.config.vocab_size]])
         prefix_len = verify.cache_len(cache)
-        path, bonus = verify.accept_greedy(tree, verify.tree_forward(model, cache, tree))
+        path, bonus = verify.accepted_path(tree, verify.tree_forward(model, cache, tree))
         verify.compact_kv(cache, prefix_len, path)
         if gen.finish_step(tree, path, bonus):
             return gen

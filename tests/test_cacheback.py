@@ -172,6 +172,23 @@ def test_frozen_followers_fill_the_budget_after_a_big_dynamic_tree():
     assert 40 not in tree.tokens  # level 1 stays within its TDL-1-CRT share (already used up)
 
 
+def test_the_two_frozen_orders_on_a_hand_made_tree():
+    """TDL 6 (5 draft tokens), CRT 0, FL 2. Dynamic: 5 -> (6, 7), 7 -> (8, 9); frozen: 5 -> (1, 2).
+    'after' grows the dynamic chain first (6 7 8 9: 4 tokens) and the frozen follower no longer fits;
+    'each-node' (the authors' order) asks both tables at the root, so (1, 2) takes level 1's budget and the
+    dynamic table's level-2 follower (8, 9) no longer fits."""
+    dyn = table_with([((5,), (6, 7)), ((7,), (8, 9))])
+    frozen = table_with([((5,), (1, 2))])
+    frozen.frozen = True
+    after = cb.grow_tree(5, [5], dyn, frozen, tdl=6, crt=0, frozen_order="after")
+    assert [[after.tokens[n] for n in b] for b in after.branches()] == [[6, 7, 8, 9]]
+    each = cb.grow_tree(5, [5], dyn, frozen, tdl=6, crt=0, frozen_order="each-node")
+    assert [[each.tokens[n] for n in b] for b in each.branches()] == [[6, 7], [1, 2]]
+    assert [o[0] for o in each.origins[1:]] == [0, 0, 1, 1]  # dynamic, dynamic, frozen, frozen
+    with pytest.raises(ValueError, match="frozen-order"):
+        cb.CachebackConfig(frozen_order="first").check()
+
+
 def test_a_corpus_table_is_built_by_the_tool_with_lc_and_fc_then_found(monkeypatch, tmp_path):
     monkeypatch.setenv("SPECDEC_CACHE", str(tmp_path))
     seen = {}
@@ -373,6 +390,7 @@ REAL_CONFIGS = {
     # the CPU defaults (LL = 2, cost-aware pruning with a fixed curve, so the run is deterministic)
     "cpu": cb.CachebackConfig.cpu(),
     "dual tables, pruned": cb.CachebackConfig(tdl=16, crt=4, frozen="stdlib", prune="cost"),
+    "dual tables, the authors' order": cb.CachebackConfig(tdl=16, crt=4, frozen="stdlib", frozen_order="each-node"),
 }
 
 

@@ -89,22 +89,22 @@ def test_hit_keeps_the_continuing_subtree_and_its_kv():
     model = make_tiny_llama(0)
     text = [1, 5, 6, 7, 8]
     d = grown_drafter(model, text, 4)
-    tree = d.tree
+    tree = d.candidates
     a1 = tree.layers[1][0]  # accept the first layer-1 node, bonus = one of its children
     x = next(iter(tree.nodes[a1].children.values()))
     a1_tok, x_tok = tree.nodes[a1].token, tree.nodes[x].token
     below = {tree.nodes[i].token for i in tree.nodes[x].children.values()}
     assert d.correct([a1_tok], x_tok) is True
     assert d.text == text + [a1_tok, x_tok]
-    assert d.tree.root == x and d.tree.nodes[x].depth == 0 and d.tree.nodes[x].sigma == 1.0
-    assert {d.tree.nodes[i].token for i in d.tree.nodes[x].children.values()} >= below
+    assert d.candidates.root == x and d.candidates.nodes[x].depth == 0 and d.candidates.nodes[x].sigma == 1.0
+    assert {d.candidates.nodes[i].token for i in d.candidates.nodes[x].children.values()} >= below
     # the verified prefix of the draft cache is exactly what a fresh prefill computes
     assert d.dp == len(d.text) - 1
-    torch.testing.assert_close(kv(d.cache, d.dp), fresh_kv(model, d.text[:-1]), atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(kv(d.kv_cache, d.dp), fresh_kv(model, d.text[:-1]), atol=1e-5, rtol=1e-4)
     # x was fed inside the tree (tree mask, position by depth); a drafter started from scratch on the same
     # text feeds it as a plain causal root: both must see the same next-token distribution
     fresh = grown_drafter(model, d.text, 1)
-    mine, theirs = d.tree.nodes[x].cands, fresh.tree.nodes[fresh.tree.root].cands
+    mine, theirs = d.candidates.nodes[x].cands, fresh.candidates.nodes[fresh.candidates.root].cands
     assert [t for t, _ in mine] == [t for t, _ in theirs]
     assert [p for _, p in mine] == pytest.approx([p for _, p in theirs], abs=1e-5)
 
@@ -113,13 +113,13 @@ def test_miss_restarts_from_the_targets_token():
     model = make_tiny_llama(0)
     text = [1, 5, 6, 7, 8]
     d = grown_drafter(model, text, 3)
-    a1 = d.tree.layers[1][0]
-    a1_tok = d.tree.nodes[a1].token
-    absent = next(t for t in range(3, 96) if t not in d.tree.nodes[a1].children)
+    a1 = d.candidates.layers[1][0]
+    a1_tok = d.candidates.nodes[a1].token
+    absent = next(t for t in range(3, 96) if t not in d.candidates.nodes[a1].children)
     assert d.correct([a1_tok], absent) is False
-    assert d.tree.depth == 0 and d.tree.nodes[d.tree.root].token == absent and d.tree.nodes[d.tree.root].slot is None
-    assert d.dp == verify.cache_len(d.cache) == len(text) + 1  # the old root and the accepted node are kept
-    torch.testing.assert_close(kv(d.cache, d.dp), fresh_kv(model, d.text[:-1]), atol=1e-5, rtol=1e-4)
+    assert d.candidates.depth == 0 and d.candidates.nodes[d.candidates.root].token == absent and d.candidates.nodes[d.candidates.root].slot is None
+    assert d.dp == verify.cache_len(d.kv_cache) == len(text) + 1  # the old root and the accepted node are kept
+    torch.testing.assert_close(kv(d.kv_cache, d.dp), fresh_kv(model, d.text[:-1]), atol=1e-5, rtol=1e-4)
 
 
 # ---------------------------------------------------------------------------------------------- lossless
@@ -314,7 +314,7 @@ def test_a_kept_draft_process_stops_drafting_when_generate_returns():
         card.generate(target, prompt, 20, [95], cfg, draft=proc)
         time.sleep(0.5)  # a layer already in flight when generate() returned may finish
         idle = ticks_over(proc.process.pid)
-        proc.start(prompt, 256, cfg.max_lead, 0)  # the reference: drafting, nobody says done
+        proc.start(prompt, 256, cfg.max_lead)  # the reference: drafting, nobody says done
         busy = ticks_over(proc.process.pid)
         proc.done()
     assert idle * 4 < busy, (idle, busy)

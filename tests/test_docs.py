@@ -1,6 +1,7 @@
 """The documentation is code too: every `>>>` example in the method files and verify.py runs, and verify.py's
 module docstring lists exactly the public names the file defines."""
 
+import ast
 import doctest
 import inspect
 import re
@@ -94,3 +95,27 @@ def test_tutorial_code_references_name_real_functions():
         for part in name.split("."):
             assert hasattr(obj, part), f"TUTORIAL.md names {file}:{name}, which does not exist"
             obj = getattr(obj, part)
+
+
+COMPUTING = (ast.Call, ast.BinOp, ast.UnaryOp, ast.IfExp, ast.Subscript, ast.Compare, ast.BoolOp)
+
+
+def packed_assignments(path: str) -> list[int]:
+    """Lines that assign several names from a tuple of which an element computes something
+    (`a, b = f(x), y[i] + 1`): one value a line reads better. Plain starts (`a, b = [], 0`) pass."""
+    with open(path, encoding="utf-8") as f:
+        tree = ast.parse(f.read())
+    return [node.lineno for node in ast.walk(tree)
+            if isinstance(node, ast.Assign) and isinstance(node.targets[0], ast.Tuple)
+            and isinstance(node.value, ast.Tuple) and any(isinstance(e, COMPUTING) for e in node.value.elts)]
+
+
+@pytest.mark.parametrize("module", MODULES[:-1], ids=lambda m: m.__name__)
+def test_one_computed_value_a_line(module):
+    assert packed_assignments(module.__file__) == [], f"{module.__name__}: packed assignments"
+
+
+def test_the_packed_assignment_check_sees_one(tmp_path):
+    path = tmp_path / "x.py"
+    path.write_text("a, b = [], 0\nc, d = f(x), y[i] + 1\n")
+    assert packed_assignments(str(path)) == [2]

@@ -336,8 +336,8 @@ def _one_step_both_ways(model, compress, attn):
     import copy
     flex = fafo.FlexKV(model, copy.deepcopy(cache), lay, comp.budget, 64, block_size=16, compiled=attn == "flex-compiled")
     # make the unused slots hostile: if the valid-length bounds leaked, these would change the output
-    unused = torch.tensor(np.nonzero(flex.kv.slot_pos < 0)[0])
-    flex.kv.key_buffer[:, :, :, unused] = 50.0
+    unused = torch.tensor(np.nonzero(flex.cache.slot_pos < 0)[0])
+    flex.cache.key_buffer[:, :, :, unused] = 50.0
     flex.select(sel)
     dense.select(sel)
     want, _ = dense.forward(tokens, positions)
