@@ -329,6 +329,8 @@ def grow_tree(root: int, context: Sequence[int], dynamic: CacheTable, frozen: Ca
               tdl: int, crt: int, frozen_order: str = "after") -> DraftTree:
     """Build the draft tree for one step. `context` = the text so far, ending with `root` (the
     pending token). Returns a DraftTree whose node 0 is `root`. frozen_order: see above."""
+    if frozen_order not in FROZEN_ORDERS:
+        raise ValueError(f"frozen_order must be one of {FROZEN_ORDERS} (got {frozen_order!r})")
     ll = dynamic.ll
     tree = DraftTree.root_only(root)
     budget = tdl - 1  # draft tokens; the root is the one token not yet in the KV cache

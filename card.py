@@ -320,10 +320,10 @@ class Drafter:
         self.text = list(text)
         self.kv_cache = verify.new_cache(self.model, capacity)
         self.max_lead = max_lead
-        self.dp = 0  # verified tokens whose KV is in the draft cache (text[:dp])
+        self.dp = 0  # verified tokens whose KV is in the draft's KV cache (text[:dp])
         self.candidates.reset(self.text[-1])
-        self.root_pos = len(self.text) - 1  # the text position of the tree's root
-        # cache only: the node the verified text has reached in the tree (None: the root)
+        self.root_pos = len(self.text) - 1  # the text position of the candidate cache's root
+        # cache only: the node the verified text has reached in the candidate cache (None: the root)
         self.qroot = None
 
     def draft(self, r: int) -> None:
@@ -342,7 +342,8 @@ class Drafter:
     @torch.no_grad()
     def step(self) -> None:
         """One draft forward: feed the frontier (or, first, the root) and grow the next layer."""
-        tree, model = self.candidates, self.model
+        tree = self.candidates  # the candidate cache
+        model = self.model
         root = tree.nodes[tree.root]
         if root.slot is None:
             # Catch up: feed the verified tokens the draft has not seen, ending with the root
@@ -372,7 +373,7 @@ class Drafter:
         tree.grow()
 
     def lead(self) -> int:
-        """How many layers the cache reaches below the verified text."""
+        """How many layers the candidate cache reaches below the verified text."""
         return self.candidates.depth - (0 if self.qroot is None else self.candidates.nodes[self.qroot].depth)
 
     def query(self, r: int) -> list[int]:
@@ -398,16 +399,19 @@ class Drafter:
         does."""
         self.text += list(accepted) + [int(bonus)]
         nodes = self.candidates.nodes
-        start = self.candidates.root if self.qroot is None else self.qroot  # the verified text's end
+        # where the verified text stood in the candidate cache before this step
+        top = self.candidates.root if self.qroot is None else self.qroot
+        node = top
         walked = []  # the accepted tokens ARE a path of the cache: they were queried from it
         for t in accepted:
-            walked.append(nodes[walked[-1] if walked else start].children[t])
-        x = nodes[walked[-1] if walked else start].children.get(int(bonus))  # the bonus's node
+            node = nodes[node].children[t]
+            walked.append(node)
+        x = nodes[node].children.get(int(bonus))  # the bonus token's node: None on a miss
         if x is not None and not self.correcting:
             self.qroot = x  # cache only: follow the text, prune nothing
         else:
             self.qroot = None
-            self._keep_below(start, walked, x, bonus)
+            self._prune_or_restart(top, walked, x, bonus)
         if x is not None:
             self.hits += 1
             self.hit_tokens += len(accepted) + 1
@@ -424,13 +428,13 @@ class Drafter:
                     hit_tokens=self.hit_tokens,
                     draft_held_bytes=self.model_bytes + verify.tensor_bytes(self.kv_cache))
 
-    def _keep_below(self, start: int, walked: list[int], x: int | None, bonus: int) -> None:
-        """§2.4's pruning: the fed nodes of the verified text (root .. start, then `walked`) become
-        the draft's verified KV prefix, the fed nodes below the bonus's node x keep theirs
-        (compacted behind it), and the rest is forgotten. x None (a miss): restart the cache from
-        the bonus token; else x becomes the new root (_reroot)."""
+    def _prune_or_restart(self, top: int, walked: list[int], x: int | None, bonus: int) -> None:
+        """§2.4: the fed nodes of the verified text (root .. top, then `walked`) become the draft's
+        verified KV prefix, the fed nodes below the bonus token's node x keep their KV (compacted
+        behind it), and the rest is forgotten. A hit: x becomes the new root (_reroot); a miss (x
+        None): the candidate cache restarts from the bonus token."""
         candidates = self.candidates
-        verified = [n for n in [candidates.root, *candidates.path_to(start), *walked]
+        verified = [n for n in [candidates.root, *candidates.path_to(top), *walked]
                     if candidates.nodes[n].slot is not None]
         keep = []
         if x is not None:
@@ -554,7 +558,7 @@ def generate(model, prompt_ids: Sequence[int], max_new_tokens: int, eos_ids: Seq
             # -- DRAFT: r layers of the candidate cache (parallel: the process drafts on its own)
             drafter.draft(r)
             # -- QUERY: the cache's best chain of at most r tokens below the verified text
-            chain = drafter.query(r)  # (parallel: waits until the cache leads by cfg.wait layers)
+            chain = drafter.query(r)  # (parallel: waits until the cache leads by cfg.wait, else r)
             room = max(max_new_tokens - len(gen.tokens) - 1, 0)  # a step emits <= len(chain) + 1
             chain = chain[:room]
             draft_s = time.perf_counter() - started  # what the target waited for the draft

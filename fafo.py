@@ -705,7 +705,7 @@ def step_statistics(gen: Generation, pool, backend, layout: StepLayout) -> Gener
     steps = gen.steps
     gen.extra["pool_ngrams"] = len(pool)
     gen.extra["held_bytes"] = verify.tensor_bytes(backend.cache) + pool.held_bytes()
-    gen.extra["guess_rows_per_step"] = layout.n * layout.k  # every step runs n streams x k tokens
+    gen.extra["guess_rows_per_step"] = float(layout.n * layout.k)  # each step: n streams x k tokens
     gen.extra["candidates_per_step"] = gen.extra.pop("candidates") / steps
     gen.extra.update(backend.statistics(steps))
     return gen

@@ -94,10 +94,13 @@ class NgramConfig:
             raise verify.UserError(f"--max-history must hold a full context of {self.max_order - 1} tokens")
         if self.max_batch < 1:
             raise verify.UserError(f"--max-batch must be at least 1 (got {self.max_batch})")
-        cost = self.draft_cost
+        self.draft_cost = self.read_draft_cost(self.draft_cost)
+
+    @staticmethod
+    def read_draft_cost(cost) -> float | None:
+        """None for 'auto' (measured), else a number >= 1 (the command line gives text)."""
         if cost in (None, "auto"):
-            self.draft_cost = None  # measured
-            return
+            return None
         refusal = verify.UserError(f"--draft-cost must be 'auto' or a number >= 1 (got {cost!r})")
         try:
             value = float(cost)
@@ -105,7 +108,7 @@ class NgramConfig:
             raise refusal from None
         if not value >= 1.0:  # (nan too)
             raise refusal
-        self.draft_cost = value
+        return value
 
 # ---- 1. Hashing: 64-bit FNV-1a over token ids --------------------------------------------------------------
 #

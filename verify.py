@@ -53,8 +53,9 @@ What each method reads (a method file and this whole file are what you copy; the
                         (additive_mask, model_forward, last_logits_only, measure_step_times for r),
                         and for a named draft 11 (load_model, pick_dtype); 13
     fafo.py             1 (a Tree for the bookkeeping), 2's additive_mask, 3's model_forward, 5's
-                        compact_kv, 6 without accept (its Find Out verifies), 7-9, 10 (its flex
-                        back-end), 11's context_length; 13
+                        compact_kv, 6 without accept (its Find Out verifies), 7-9, 10 (the split
+                        back-end's attention_function, the flex back-end's compacted blocks),
+                        11's context_length; 13
 Sections 11-12 serve `python FILE.py`, section 13 `model.generate(..., custom_generate=FILE.custom_generate)`.
 
 Greedy speculative decoding is *lossless*: a token is only emitted if it is the target's argmax

@@ -1,0 +1,384 @@
+"""Drafting quality without a model: replay a drafter over a known greedy text, in seconds.
+
+Under greedy decoding the emitted text is the model's greedy text whatever the drafter, so a drafter can be
+run offline over a stream (prompt ids, the model's greedy output ids), with no model at all. At each step it
+proposes its chain or tree from its state; the accepted length is the longest root path whose tokens are the
+stream's next tokens, the bonus token is the one after it; then the drafter learns the emitted tokens, as its
+generate() makes it learn them. Mean accepted tokens (MAT: new tokens over target forwards, the prefill
+counted, as bench.py counts), draft tokens per step and acceptance by position come out as an online run
+gives them (tests/test_offline.py checks it against generate(), step by step).
+
+    python tools/offline.py                                    # every drafter, budgets 4, 16, 64, tuning streams
+    python tools/offline.py --streams selfchat --budgets 4,16,96 --drafters cacheback-paper,suffix --json
+    python tools/offline.py --text notes.txt                   # a reader's own text (tokenized, NOT greedy)
+
+The drafters, under their files' names, at a budget B of draft tokens per forward:
+    ngram            ngram_predictor.NGramPredictor (the chapter: DRAFT_COUNT = B; its cost gate is off)
+    cacheback-cpu    cacheback.grow_tree at the CPU geometry (LL 2, FL 3, CRT B/4), TDL = B + 1, no frozen table
+    cacheback-paper  the paper's (LL 1, FL 3, CRT B/6, the selfchat frozen table), TDL = B + 1
+    prompt-lookup    transformers' prompt lookup decoding, from its documented rule: the last n tokens
+                     (n = max_matching_ngram_size = 2, then 1) looked up at their earliest earlier occurrence,
+                     the up to prompt_lookup_num_tokens = B tokens after it drafted, cut after an EOS
+The cost gate and the pruning are off: they read a device's costs, which offline has none of.
+
+Streams (cached under the default model's folder, made once: about 3 minutes on a 2-core CPU):
+    tune, report   HF greedy output of the shipped prompts' tuning (odd ids) and reporting (even ids) halves
+    selfchat       the default model's own greedy answers to corpus/instructions.jsonl (batched greedy,
+                   re-tokenized from their text: the model's text, not always token for token its greedy ids)
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import sys
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+import cacheback  # noqa: E402
+import ngram_predictor  # noqa: E402
+import verify  # noqa: E402
+from verify import Tree  # noqa: E402
+
+POSITIONS = 8  # acceptance reported at draft positions 1..8
+BUDGETS = (4, 16, 64)
+
+
+# ---- the replay loop: one drafter over one stream -------------------------------------------------------------
+
+@dataclass
+class Replay:
+    """What one drafter did over one or more streams: per step the draft size and the accepted length."""
+
+    tokens: int = 0  # emitted tokens
+    forwards: int = 0  # target forwards: the prefill and one per step
+    drafted: list = field(default_factory=list)  # per step: draft tokens (tree size - 1)
+    accepted: list = field(default_factory=list)  # per step: accepted draft tokens (bonus not counted)
+    reached: list = field(default_factory=lambda: [0] * POSITIONS)  # steps whose draft reaches depth k
+    hit: list = field(default_factory=lambda: [0] * POSITIONS)  # steps that accepted k or more
+    per_stream: list = field(default_factory=list)  # each stream's own MAT
+
+    def add(self, other: "Replay") -> None:
+        self.tokens += other.tokens
+        self.forwards += other.forwards
+        self.drafted += other.drafted
+        self.accepted += other.accepted
+        self.reached = [a + b for a, b in zip(self.reached, other.reached)]
+        self.hit = [a + b for a, b in zip(self.hit, other.hit)]
+        self.per_stream += other.per_stream or [other.tokens / max(other.forwards, 1)]
+
+    def row(self) -> dict:
+        steps = max(len(self.drafted), 1)
+        streams = max(len(self.per_stream), 1)
+        return {"mat": self.tokens / max(self.forwards, 1), "mat_mean": sum(self.per_stream) / streams,
+                "draft_per_step": sum(self.drafted) / steps,
+                "acceptance": [h / r if r else None for h, r in zip(self.hit, self.reached)],
+                "steps": len(self.drafted), "tokens": self.tokens}
+
+
+def walk(tree: Tree, stream: Sequence[int], at: int) -> list[int]:
+    """The accepted path's node indices below the root: the tree's branch that the stream follows from
+    index `at` (the token after the root), as verify.accepted_path walks it with the model's choices."""
+    path = []
+    node = 0
+    while at + len(path) < len(stream):
+        child = tree.children[node].get(stream[at + len(path)])
+        if child is None:
+            break
+        path.append(child)
+        node = child
+    return path
+
+
+def replay(prompt: Sequence[int], output: Sequence[int], start: Callable, propose: Callable,
+           learn: Callable) -> Replay:
+    """Run one drafter over one stream, as its generate() runs: start(prompt, first token) makes its state;
+    then per step propose(state, room) -> the draft Tree below the pending token (room: the most tokens a
+    step may still emit, as generate() cuts its draft), and learn(state, new tokens) after the step."""
+    r = Replay(tokens=len(output), forwards=1)
+    state = start(list(prompt), output[0])
+    done = 1  # emitted so far: the prefill's token
+    while done < len(output):
+        tree = propose(state, len(output) - done)
+        path = walk(tree, output, done)
+        depth = max(tree.depths)
+        for k in range(min(depth, POSITIONS)):
+            r.reached[k] += 1
+            r.hit[k] += len(path) > k
+        r.drafted.append(len(tree) - 1)
+        r.accepted.append(len(path))
+        new = list(output[done : done + len(path) + 1])  # the accepted tokens and the bonus
+        done += len(new)
+        r.forwards += 1
+        learn(state, new)
+    return r
+
+
+# ---- the drafters: each file's own drafting code, driven as its generate() drives it ---------------------
+
+def ngram_drafter(budget: int):
+    """ngram_predictor.generate()'s drafting: the predictor seeded with the prompt, a chain of up to
+    DRAFT_COUNT = budget tokens (the buffer guard and the room cut as there), every emitted token learned."""
+    cfg = ngram_predictor.NgramConfig(draft_count=budget, max_batch=max(ngram_predictor.MAX_BATCH, budget + 1),
+                                      draft_cost=1.0)
+
+    def start(prompt, first):
+        predictor = ngram_predictor.NGramPredictor(cfg.max_order, cfg.draft_count, cfg.max_history)
+        predictor.update_batch(prompt)
+        predictor.update(first)
+        return {"predictor": predictor, "pending": first}
+
+    def propose(state, room):
+        drafted = state["predictor"].draft()[: cfg.max_batch - 1][: room - 1]
+        return Tree.chain(state["pending"], [token for token, _ in drafted])
+
+    def learn(state, new):
+        state["predictor"].update_batch(new)
+        state["pending"] = new[-1]
+
+    return start, propose, learn
+
+
+def cacheback_drafter(budget: int, cfg: cacheback.CachebackConfig, frozen: cacheback.CacheTable | None):
+    """cacheback.generate()'s drafting: a fresh dynamic table from the prompt, grow_tree below the pending
+    token under TDL = budget + 1, the room cut, the new windows after each step."""
+    cfg = dataclasses.replace(cfg, tdl=budget + 1, crt=min(cfg.crt, budget - 1), prune="none")
+
+    def start(prompt, first):
+        dynamic = cacheback.CacheTable(cfg.ll, cfg.fl, cfg.lc, cfg.fc)
+        text = prompt + [first]
+        if cfg.dynamic_table:
+            cacheback.update_table(dynamic, text, 0)
+        return {"dynamic": dynamic, "text": text}
+
+    def propose(state, room):
+        text = state["text"]
+        tree = cacheback.grow_tree(text[-1], text, state["dynamic"], frozen, cfg.tdl, cfg.crt, cfg.frozen_order)
+        if max(tree.depths) >= room:
+            depths = tree.depths
+            tree = tree.subtree(lambda i: depths[i] < room)
+        return tree
+
+    def learn(state, new):
+        first_new = len(state["text"])
+        state["text"] += new
+        if cfg.dynamic_table:
+            cacheback.update_table(state["dynamic"], state["text"], first_new)
+
+    return start, propose, learn
+
+
+def prompt_lookup_drafter(budget: int, max_matching_ngram_size: int = 2, eos_ids: Sequence[int] = ()):
+    """transformers' prompt lookup, from its documented rule (not its class): for n = max_matching_ngram_size
+    down to 1, the earliest earlier occurrence of the text's last n tokens with tokens after it; draft up to
+    `budget` (prompt_lookup_num_tokens) of those, cut after an EOS."""
+    eos = set(eos_ids)
+
+    def start(prompt, first):
+        return {"text": prompt + [first]}
+
+    def propose(state, room):
+        text = state["text"]
+        draft = []
+        for n in range(min(max_matching_ngram_size, len(text) - 1), 0, -1):
+            tail = text[-n:]
+            for i in range(len(text) - n):  # earliest first; the tail itself has nothing after it
+                if text[i : i + n] == tail:
+                    draft = text[i + n : i + n + budget]
+                    break
+            if draft:
+                break
+        cut = next((j + 1 for j, t in enumerate(draft) if t in eos), len(draft))
+        return Tree.chain(text[-1], draft[:cut][: room - 1])
+
+    def learn(state, new):
+        state["text"] += new
+
+    return start, propose, learn
+
+
+CACHEBACK_CPU = cacheback.CachebackConfig(ll=2, tdl=16, crt=4)
+CACHEBACK_PAPER = cacheback.CachebackConfig(frozen="selfchat")
+
+
+def make_drafter(name: str, budget: int, frozen_table=None, eos_ids=(), **fields):
+    """(start, propose, learn) of the drafter `name` at budget B; `fields` fix Cacheback's config (ll, fl,
+    frozen_order, dynamic_table, ...)."""
+    if name == "ngram":
+        return ngram_drafter(budget)
+    if name == "prompt-lookup":
+        return prompt_lookup_drafter(budget, eos_ids=eos_ids)
+    if name in ("cacheback-cpu", "cacheback-paper"):
+        base = CACHEBACK_CPU if name == "cacheback-cpu" else CACHEBACK_PAPER
+        # CRT scales with the budget: the presets reserve a quarter (CPU: 4 of 16) and a sixth (16 of 96)
+        crt = max(1, budget * base.crt // (base.tdl - 1))
+        cfg = dataclasses.replace(base, crt=crt, **fields)
+        frozen = frozen_table if cfg.frozen != "none" else None
+        return cacheback_drafter(budget, cfg, frozen)
+    raise ValueError(f"unknown drafter {name!r}")
+
+
+DRAFTERS = ("ngram", "cacheback-cpu", "cacheback-paper", "prompt-lookup")
+
+
+def replay_all(streams: list[dict], name: str, budget: int, **kwargs) -> Replay:
+    total = Replay()
+    for s in streams:
+        total.add(replay(s["prompt"], s["output"], *make_drafter(name, budget, **kwargs)))
+    return total
+
+
+# ---- streams ------------------------------------------------------------------------------------------------
+
+def stream_path(name: str, n: int) -> str:
+    return os.path.join(os.path.dirname(verify.converted_dir()), f"streams-{name}-{n}.jsonl")
+
+
+def make_streams(name: str, n: int = 128) -> list[dict]:
+    """The stream set `name`, made once and cached: {"id", "prompt", "output", "greedy"} per stream."""
+    path = stream_path(name, n)
+    if os.path.exists(path):
+        with open(path, encoding="utf-8") as f:
+            return [json.loads(line) for line in f]
+    from tqdm import tqdm
+
+    model, tok = verify.load_model(device="cpu")
+    eos = verify.eos_ids_of(model, tok)
+    rows = []
+    if name == "selfchat":
+        sys.path.insert(0, os.path.join(ROOT, "tools"))
+        import build_frozen
+
+        for r in build_frozen.selfchat_answers(model, tok, verify.DEFAULT_MODEL, progress=False):
+            answer = tok(r["answer"], add_special_tokens=False).input_ids + eos[:1]
+            rows.append({"id": r["id"], "prompt": verify.encode_prompt(tok, r["instruction"]),
+                         "output": answer[:n], "greedy": False})
+    else:
+        import bench
+
+        with open(os.path.join(ROOT, "bench", "prompts.jsonl"), encoding="utf-8") as f:
+            questions = [json.loads(line) for line in f]
+        questions = [q for q in questions if bench.split_of(q["question_id"]) == name]
+        for q in tqdm(questions, desc=f"streams: HF greedy, {name} half", unit="prompt", file=sys.stderr):
+            ids = verify.encode_prompt(tok, q["turns"][0])
+            rows.append({"id": q["question_id"], "prompt": ids, "output": verify.hf_generate(model, ids, n, eos),
+                         "greedy": True})
+    with open(path, "w", encoding="utf-8") as f:
+        f.writelines(json.dumps(r) + "\n" for r in rows)
+    return rows
+
+
+def text_stream(path: str) -> list[dict]:
+    """A reader's own text file, tokenized: its first line the prompt, the rest the output (not greedy)."""
+    tok = verify.load_model(device="cpu")[1]
+    with open(path, encoding="utf-8") as f:
+        first, _, rest = f.read().partition("\n")
+    return [{"id": 0, "prompt": tok(first).input_ids, "output": tok(rest, add_special_tokens=False).input_ids,
+             "greedy": False}]
+
+
+# ---- the Cacheback paper's Figure 4 and Table 1, as MAT ------------------------------------------------------
+
+def figure4(streams: list[dict], tok, budget: int = 95, lls=(1, 2, 3, 4), fls=(1, 2, 3, 4, 5)) -> str:
+    """MAT over LL x FL at the paper's other settings (TDL = budget + 1, CRT scaled, LC 2^20, FC 128), the
+    selfchat frozen table built for each (LL, FL) from the shipped answers (seconds each)."""
+    import build_frozen
+
+    lines = ["| LL \\ FL | " + " | ".join(map(str, fls)) + " |", "|" + " --- |" * (len(fls) + 1)]
+    for ll in lls:
+        cells = []
+        for fl in fls:
+            frozen = build_frozen.build_corpus_table(tok, "selfchat", ll, fl, 2**20, 128)[0]
+            row = replay_all(streams, "cacheback-paper", budget, frozen_table=frozen, ll=ll, fl=fl).row()
+            cells.append(f"{row['mat']:.3f}")
+        lines.append(f"| {ll} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def table1(streams: list[dict], frozen, budgets: Sequence[int]) -> str:
+    """MAT of the paper's three table configurations (dual, no frozen, only frozen) at each budget."""
+    setups = {"dual": {}, "no frozen": {"frozen": "none"}, "only frozen": {"dynamic_table": False}}
+    lines = ["| configuration | " + " | ".join(f"B = {b}" for b in budgets) + " |",
+             "|" + " --- |" * (len(budgets) + 1)]
+    for name, fields in setups.items():
+        cells = [f"{replay_all(streams, 'cacheback-paper', b, frozen_table=frozen, **fields).row()['mat']:.3f}"
+                 for b in budgets]
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+# ---- the command line ---------------------------------------------------------------------------------------
+
+def table(rows: list[dict]) -> str:
+    head = ("| drafter | B | MAT (all steps) | MAT (mean over streams) | draft tokens / step | "
+            + " | ".join(f"acc@{k}" for k in range(1, POSITIONS + 1)))
+    lines = [head + " |", "|" + " --- |" * (5 + POSITIONS)]
+    for r in rows:
+        acc = " | ".join("-" if a is None else f"{a:.2f}" for a in r["acceptance"])
+        lines.append(f"| {r['drafter']} | {r['budget']} | {r['mat']:.3f} | {r['mat_mean']:.3f} | "
+                     f"{r['draft_per_step']:.1f} | {acc} |")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    p.add_argument("--streams", default="tune", choices=["tune", "report", "selfchat"],
+                   help="the stream set (default: tune)")
+    p.add_argument("--text", help="replay over this text file instead (first line: the prompt)")
+    p.add_argument("--max-new-tokens", type=int, default=128, help="stream length (default: 128)")
+    p.add_argument("--drafters", default=",".join(DRAFTERS), help=f"comma list of {', '.join(DRAFTERS)}")
+    p.add_argument("--budgets", default=",".join(map(str, BUDGETS)), help="draft tokens per forward, B")
+    p.add_argument("--json", action="store_true", help="one JSON object per drafter and budget")
+    p.add_argument("--figure4", action="store_true",
+                   help="Cacheback's Figure 4 as MAT: LL 1-4 x FL 1-5 at the largest budget given")
+    p.add_argument("--table1", action="store_true",
+                   help="Cacheback's Table 1 as MAT: dual, no frozen, only frozen, at each budget")
+    args = p.parse_args(argv)
+    try:
+        budgets = [int(b) for b in args.budgets.split(",")]
+        if min(budgets) < 1:
+            raise ValueError
+    except ValueError:
+        print(f"error: --budgets {args.budgets}: expected whole numbers >= 1", file=sys.stderr)
+        return 2
+    names = args.drafters.split(",")
+    unknown = [n for n in names if n not in DRAFTERS]
+    if unknown:
+        print(f"error: --drafters: unknown {', '.join(unknown)} (known: {', '.join(DRAFTERS)})", file=sys.stderr)
+        return 2
+    if args.text and not os.path.isfile(args.text):
+        print(f"error: --text {args.text}: no such file", file=sys.stderr)
+        return 2
+    streams = text_stream(args.text) if args.text else make_streams(args.streams, args.max_new_tokens)
+    tok = None
+    frozen = None
+    if "cacheback-paper" in names or args.figure4 or args.table1:
+        tok = verify.load_model(device="cpu")[1]
+        frozen = cacheback.frozen_table_for(tok, CACHEBACK_PAPER)
+    if args.figure4 or args.table1:
+        sys.path.insert(0, os.path.join(ROOT, "tools"))
+        print(figure4(streams, tok, max(budgets)) if args.figure4 else table1(streams, frozen, budgets))
+        return 0
+    eos = [2]  # the default model's <|im_end|>
+    rows = []
+    for name in names:
+        for b in budgets:
+            r = replay_all(streams, name, b, frozen_table=frozen, eos_ids=eos).row()
+            rows.append({"drafter": name, "budget": b, **r})
+            if args.json:
+                print(json.dumps(rows[-1]))
+    if not args.json:
+        print(f"{len(streams)} streams ({'--text' if args.text else args.streams}), "
+              f"{sum(len(s['output']) for s in streams)} tokens")
+        print(table(rows))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
