@@ -189,6 +189,24 @@ def test_the_two_frozen_orders_on_a_hand_made_tree():
         cb.CachebackConfig(frozen_order="first").check()
 
 
+def test_a_follower_cut_to_the_budget():
+    """TDL 5 (4 draft tokens), CRT 0, FL 3, two followers of 5: 'whole' drafts the first only (the second
+    does not fit whole); 'cut' also hangs the second's first token, the one the budget holds."""
+    dyn = table_with([((5,), (1, 2, 3)), ((5,), (6, 7, 8))], fl=3)  # (6, 7, 8) the most recent
+    whole = cb.grow_tree(5, [5], dyn, None, tdl=5, crt=0)
+    assert [[whole.tokens[n] for n in b] for b in whole.branches()] == [[6, 7, 8]]
+    cut = cb.grow_tree(5, [5], dyn, None, tdl=5, crt=0, cut=True)
+    assert [[cut.tokens[n] for n in b] for b in cut.branches()] == [[6, 7, 8], [1]]
+    assert len(cut) - 1 == 4
+
+
+def test_lossless_with_followers_cut(tiny):
+    prompt = [1] + [5, 6, 7, 8, 9] * 6
+    for tdl in (3, 5, 9):
+        gen = cb.generate(tiny, prompt, 24, [95], cb.CachebackConfig(tdl=tdl, crt=1, follower_fit="cut"))
+        assert gen.tokens == verify.hf_generate(tiny, prompt, 24, [95]) and sum(gen.accepted) > 0
+
+
 def test_a_corpus_table_is_built_by_the_tool_with_lc_and_fc_then_found(monkeypatch, tmp_path):
     monkeypatch.setenv("SPECDEC_CACHE", str(tmp_path))
     seen = {}

@@ -41,6 +41,13 @@ def test_cacheback_offline_equals_online_at_the_cpu_geometry(real, prompt):
     online_against_offline(gen, ids, offline.make_drafter("cacheback-cpu", 15))
 
 
+def test_cacheback_offline_equals_online_with_followers_cut(real):
+    ids, eos = encode(real, REAL_PROMPTS[3])
+    cfg = cacheback.CachebackConfig(ll=2, tdl=5, crt=1, follower_fit="cut")  # B = 4: followers are cut
+    gen = cacheback.generate(real[0], ids, 64, eos, cfg)
+    online_against_offline(gen, ids, offline.make_drafter("cacheback-cpu", 4, follower_fit="cut"))
+
+
 @pytest.fixture(scope="module")
 def selfchat_table(real):
     return cacheback.frozen_table_for(real[1], cacheback.CachebackConfig.paper())

@@ -158,7 +158,8 @@ def cacheback_drafter(budget: int, cfg: cacheback.CachebackConfig, frozen: cache
 
     def propose(state, room):
         text = state["text"]
-        tree = cacheback.grow_tree(text[-1], text, state["dynamic"], frozen, cfg.tdl, cfg.crt, cfg.frozen_order)
+        tree = cacheback.grow_tree(text[-1], text, state["dynamic"], frozen, cfg.tdl, cfg.crt, cfg.frozen_order,
+                                   cut=cfg.follower_fit == "cut")
         if max(tree.depths) >= room:
             depths = tree.depths
             tree = tree.subtree(lambda i: depths[i] < room)
@@ -335,6 +336,8 @@ def main(argv=None) -> int:
     p.add_argument("--drafters", default=",".join(DRAFTERS), help=f"comma list of {', '.join(DRAFTERS)}")
     p.add_argument("--budgets", default=",".join(map(str, BUDGETS)), help="draft tokens per forward, B")
     p.add_argument("--json", action="store_true", help="one JSON object per drafter and budget")
+    p.add_argument("--follower-fit", choices=["whole", "cut"], default="whole",
+                   help="Cacheback: a follower the budget cannot hold whole is skipped (whole, the paper) or cut")
     p.add_argument("--figure4", action="store_true",
                    help="Cacheback's Figure 4 as MAT: LL 1-4 x FL 1-5 at the largest budget given")
     p.add_argument("--table1", action="store_true",
@@ -369,7 +372,8 @@ def main(argv=None) -> int:
     rows = []
     for name in names:
         for b in budgets:
-            r = replay_all(streams, name, b, frozen_table=frozen, eos_ids=eos).row()
+            fields = {"follower_fit": args.follower_fit} if name.startswith("cacheback") else {}
+            r = replay_all(streams, name, b, frozen_table=frozen, eos_ids=eos, **fields).row()
             rows.append({"drafter": name, "budget": b, **r})
             if args.json:
                 print(json.dumps(rows[-1]))
