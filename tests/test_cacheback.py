@@ -198,6 +198,10 @@ def test_a_follower_cut_to_the_budget():
     cut = cb.grow_tree(5, [5], dyn, None, tdl=5, crt=0, cut=True)
     assert [[cut.tokens[n] for n in b] for b in cut.branches()] == [[6, 7, 8], [1]]
     assert len(cut) - 1 == 4
+    # no budget left at level 1: nothing is cut, so no node inside (6, 7, 8) becomes a leaf to extend
+    shared = table_with([((5,), (6, 9, 9)), ((5,), (6, 7, 8)), ((6,), (4, 4, 4))], fl=3)
+    tree = cb.grow_tree(5, [5], shared, None, tdl=5, crt=1, cut=True)  # level 1 may use 3 tokens
+    assert [[tree.tokens[n] for n in b] for b in tree.branches()] == [[6, 7, 8]]
 
 
 def test_lossless_with_followers_cut(tiny):

@@ -6,10 +6,11 @@ proposes its chain or tree from its state; the accepted length is the longest ro
 stream's next tokens, the bonus token is the one after it; then the drafter learns the emitted tokens, as its
 generate() makes it learn them. Mean accepted tokens (MAT: new tokens over target forwards, the prefill
 counted, as bench.py counts), draft tokens per step and acceptance by position come out as an online run
-gives them (tests/test_offline.py checks it against generate(), step by step).
+gives them: tests/test_offline.py checks the n-gram predictor and Cacheback against generate() step by step,
+and prompt lookup's target forwards against transformers' own run (after an EOS see `replay`).
 
     python tools/offline.py                                    # every drafter, budgets 4, 16, 64, tuning streams
-    python tools/offline.py --streams selfchat --budgets 4,16,96 --drafters cacheback-paper,suffix --json
+    python tools/offline.py --streams selfchat --budgets 4,16,96 --drafters cacheback-paper,ngram --json
     python tools/offline.py --text notes.txt                   # a reader's own text (tokenized, NOT greedy)
 
 The drafters, under their files' names, at a budget B of draft tokens per forward:
@@ -18,7 +19,7 @@ The drafters, under their files' names, at a budget B of draft tokens per forwar
     cacheback-paper  the paper's (LL 1, FL 3, CRT B/6, the selfchat frozen table), TDL = B + 1
     prompt-lookup    transformers' prompt lookup decoding, from its documented rule: the last n tokens
                      (n = max_matching_ngram_size = 2, then 1) looked up at their earliest earlier occurrence,
-                     the up to prompt_lookup_num_tokens = B tokens after it drafted, cut after an EOS
+                     the up to prompt_lookup_num_tokens = B tokens after it drafted, cut before an EOS
 The cost gate and the pruning are off: they read a device's costs, which offline has none of.
 
 Streams (cached under the default model's folder, made once: about 3 minutes on a 2-core CPU):
@@ -96,15 +97,19 @@ def walk(tree: Tree, stream: Sequence[int], at: int) -> list[int]:
 
 
 def replay(prompt: Sequence[int], output: Sequence[int], start: Callable, propose: Callable,
-           learn: Callable) -> Replay:
+           learn: Callable, max_new_tokens: int | None = None) -> Replay:
     """Run one drafter over one stream, as its generate() runs: start(prompt, first token) makes its state;
     then per step propose(state, room) -> the draft Tree below the pending token (room: the most tokens a
-    step may still emit, as generate() cuts its draft), and learn(state, new tokens) after the step."""
+    step may still emit, max_new_tokens (default: the stream's length) less those emitted, as generate()
+    cuts its draft), and learn(state, new tokens) after the step. subtle: a stream that ends at an EOS
+    ends the same step online, so the forwards (and MAT) agree; but the model's tokens after an EOS are not
+    in the stream, so drafted tokens past it count as rejected here and may count as accepted online."""
     r = Replay(tokens=len(output), forwards=1)
     state = start(list(prompt), output[0])
+    limit = len(output) if max_new_tokens is None else max_new_tokens
     done = 1  # emitted so far: the prefill's token
     while done < len(output):
-        tree = propose(state, len(output) - done)
+        tree = propose(state, limit - done)
         path = walk(tree, output, done)
         depth = max(tree.depths)
         for k in range(min(depth, POSITIONS)):
@@ -124,8 +129,8 @@ def replay(prompt: Sequence[int], output: Sequence[int], start: Callable, propos
 def ngram_drafter(budget: int):
     """ngram_predictor.generate()'s drafting: the predictor seeded with the prompt, a chain of up to
     DRAFT_COUNT = budget tokens (the buffer guard and the room cut as there), every emitted token learned."""
-    cfg = ngram_predictor.NgramConfig(draft_count=budget, max_batch=max(ngram_predictor.MAX_BATCH, budget + 1),
-                                      draft_cost=1.0)
+    # the chapter's buffer guard stays: MAX_BATCH = 64 tokens a forward, so B = 64 drafts 63 at most
+    cfg = ngram_predictor.NgramConfig(draft_count=budget, draft_cost=1.0)
 
     def start(prompt, first):
         predictor = ngram_predictor.NGramPredictor(cfg.max_order, cfg.draft_count, cfg.max_history)
@@ -177,7 +182,7 @@ def cacheback_drafter(budget: int, cfg: cacheback.CachebackConfig, frozen: cache
 def prompt_lookup_drafter(budget: int, max_matching_ngram_size: int = 2, eos_ids: Sequence[int] = ()):
     """transformers' prompt lookup, from its documented rule (not its class): for n = max_matching_ngram_size
     down to 1, the earliest earlier occurrence of the text's last n tokens with tokens after it; draft up to
-    `budget` (prompt_lookup_num_tokens) of those, cut after an EOS."""
+    `budget` (prompt_lookup_num_tokens) of those, cut before an EOS (a draft that is only an EOS: none)."""
     eos = set(eos_ids)
 
     def start(prompt, first):
@@ -194,7 +199,7 @@ def prompt_lookup_drafter(budget: int, max_matching_ngram_size: int = 2, eos_ids
                     break
             if draft:
                 break
-        cut = next((j + 1 for j, t in enumerate(draft) if t in eos), len(draft))
+        cut = next((j for j, t in enumerate(draft) if t in eos), len(draft))
         return Tree.chain(text[-1], draft[:cut][: room - 1])
 
     def learn(state, new):
@@ -227,10 +232,12 @@ def make_drafter(name: str, budget: int, frozen_table=None, eos_ids=(), **fields
 DRAFTERS = ("ngram", "cacheback-cpu", "cacheback-paper", "prompt-lookup")
 
 
-def replay_all(streams: list[dict], name: str, budget: int, **kwargs) -> Replay:
+def replay_all(streams: list[dict], name: str, budget: int, max_new_tokens: int | None = None,
+               **kwargs) -> Replay:
     total = Replay()
     for s in streams:
-        total.add(replay(s["prompt"], s["output"], *make_drafter(name, budget, **kwargs)))
+        total.add(replay(s["prompt"], s["output"], *make_drafter(name, budget, **kwargs),
+                         max_new_tokens=max_new_tokens))
     return total
 
 
@@ -285,7 +292,8 @@ def text_stream(path: str) -> list[dict]:
 
 # ---- the Cacheback paper's Figure 4 and Table 1, as MAT ------------------------------------------------------
 
-def figure4(streams: list[dict], tok, budget: int = 95, lls=(1, 2, 3, 4), fls=(1, 2, 3, 4, 5)) -> str:
+def figure4(streams: list[dict], tok, budget: int = 95, limit: int | None = None, lls=(1, 2, 3, 4),
+            fls=(1, 2, 3, 4, 5)) -> str:
     """MAT over LL x FL at the paper's other settings (TDL = budget + 1, CRT scaled, LC 2^20, FC 128), the
     selfchat frozen table built for each (LL, FL) from the shipped answers (seconds each)."""
     import build_frozen
@@ -295,20 +303,22 @@ def figure4(streams: list[dict], tok, budget: int = 95, lls=(1, 2, 3, 4), fls=(1
         cells = []
         for fl in fls:
             frozen = build_frozen.build_corpus_table(tok, "selfchat", ll, fl, 2**20, 128)[0]
-            row = replay_all(streams, "cacheback-paper", budget, frozen_table=frozen, ll=ll, fl=fl).row()
+            row = replay_all(streams, "cacheback-paper", budget, limit, frozen_table=frozen, ll=ll, fl=fl).row()
             cells.append(f"{row['mat']:.3f}")
         lines.append(f"| {ll} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
-def table1(streams: list[dict], frozen, budgets: Sequence[int]) -> str:
+def table1(streams: list[dict], frozen, budgets: Sequence[int], limit: int | None = None) -> str:
     """MAT of the paper's three table configurations (dual, no frozen, only frozen) at each budget."""
     setups = {"dual": {}, "no frozen": {"frozen": "none"}, "only frozen": {"dynamic_table": False}}
     lines = ["| configuration | " + " | ".join(f"B = {b}" for b in budgets) + " |",
              "|" + " --- |" * (len(budgets) + 1)]
     for name, fields in setups.items():
-        cells = [f"{replay_all(streams, 'cacheback-paper', b, frozen_table=frozen, **fields).row()['mat']:.3f}"
-                 for b in budgets]
+        cells = []
+        for b in budgets:
+            row = replay_all(streams, "cacheback-paper", b, limit, frozen_table=frozen, **fields).row()
+            cells.append(f"{row['mat']:.3f}")
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -359,21 +369,24 @@ def main(argv=None) -> int:
         print(f"error: --text {args.text}: no such file", file=sys.stderr)
         return 2
     streams = text_stream(args.text) if args.text else make_streams(args.streams, args.max_new_tokens)
-    tok = None
+    model, tok = verify.load_model(device="cpu")
+    eos = verify.eos_ids_of(model, tok)
     frozen = None
+    limit = None if args.text else args.max_new_tokens  # what the streams were made with
     if "cacheback-paper" in names or args.figure4 or args.table1:
-        tok = verify.load_model(device="cpu")[1]
         frozen = cacheback.frozen_table_for(tok, CACHEBACK_PAPER)
     if args.figure4 or args.table1:
         sys.path.insert(0, os.path.join(ROOT, "tools"))
-        print(figure4(streams, tok, max(budgets)) if args.figure4 else table1(streams, frozen, budgets))
+        if args.table1:
+            print(table1(streams, frozen, budgets, limit))
+        if args.figure4:
+            print(figure4(streams, tok, max(budgets), limit))
         return 0
-    eos = [2]  # the default model's <|im_end|>
     rows = []
     for name in names:
         for b in budgets:
             fields = {"follower_fit": args.follower_fit} if name.startswith("cacheback") else {}
-            r = replay_all(streams, name, b, frozen_table=frozen, eos_ids=eos, **fields).row()
+            r = replay_all(streams, name, b, limit, frozen_table=frozen, eos_ids=eos, **fields).row()
             rows.append({"drafter": name, "budget": b, **r})
             if args.json:
                 print(json.dumps(rows[-1]))
