@@ -28,12 +28,14 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-# the name on the command line -> (the method file's module, what the method is called)
-METHODS = {
-    "ngram": ("ngram_predictor", "N-gram speculative decoding (akunu's frequency predictor)"),
-    "cacheback": ("cacheback", "Cacheback speculative decoding"),
-    "card": ("card", "CARD speculative decoding"),
-    "fafo": ("fafo", "FAFO decoding"),
+from replay import METHODS  # noqa: E402  (name -> the method's file, its config class)
+
+# what each method is called in the README it gets
+TITLES = {
+    "ngram": "N-gram speculative decoding (akunu's frequency predictor)",
+    "cacheback": "Cacheback speculative decoding",
+    "card": "CARD speculative decoding",
+    "fafo": "FAFO decoding",
 }
 # a script's imports of the shared module, and what they become inside the exported package
 IMPORT_REWRITES = [
@@ -170,7 +172,8 @@ def export(method: str, out: str) -> list[str]:
     """Write the folder; returns the paths written."""
     import importlib
 
-    module, title = METHODS[method]
+    module = METHODS[method][0]
+    title = TITLES[method]
     folder = os.path.join(out, "custom_generate")
     os.makedirs(folder, exist_ok=True)
     written = []
