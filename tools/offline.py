@@ -212,13 +212,14 @@ CACHEBACK_CPU = cacheback.CachebackConfig(ll=2, tdl=16, crt=4)
 CACHEBACK_PAPER = cacheback.CachebackConfig(frozen="selfchat")
 
 
-def make_drafter(name: str, budget: int, frozen_table=None, eos_ids=(), **fields):
+def make_drafter(name: str, budget: int, frozen_table=None, eos_ids=(), max_matching_ngram_size: int = 2,
+                 **fields):
     """(start, propose, learn) of the drafter `name` at budget B; `fields` fix Cacheback's config (ll, fl,
     frozen_order, dynamic_table, ...)."""
     if name == "ngram":
         return ngram_drafter(budget)
     if name == "prompt-lookup":
-        return prompt_lookup_drafter(budget, eos_ids=eos_ids)
+        return prompt_lookup_drafter(budget, max_matching_ngram_size, eos_ids)
     if name in ("cacheback-cpu", "cacheback-paper"):
         base = CACHEBACK_CPU if name == "cacheback-cpu" else CACHEBACK_PAPER
         # CRT scales with the budget: the presets reserve a quarter (CPU: 4 of 16) and a sixth (16 of 96)
@@ -346,6 +347,8 @@ def main(argv=None) -> int:
     p.add_argument("--drafters", default=",".join(DRAFTERS), help=f"comma list of {', '.join(DRAFTERS)}")
     p.add_argument("--budgets", default=",".join(map(str, BUDGETS)), help="draft tokens per forward, B")
     p.add_argument("--json", action="store_true", help="one JSON object per drafter and budget")
+    p.add_argument("--max-matching-ngram-size", type=int, default=2,
+                   help="prompt lookup: the longest tail looked up (transformers' default: 2)")
     p.add_argument("--follower-fit", choices=["whole", "cut"], default="whole",
                    help="Cacheback: a follower the budget cannot hold whole is skipped (whole, the paper) or cut")
     p.add_argument("--figure4", action="store_true",
@@ -355,10 +358,11 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     try:
         budgets = [int(b) for b in args.budgets.split(",")]
-        if min(budgets) < 1:
+        if min(budgets) < 1 or args.max_matching_ngram_size < 1:
             raise ValueError
     except ValueError:
-        print(f"error: --budgets {args.budgets}: expected whole numbers >= 1", file=sys.stderr)
+        print(f"error: --budgets {args.budgets} and --max-matching-ngram-size: whole numbers >= 1 expected",
+              file=sys.stderr)
         return 2
     names = args.drafters.split(",")
     unknown = [n for n in names if n not in DRAFTERS]
@@ -386,6 +390,8 @@ def main(argv=None) -> int:
     for name in names:
         for b in budgets:
             fields = {"follower_fit": args.follower_fit} if name.startswith("cacheback") else {}
+            if name == "prompt-lookup":
+                fields = {"max_matching_ngram_size": args.max_matching_ngram_size}
             r = replay_all(streams, name, b, limit, frozen_table=frozen, eos_ids=eos, **fields).row()
             rows.append({"drafter": name, "budget": b, **r})
             if args.json:
