@@ -117,10 +117,11 @@ tested on SmolLM2-135M-Instruct and on small random models of those families.
   distribution as transformers' sampler but is a different random stream: the sampling noise is keyed by
   (seed, position), so a verified draft token is the one the plain sampler would have drawn.
 - Refused with one line that names the cause: batch size or `num_return_sequences` above 1, a padded
-  `attention_mask`, beam search, any logits processor other than temperature/top-k/top-p (a repetition
+  `attention_mask`, every decoding mode but greedy and sampling (beam, contrastive, DoLa, constrained,
+  `assistant_model`, prompt lookup), any logits processor other than temperature/top-k/top-p (a repetition
   penalty, `min_new_tokens`, bad words, ...), `output_scores`/`output_logits`/`output_attentions`/
-  `output_hidden_states`, `assistant_model`, and models whose cache cannot be rolled back (sliding-window
-  or chunked attention, recurrent or linear-attention layers, static caches, FlashAttention).
+  `output_hidden_states`, a `cache_implementation`, and models whose cache cannot be rolled back
+  (sliding-window or chunked attention, recurrent or linear-attention layers, static caches, FlashAttention).
 
 ## Additional arguments
 
