@@ -18,7 +18,7 @@ The paper, section by section, and where it is here (this file's sections in bra
                     (§3.3: the frozen table's order)   add_followers (one node), DraftTree
     §3.2            draft, verify, accept, update      generate                                [4]
     beyond the paper: cost-aware pruning for CPUs      CostPruner, NoPruning, prune            [5]
-                      followers cut to a small budget  hang_cut, cut_to_fit (follower_fit)     [5b]
+                      followers cut to a small budget  hang_cut (follower_fit)                 [5b]
     §3.3, §4        the frozen table's file            load_frozen, frozen_table_for           [6]
                     (built offline by tools/build_frozen.py)
     model.generate(..., custom_generate=...)           custom_generate                         [7]
@@ -388,10 +388,11 @@ def add_followers(tree: DraftTree, node: int, leader: tuple, tables: list[CacheT
             if follower in seen:
                 continue  # in both tables: add once
             seen.add(follower)
-            if len(tree) - 1 + tree.new_tokens(node, follower) > limit:
+            new = tree.new_tokens(node, follower)
+            if len(tree) - 1 + new > limit:
                 # this follower does not fit: stop querying this leader (frozen table included)
                 if cut:  # ours (section 5b): hang the first tokens of it that fit
-                    hang_cut(tree, node, leader, follower, limit, (source, rank, fanout), out)
+                    hang_cut(tree, node, leader, follower, new, limit, (source, rank, fanout), out)
                 return
             nodes = tree.add_follower(node, follower, source, rank, fanout)
             out.setdefault(nodes[-1], (leader + follower)[-ll:])  # the last LL tokens of its text
@@ -588,23 +589,17 @@ def measure_cost(model, tdl: int) -> dict[int, float]:
 # tokens at budgets up to 16, none lost at 96; the presets keep 'whole' (at their own budgets, 15
 # and 95, it gains nothing on the reporting streams).
 
-def cut_to_fit(follower: tuple, room: int) -> tuple:
-    """The follower without its last -room tokens (room < 0: how many tokens too many it has).
-    >>> cut_to_fit((7, 8, 9), -2)
-    (7,)
-    """
-    return follower[:room]
-
-def hang_cut(tree: DraftTree, node: int, leader: tuple, follower: tuple, limit: int, origin: tuple,
-             out: dict[int, tuple]) -> None:
-    """add_followers' follower that does not fit whole, cut to the tokens the budget holds and hung
-    below `node` (origin: its table, rank and fanout). subtle: only when a new token fits at all, else
-    the cut could be just a prefix the tree already has, and its end, a node inside another branch,
-    would become a leaf to extend."""
+def hang_cut(tree: DraftTree, node: int, leader: tuple, follower: tuple, new: int, limit: int,
+             origin: tuple, out: dict[int, tuple]) -> None:
+    """add_followers' follower that does not fit whole (`new` of its tokens are not in the tree
+    yet), cut to the tokens the budget holds and hung below `node` (origin: its table, rank and
+    fanout). E.g. follower (7, 8, 9), nothing shared, one token left: (7,) is hung. subtle: only
+    when a new token fits at all, else the cut could be just a prefix the tree already has, and its
+    end, a node inside another branch, would become a leaf to extend."""
     left = limit - (len(tree) - 1)  # draft tokens the budget still holds
     if left <= 0:
         return
-    part = cut_to_fit(follower, left - tree.new_tokens(node, follower))
+    part = follower[: len(follower) - new + left]  # the shared prefix, then `left` new tokens
     nodes = tree.add_follower(node, part, *origin)
     out.setdefault(nodes[-1], (leader + part)[-len(leader) :])  # its leader: the last LL tokens
 

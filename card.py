@@ -898,8 +898,9 @@ def custom_generate(model, input_ids, logits_processor, stopping_criteria, gener
     tokenizer, or a running DraftProcess to keep one process across calls; default: the draft
     cfg.draft names, built per call, and in parallel mode a draft process started for this call
     and stopped when it returns, raises or is interrupted; r = "auto" is measured at the first call
-    and kept for the model), seed (sampled: the noise's key; default drawn from torch's generator).
-    note: not transformers' assistant_model, which is its own."""
+    and kept for the model, or per call for a draft_model given), seed (sampled: the noise's key;
+    default drawn from torch's generator). note: not transformers' assistant_model, which is its own.
+    """
     call = verify.GenerateCall.read(model, input_ids, logits_processor, stopping_criteria,
                                     generation_config, model_kwargs, seed)
     cfg = CardConfig.for_device(model.device) if card_config is None else card_config
@@ -909,11 +910,14 @@ def custom_generate(model, input_ids, logits_processor, stopping_criteria, gener
         named = cfg.draft not in ("int8", "self")  # a named draft's vocabulary is checked
         tok = verify.tokenizer_of(model, instead="draft_model") if named else None
         draft = load_draft(model, tok, cfg, verify.model_name_of(model))
-    if cfg.ratio == "auto":  # §3.1's rule, measured at the first call (as prepare() does for the script)
+    if cfg.ratio == "auto":  # §3.1's rule (prepare() measures it once for the script)
         draft_weights = draft.model if isinstance(draft, DraftProcess) else draft
         measure = functools.partial(measure_ratio, model, draft_weights, cfg.K)
-        key = ("card ratio", cfg.K, id(draft_model) if draft_model is not None else cfg.draft)
-        cfg = dataclasses.replace(cfg, ratio=verify.once_per_model(model, key, measure))
+        if draft_model is None:  # the draft cfg names: measured at the first call, kept per model
+            ratio = verify.once_per_model(model, ("card ratio", cfg.K, cfg.draft, cfg.draft_dtype), measure)
+        else:  # the caller's draft: measured per call (it is theirs to change)
+            ratio = measure()
+        cfg = dataclasses.replace(cfg, ratio=ratio)
     gen = generate(model, call.prompt_ids, call.max_new_tokens, call.eos_ids, cfg, draft=draft,
                    sampling=call.sampling, **call.hooks())
     return call.output(gen)

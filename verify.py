@@ -1504,8 +1504,6 @@ def first_difference(model, prompt_ids: Sequence[int], want: Sequence[int],
 SAMPLING_PROCESSORS = ("TemperatureLogitsWarper", "TopKLogitsWarper", "TopPLogitsWarper")
 # processors that change neither the argmax nor the distribution sampled from (a log-softmax)
 HARMLESS_PROCESSORS = ("LogitNormalization",)
-# the stopping criteria Generation applies itself, as max_new_tokens and eos_ids; others are asked per token
-OWN_CRITERIA = ("MaxLengthCriteria", "EosTokenCriteria")
 # the decoding modes a method reproduces (GenerationConfig.get_generation_mode's names)
 SPECULATED_MODES = ("greedy_search", "sample")
 # what transformers prepares as the model's inputs; a caller's other keyword would reach only plain
@@ -1678,9 +1676,9 @@ def read_stopping_criteria(stopping_criteria) -> tuple[int, list[int], list]:
     others = []
     for criterion in stopping_criteria or []:
         name = type(criterion).__name__
-        if name == OWN_CRITERIA[0]:
+        if name == "MaxLengthCriteria":  # Generation's own max_new_tokens
             max_lengths.append(int(criterion.max_length))
-        elif name == OWN_CRITERIA[1]:
+        elif name == "EosTokenCriteria":  # Generation's own eos_ids
             eos_ids.update(torch.as_tensor(criterion.eos_token_id).flatten().tolist())
         elif name == "ConfidenceCriteria":
             raise UserError("custom_generate: ConfidenceCriteria reads per-token scores, which are not kept")

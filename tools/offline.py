@@ -71,7 +71,7 @@ class Replay:
         self.accepted += other.accepted
         self.reached = [a + b for a, b in zip(self.reached, other.reached)]
         self.hit = [a + b for a, b in zip(self.hit, other.hit)]
-        self.per_stream += other.per_stream or [other.tokens / max(other.forwards, 1)]
+        self.per_stream += other.per_stream
 
     def row(self) -> dict:
         steps = max(len(self.drafted), 1)
@@ -121,6 +121,7 @@ def replay(prompt: Sequence[int], output: Sequence[int], start: Callable, propos
         done += len(new)
         r.forwards += 1
         learn(state, new)
+    r.per_stream.append(r.tokens / r.forwards)  # this stream's own MAT
     return r
 
 
