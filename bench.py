@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: MIT
 """
 bench.py -- run decoding methods side by side on a prompt set and report SpecBench-style numbers.
 
@@ -9,8 +10,8 @@ How the measurement is made fair (the same rules as SpecBench, Xia et al. 2024):
     machine (thermal, other processes) hit every method alike;
   * one untimed warm-up run of every method before timing;
   * every run starts from scratch (stateful drafters get a fresh state per prompt);
-  * speedup = mean tokens/s of the method / mean tokens/s of hf-greedy (ratio of means, not a mean of ratios):
-    SpecBench's definition; the tables also give total tokens over total time, which weighs slow prompts more;
+  * speedup = the method's mean of per-prompt tokens/s over hf-greedy's mean of per-prompt tokens/s (a ratio
+    of means, not a mean of per-prompt ratios): SpecBench's definition, as RESULTS.md states it; the tables also give total tokens over total time, which weighs slow prompts more;
   * the prompt set is split in two fixed halves (`split_of`): defaults are tuned on one, reported on the other;
   * mean accepted tokens = new tokens / target forwards, bonus token included; target forwards are counted
     by a forward hook on the target model, so HF's own methods are counted the same way as ours;
@@ -52,13 +53,14 @@ import numpy as np
 import torch
 
 import verify
+from tools.methods import METHODS
 
-# name -> (module, fields of the module's config to fix). Modules are imported only when asked for. Each
-# method file has the same interface: <X>Config.for_device(device), prepare(model, tok, cfg, name) -> (cfg,
-# extra), generate(model, ids, n, eos, cfg, **extra).
+# name -> (the method, as tools/methods.py names it, and fields of its config to fix). Modules are imported
+# only when asked for. Each method file has the same interface: <X>Config.for_device(device),
+# prepare(model, tok, cfg, name) -> (cfg, extra), generate(model, ids, n, eos, cfg, **extra).
 PROJECT_METHODS = {
-    "ngram": ("ngram_predictor", {}),
-    "ngram-nogate": ("ngram_predictor", {"draft_cost": 1.0}),  # the chapter exactly: every draft verified
+    "ngram": ("ngram", {}),
+    "ngram-nogate": ("ngram", {"draft_cost": 1.0}),  # the chapter exactly: every draft verified
     "cacheback": ("cacheback", {}),
     # the paper's Table 1 (on CPU the default is already "no frozen"; on CUDA "dual")
     "cacheback-dual": ("cacheback", {"frozen": "stdlib"}),
@@ -88,8 +90,6 @@ PROJECT_METHODS = {
                                    "pool_cap": 15, "pool_refresh": "insert"}),
     "fafo-fullkv": ("fafo", {"compress": "none"}),  # FAFO minus C: full-KV guesses, FAFO's lookback keys
 }
-CONFIG_CLASSES = {"ngram_predictor": "NgramConfig", "cacheback": "CachebackConfig", "card": "CardConfig",
-                  "fafo": "FafoConfig"}
 # transformers' assisted generation with CARD's draft model: the classic draft-then-verify baseline
 HF_METHODS = ["vanilla", "hf-greedy", "hf-sample", "hf-pld", "hf-assisted"]
 
@@ -186,9 +186,10 @@ def make_runner(spec: str, model, tok, args, sampled: bool = False):
         run_assisted.assistant = draft  # held_bytes counts its weights and its cache
         return run_assisted
     if name in PROJECT_METHODS:
-        module_name, fixed = PROJECT_METHODS[name]
+        method, fixed = PROJECT_METHODS[name]
+        module_name, config_name, _ = METHODS[method]
         module = _import(module_name, name)
-        config_class = getattr(module, CONFIG_CLASSES[module_name])
+        config_class = getattr(module, config_name)
         try:
             cfg = dataclasses.replace(config_class.for_device(model.device), **fixed, **overrides)
         except TypeError as e:  # a field the config does not have

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: MIT
 """
 cacheback.py -- Cacheback decoding: speculative decoding with nothing but LRU tables of token
 n-grams. Zhiyao Ma, In Gim & Lin Zhong, "Cacheback: Speculative Decoding With Nothing But Cache",
@@ -696,13 +697,20 @@ def custom_generate(model, input_ids, logits_processor, stopping_criteria, gener
 
     Returns what model.generate returns (prompt + new tokens), honouring its GenerationConfig, its
     stopping criteria (per emitted token) and its streamer, and refusing in one line what it cannot
-    reproduce (verify.check_generate_call). Keywords of this method:
-    cacheback_config (default: CachebackConfig.for_device, as the script; for a model other than
-    the default, without a frozen table, which ships for the default model only), frozen_table (the table
-    cfg.frozen names, `frozen_table_for`; default: loaded at the first call with the tokenizer
-    beside the model), cost (the pruning's curve, `measure_cost`; default: measured at the first
-    call), seed (sampled: the noise's key; default drawn from torch's generator). What a first call
-    loads or measures is kept for the model's later calls, as prepare() does for the script."""
+    reproduce (verify.check_generate_call).
+
+    Keywords of this method, passed to model.generate beside its own:
+        - cacheback_config: a CachebackConfig (default: CachebackConfig.for_device(model.device),
+          the script's default on that device; on a model other than SmolLM2-135M-Instruct without
+          a frozen table, which ships for that model only)
+        - frozen_table: a frozen table, cacheback.load_frozen(path, tokenizer, ll, fl) (default: the
+          one the config names, loaded at the model's first call with the tokenizer saved beside
+          the model, and kept for its later calls)
+        - cost: the pruning's cost curve {n: t(n)/t(1)} (default: measured once on this machine
+          and kept on disk beside the converted model)
+        - seed: the sampling noise's key under do_sample=True (default: drawn from torch's
+          generator, so torch.manual_seed repeats a call)
+    """
     call = verify.GenerateCall.read(model, input_ids, logits_processor, stopping_criteria,
                                     generation_config, model_kwargs, seed)
     cfg = CachebackConfig.for_device(model.device) if cacheback_config is None else cacheback_config
@@ -711,30 +719,28 @@ def custom_generate(model, input_ids, logits_processor, stopping_criteria, gener
         # default without one (Table 1's "no frozen" row) rather than fail; name one to use it
         cfg = replace(cfg, frozen="none")
     cfg.check()
-    if frozen_table is None and cfg.frozen != "none":
-        def load() -> CacheTable:  # the tokenizer tells the table's identity (tokenizer_identity)
-            tok = verify.tokenizer_of(model, instead="frozen_table")
-            return frozen_table_for(tok, cfg, verify.model_name_of(model))
-
-        key = ("cacheback frozen", cfg.frozen, cfg.ll, cfg.fl, cfg.lc, cfg.fc)
-        frozen_table = verify.once_per_model(model, key, load)
-    if cost is None and cfg.prune == "cost":
-        measure = functools.partial(measure_cost, model, cfg.tdl)
-        cost = verify.once_per_model(model, ("cacheback cost", cfg.tdl), measure)
-    gen = generate(model, call.prompt_ids, call.max_new_tokens, call.eos_ids, cfg, frozen_table=frozen_table,
-                   cost=cost, sampling=call.sampling, **call.hooks())
+    # the script's set-up (prepare), once per model: the frozen table, the pruning's curve
+    cfg, extra = verify.prepare_once(model, prepare, cfg, frozen_table=frozen_table, cost=cost)
+    gen = generate(model, call.prompt_ids, call.max_new_tokens, call.eos_ids, cfg, sampling=call.sampling,
+                   **call.hooks(), **extra)
     return call.output(gen)
 
 # ---- 8. CLI ------------------------------------------------------------------------------------------------
 
-def prepare(model, tok, cfg: CachebackConfig, name: str = verify.DEFAULT_MODEL):
-    """Once per process, before timing: the frozen table cfg.frozen names (`name`, the --model
-    given, says whose selfchat table) and the pruning's cost curve."""
+def prepare(model, tok, cfg: CachebackConfig, name: str = verify.DEFAULT_MODEL,
+            frozen_table: CacheTable | None = None, cost: dict[int, float] | None = None):
+    """The set-up before the first call (the script's, and custom_generate's through
+    verify.prepare_once): the frozen table cfg.frozen names (`name`, the model's, says whose
+    selfchat table; tok None: the tokenizer beside the model tells the table's identity) and the
+    pruning's cost curve (measured once per machine: verify.measured_costs), each unless given."""
     extra = {}
-    if cfg.frozen != "none":
-        extra["frozen_table"] = frozen_table_for(tok, cfg, name)
+    if frozen_table is None and cfg.frozen != "none":
+        tok = tok or verify.tokenizer_of(model, instead="frozen_table")
+        frozen_table = frozen_table_for(tok, cfg, name)
+    if frozen_table is not None:
+        extra["frozen_table"] = frozen_table
     if cfg.prune == "cost":
-        extra["cost"] = measure_cost(model, cfg.tdl)
+        extra["cost"] = measure_cost(model, cfg.tdl) if cost is None else cost
     return cfg, extra
 
 def make_parser():

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: MIT
 """
 card.py -- CARD: cache-assisted parallel speculative decoding with the "query-and-correct" paradigm.
 Enyu Zhou, Kai Sheng, Hao Chen & Xin He, "CARD: A Cache-Assisted Parallel Speculative Decoding
@@ -40,11 +41,13 @@ The paper, section by section, and where it is here (this file's sections in bra
 
 from __future__ import annotations
 
+import ast
 import contextlib
 import copy
 import dataclasses
 import functools
 import math
+import os
 import signal
 import sys
 import time
@@ -514,7 +517,8 @@ def draft_side(draft, cfg: CardConfig):
     """The object behind generate()'s draft(r) / query(r) / correct(): a Drafter in this process
     (lockstep mode), or a DraftProcess (parallel mode: the caller's, or one started for this call
     and stopped after it)."""
-    if cfg.mode == "lockstep":
+    # (a spawned process would run this call again: lockstep instead, said once; section 4)
+    if cfg.mode == "lockstep" or (not isinstance(draft, DraftProcess) and cannot_spawn()):
         model = draft.model if isinstance(draft, DraftProcess) else draft
         yield Drafter(model, cfg.K, cfg.k, cfg.correct)
     elif isinstance(draft, DraftProcess):
@@ -610,6 +614,57 @@ class DraftProcessError(verify.UserError):
     """The draft process died or failed (a UserError: the CLI prints it as one line and exits
     non-zero)."""
 
+# Python's "spawn" starts the draft process as a fresh interpreter that imports the program's main
+# module again (under the name __mp_main__) and so runs its top level once more. A script that calls
+# model.generate at its top level, with no `if __name__ == "__main__":` guard around the call, would
+# run that call again in the child, whose start of a process of its own Python refuses (a page of
+# traceback); a program read from stdin cannot be imported again at all. Such a caller gets
+# lockstep (the same tokens, the draft in this process), said in one line. Code from `python -c`,
+# a REPL or a notebook has no main file to run again: it gets the parallel mode.
+
+def cannot_spawn() -> bool:
+    """Whether a spawned draft process would fail to start from this call (the first time, the
+    reason in one line on stderr)."""
+    reason = spawn_obstacle()
+    if reason is not None and not LOCKSTEP_SAID:
+        LOCKSTEP_SAID.append(reason)
+        print(f"[card] lockstep instead of parallel: {reason}", file=sys.stderr)
+    return reason is not None
+
+LOCKSTEP_SAID: list[str] = []  # the line above, once per process
+
+def spawn_obstacle() -> str | None:
+    """Why the child could not start, or None: the main program is not a file, or this call is made
+    from the main file's top level outside an `if __name__ == "__main__":` block."""
+    main = sys.modules.get("__main__")
+    spec = getattr(main, "__spec__", None)  # python -m: the child runs the module again by name
+    path = spec.origin if spec is not None else getattr(main, "__file__", None)
+    if path is None:
+        return None
+    if not os.path.isfile(path):
+        return f"the main program ({path}) is not a file that the draft process can import"
+    frame = sys._getframe(1)
+    while frame is not None and not (frame.f_code.co_name == "<module>" and frame.f_globals is vars(main)):
+        frame = frame.f_back
+    if frame is None:  # not called from the main file's top level (a function it calls later)
+        return None
+    with open(path, encoding="utf-8") as f:
+        module = ast.parse(f.read())
+    line = frame.f_lineno
+    if any(is_main_guard(node) and node.lineno <= line <= node.end_lineno for node in module.body):
+        return None
+    return (f"{os.path.basename(path)} calls generate at its top level, which the draft process would run "
+            'again; put the call under `if __name__ == "__main__":`')
+
+def is_main_guard(node) -> bool:
+    """`if __name__ == "__main__":` (either way round)."""
+    if not isinstance(node, ast.If) or not isinstance(node.test, ast.Compare):
+        return False
+    sides = [node.test.left, *node.test.comparators]
+    names = [side.id for side in sides if isinstance(side, ast.Name)]
+    texts = [side.value for side in sides if isinstance(side, ast.Constant)]
+    return names == ["__name__"] and texts == ["__main__"] and isinstance(node.test.ops[0], ast.Eq)
+
 def _draft_process(conn, K: int, k: int, correct: bool, threads: int | None) -> None:
     """The draft process's whole life (spawned by DraftProcess)."""
     # Ctrl-C reaches us too; the target's process stops us
@@ -684,6 +739,12 @@ class DraftProcess:
     It stops at close(), garbage collection or exit, and by itself if its parent dies."""
 
     def __init__(self, draft, cfg: "CardConfig", threads: int | None = None):
+        build, source = (None, draft)  # what crosses to the process, and what it does with it
+        if hasattr(draft, "card_rebuild"):  # an int8 draft: the target's weights, quantized there
+            build, target = draft.card_rebuild
+            source = target()
+            if source is None:
+                raise verify.UserError("the int8 draft's target model is gone: build the draft again")
         ctx = torch.multiprocessing.get_context("spawn")  # fork is unsafe with threads and CUDA
         self.model = draft
         self.drafts_with = (cfg.K, cfg.k, cfg.correct)  # what its Drafter is made with
@@ -705,7 +766,6 @@ class DraftProcess:
         # (2) not as a Process argument: pickled at start(), such a tensor is freed before the child
         # opens it; (3) an int8 draft cannot make the trip, so the child quantizes its own copy of
         # the target (int8_draft's card_rebuild).
-        build, source = getattr(draft, "card_rebuild", (None, draft))
         self._send((torch.backends.quantized.engine, build, portable(source)))
         self._receive("ready")
 
@@ -843,8 +903,9 @@ def int8_draft(model, copy_model: bool = True):
         warnings.simplefilter("ignore")
         draft = quantize_dynamic(copy.deepcopy(model) if copy_model else model,
                                  {torch.nn.Linear: per_channel_dynamic_qconfig}, dtype=torch.qint8)
-    # how DraftProcess rebuilds it in the draft process (see there)
-    draft.card_rebuild = (functools.partial(int8_draft, copy_model=False), model)
+    # how DraftProcess rebuilds it in the draft process (see there). A weak reference: a draft kept
+    # for the model (verify.prepare_once) must not keep the model alive
+    draft.card_rebuild = (functools.partial(int8_draft, copy_model=False), weakref.ref(model))
     return draft
 
 def load_draft(model, tok, cfg: CardConfig, target_name: str = verify.DEFAULT_MODEL):
@@ -861,24 +922,35 @@ def load_draft(model, tok, cfg: CardConfig, target_name: str = verify.DEFAULT_MO
         raise verify.UserError(f"--draft {cfg.draft} and --target {target_name} do not share a vocabulary")
     return draft
 
-def step_time(model, n: int) -> float:  # one forward over n new tokens after 256 cached ones
-    return verify.measure_step_times(model, [n], repeats=3)[n]
+def step_time(model, n: int) -> float:
+    """One forward over n new tokens after 256 cached ones, measured once per machine
+    (verify.measured_costs)."""
+    measure = functools.partial(verify.measure_step_times, model, [n], repeats=3)
+    return verify.measured_costs(model, ("step times", [n], 256, 3), measure)[n]
 
 def measure_ratio(model, draft, K: int) -> int:
     """§3.1's r = ceil(t_target / t_draft): how many K-node draft layers fit in one one-token target
     step."""
     return max(1, math.ceil(step_time(model, 1) / step_time(draft, K)))
 
-def prepare(model, tok, cfg: CardConfig, name: str = verify.DEFAULT_MODEL) -> tuple[CardConfig,
-                                                                                    dict]:
-    """Once per process, untimed, like loading: the draft cfg names, r if 'auto', and in parallel
-    mode the draft process (it lives until this process exits or the caller closes it; generate()
-    skips start-up)."""
-    draft = load_draft(model, tok, cfg, name)
+def prepare(model, tok, cfg: CardConfig, name: str = verify.DEFAULT_MODEL,
+            draft=None) -> tuple[CardConfig, dict]:
+    """The set-up before the first call, untimed, like loading (the script's, and custom_generate's
+    through verify.prepare_once, which keeps it for the model's later calls): the draft cfg names
+    (unless `draft` is given; tok None: the tokenizer beside the model checks a named draft's
+    vocabulary), r if 'auto' (step times measured once per machine), and in parallel mode the draft
+    process for the draft built here. The process lives until the model is let go, the caller
+    closes it, or this process exits; generate() then skips its start-up."""
+    built = draft is None
+    if built:
+        named = cfg.draft not in ("int8", "self")
+        tok = tok or (verify.tokenizer_of(model, instead="draft_model") if named else None)
+        draft = load_draft(model, tok, cfg, name)
     if cfg.ratio == "auto":
-        cfg = dataclasses.replace(cfg, ratio=measure_ratio(model, draft, cfg.K))
+        draft_weights = draft.model if isinstance(draft, DraftProcess) else draft
+        cfg = dataclasses.replace(cfg, ratio=measure_ratio(model, draft_weights, cfg.K))
         print(f"[card] --ratio auto: measured r = {cfg.ratio}", file=sys.stderr)
-    if cfg.mode == "parallel":
+    if built and cfg.mode == "parallel" and not cannot_spawn():
         draft = DraftProcess(draft, cfg)
     return cfg, {"draft": draft}
 
@@ -893,33 +965,28 @@ def custom_generate(model, input_ids, logits_processor, stopping_criteria, gener
 
     Returns what model.generate returns (prompt + new tokens), honouring its GenerationConfig, its
     stopping criteria (per emitted token) and its streamer, and refusing in one line what it cannot
-    reproduce (verify.check_generate_call). Keywords of this method: card_config
-    (default: CardConfig.for_device, as the script), draft_model (a model with the target's
-    tokenizer, or a running DraftProcess to keep one process across calls; default: the draft
-    cfg.draft names, built per call, and in parallel mode a draft process started for this call
-    and stopped when it returns, raises or is interrupted; r = "auto" is measured at the first call
-    and kept for the model, or per call for a draft_model given), seed (sampled: the noise's key;
-    default drawn from torch's generator). note: not transformers' assistant_model, which is its own.
+    reproduce (verify.check_generate_call). note: not transformers' assistant_model, which is its
+    own speculative decoding.
+
+    Keywords of this method, passed to model.generate beside its own:
+        - card_config: a CardConfig (default: CardConfig.for_device(model.device): on a CPU an int8
+          copy of the model drafts in a process of its own; r = "auto" is measured once on this
+          machine and kept on disk)
+        - draft_model: a draft model with the model's tokenizer, or a running card.DraftProcess
+          (default: the draft the config names, built at the model's first call; in parallel mode
+          its process serves the model's later calls too and ends with the model, at exit or on
+          Ctrl-C). A draft model given drafts in a process started for that call alone.
+        - seed: the sampling noise's key under do_sample=True (default: drawn from torch's
+          generator, so torch.manual_seed repeats a call)
     """
     call = verify.GenerateCall.read(model, input_ids, logits_processor, stopping_criteria,
                                     generation_config, model_kwargs, seed)
     cfg = CardConfig.for_device(model.device) if card_config is None else card_config
     cfg.check()
-    draft = draft_model
-    if draft is None:
-        named = cfg.draft not in ("int8", "self")  # a named draft's vocabulary is checked
-        tok = verify.tokenizer_of(model, instead="draft_model") if named else None
-        draft = load_draft(model, tok, cfg, verify.model_name_of(model))
-    if cfg.ratio == "auto":  # §3.1's rule (prepare() measures it once for the script)
-        draft_weights = draft.model if isinstance(draft, DraftProcess) else draft
-        measure = functools.partial(measure_ratio, model, draft_weights, cfg.K)
-        if draft_model is None:  # the draft cfg names: measured at the first call, kept per model
-            ratio = verify.once_per_model(model, ("card ratio", cfg.K, cfg.draft, cfg.draft_dtype), measure)
-        else:  # the caller's draft: measured per call (it is theirs to change)
-            ratio = measure()
-        cfg = dataclasses.replace(cfg, ratio=ratio)
-    gen = generate(model, call.prompt_ids, call.max_new_tokens, call.eos_ids, cfg, draft=draft,
-                   sampling=call.sampling, **call.hooks())
+    # the script's set-up (prepare), once per model: the draft, r if auto, the draft process (kept)
+    cfg, extra = verify.prepare_once(model, prepare, cfg, draft=draft_model)
+    gen = generate(model, call.prompt_ids, call.max_new_tokens, call.eos_ids, cfg, sampling=call.sampling,
+                   **call.hooks(), **extra)
     return call.output(gen)
 
 # ---- 7. CLI ------------------------------------------------------------------------------------------------

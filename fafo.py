@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: MIT
 """
 fafo.py -- FAFO: "Fumble Around and Find Out", lossless n-gram decoding whose guesses come from a
 compressed KV cache. Paper: "FAFO: Lossy KV Cache Compression for Lossless Inference Acceleration
@@ -996,10 +997,15 @@ def custom_generate(model, input_ids, logits_processor, stopping_criteria, gener
 
     Returns what model.generate returns (prompt + new tokens), honouring its GenerationConfig, its
     stopping criteria (per emitted token) and its streamer, and refusing in one line what it cannot
-    reproduce (verify.check_generate_call). Keywords of this method: fafo_config
-    (default: FafoConfig.for_device, as the script), pool (an NgramPool carried over between calls;
-    default: a fresh one per call), seed (sampled: the noise's key; default drawn from torch's
-    generator)."""
+    reproduce (verify.check_generate_call).
+
+    Keywords of this method, passed to model.generate beside its own:
+        - fafo_config: a FafoConfig (default: FafoConfig.for_device(model.device), the script's
+          default on that device)
+        - pool: an NgramPool to carry over between calls (default: a fresh pool per call)
+        - seed: the sampling noise's key under do_sample=True (default: drawn from torch's
+          generator, so torch.manual_seed repeats a call)
+    """
     call = verify.GenerateCall.read(model, input_ids, logits_processor, stopping_criteria,
                                     generation_config, model_kwargs, seed)
     cfg = FafoConfig.for_device(model.device) if fafo_config is None else fafo_config

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: MIT
 """
 ngram_predictor.py -- speculative decoding with an n-gram frequency predictor, after the chapter
 "Speculative Decoding with N-grams" of the akunu inference-engine book (part 5, chapter 30, 2025;
@@ -36,7 +37,6 @@ this file deviates from the chapter it says so in a "deviation:" comment (and in
 
 from __future__ import annotations
 
-import functools
 import sys
 import time
 from collections import deque
@@ -418,30 +418,38 @@ def custom_generate(model, input_ids, logits_processor, stopping_criteria, gener
 
     Returns what model.generate returns (prompt + new tokens), honouring its GenerationConfig, its
     stopping criteria (per emitted token) and its streamer, and refusing in one line what it cannot
-    reproduce (verify.check_generate_call). Keywords of this method: ngram_config
-    (default: NgramConfig.for_device, as the script), draft_costs (the gate's curve, `measure_draft_costs`;
-    default: measured at the first call, once per model), seed (sampled: the noise's key; default
-    drawn from torch's generator)."""
+    reproduce (verify.check_generate_call).
+
+    Keywords of this method, passed to model.generate beside its own:
+        - ngram_config: an NgramConfig (default: NgramConfig.for_device(model.device), the script's
+          default on that device)
+        - draft_costs: the cost gate's curve {n: t(1+n)/t(1)} (default: measured once on this
+          machine and kept on disk beside the converted model)
+        - seed: the sampling noise's key under do_sample=True (default: drawn from torch's
+          generator, so torch.manual_seed repeats a call)
+    """
     call = verify.GenerateCall.read(model, input_ids, logits_processor, stopping_criteria,
                                     generation_config, model_kwargs, seed)
     cfg = NgramConfig.for_device(model.device) if ngram_config is None else ngram_config
     cfg.check()
-    if draft_costs is None and cfg.draft_cost is None:  # as prepare() measures it for the script
-        measure = functools.partial(measure_draft_costs, model, cfg.draft_count)
-        draft_costs = verify.once_per_model(model, ("ngram draft_costs", cfg.draft_count), measure)
-    gen = generate(model, call.prompt_ids, call.max_new_tokens, call.eos_ids, cfg, draft_costs=draft_costs,
-                   sampling=call.sampling, **call.hooks())
+    # the script's set-up (prepare), once per model: the gate's curve, from disk after the first run
+    cfg, extra = verify.prepare_once(model, prepare, cfg, draft_costs=draft_costs)
+    gen = generate(model, call.prompt_ids, call.max_new_tokens, call.eos_ids, cfg, sampling=call.sampling,
+                   **call.hooks(), **extra)
     return call.output(gen)
 
 # ---- 7. CLI ------------------------------------------------------------------------------------------------
 
-def prepare(model, tok, cfg: NgramConfig, name: str = verify.DEFAULT_MODEL) -> tuple[NgramConfig,
-                                                                                     dict]:
-    """Once per process, before any timing: measure the cost gate's curve unless cfg.draft_cost
-    fixes it."""
+def prepare(model, tok, cfg: NgramConfig, name: str = verify.DEFAULT_MODEL,
+            draft_costs: dict[int, float] | None = None) -> tuple[NgramConfig, dict]:
+    """The set-up before the first call (the script's, and custom_generate's through
+    verify.prepare_once): the cost gate's curve, unless cfg.draft_cost fixes it or the caller gives
+    draft_costs; measured once per machine (verify.measured_costs). tok and name: unused here."""
     if cfg.draft_cost is not None:
         return cfg, {}
-    return cfg, {"draft_costs": measure_draft_costs(model, cfg.draft_count)}
+    if draft_costs is None:
+        draft_costs = measure_draft_costs(model, cfg.draft_count)
+    return cfg, {"draft_costs": draft_costs}
 
 def report(model, prompt_ids, gen: Generation, cfg: NgramConfig, extra: dict) -> dict:
     """After the timed run: the acceptance rate alpha, the cost ratio t(1+D)/t(1) (the gate's, or

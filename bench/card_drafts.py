@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: MIT
 """Measures CARD's offline draft candidates (card.py section 5) for RESULTS.md, "CARD on a CPU": for each --draft spec,
 
   t_draft     one draft step over a single token after 256 cached ones, with 2 threads and with 1 (the share a

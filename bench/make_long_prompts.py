@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: MIT
 """Writes bench/long_prompts.jsonl: long-context prompts (about 1k, 2k, 4k and 7k tokens of the default model's
 tokenizer) in SpecBench's question.jsonl format, for FAFO at long context (TUTORIAL.md §5.7).
 

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: MIT
 """Writes corpus/instructions.jsonl: the instruction set whose greedy answers, by the target model itself,
 become Cacheback's natural-language frozen table (`python tools/build_frozen.py --corpus selfchat`).
 

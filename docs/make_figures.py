@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: MIT
 """Regenerates every figure of TUTORIAL.md into docs/figures/*.png (`make figures`), with matplotlib, and the
 replay screenshots with tools/replay.py in headless Chromium (Debian: apt-get install chromium chromium-driver).
 

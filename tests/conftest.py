@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: MIT
 """Shared fixtures: a tiny random Llama for the mechanics (fast, deterministic) and the real default model
 (SmolLM2-135M-Instruct, float32, CPU) for the oracle tests, with the oracle itself (HF greedy) run once per
 prompt for the whole session.

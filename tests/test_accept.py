@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: MIT
 """Greedy acceptance and the stopping rule, on hand-built logits and end to end on the tiny model."""
 
 import torch

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: MIT
 """Portability: every method and mode is token-identical to HF greedy on tiny random-weight models of the
 common decoder-only families, built from configs right here (no download), and models whose KV cache cannot
 be rolled back are refused with a one-line reason.

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: MIT
 """The vanilla loop against the oracle, HF generate(do_sample=False), on the real default model."""
 
 import os
@@ -65,3 +66,32 @@ def test_prefill_computes_only_the_last_logits_and_they_equal_the_full_forward(t
             pass
 
     assert verify.last_logits_only(NoKeep()) == {} and verify.last_logits_only(tiny) == {"logits_to_keep": 1}
+
+
+def test_a_cost_curve_is_measured_once_per_machine_and_again_when_its_key_changes(tiny, tmp_path, monkeypatch):
+    """verify.measure_cost_curve keeps what it measured on disk (a second process starts without the pause);
+    a change of what the cost depends on (here the thread count) measures again, under its own key."""
+    import json
+
+    import torch
+
+    monkeypatch.setenv("SPECDEC_CACHE", str(tmp_path))
+    forwards = []
+    hook = tiny.register_forward_hook(lambda *a: forwards.append(1))
+    threads = torch.get_num_threads()
+    try:
+        first = verify.measure_cost_curve(tiny, [2, 4], repeats=1)
+        measured = len(forwards)
+        assert measured > 0 and os.path.exists(verify.costs_path())
+        assert verify.measure_cost_curve(tiny, [2, 4], repeats=1) == first  # read back, int keys and all
+        assert len(forwards) == measured, "measured again though nothing changed"
+        torch.set_num_threads(1 if threads > 1 else 2)
+        verify.measure_cost_curve(tiny, [2, 4], repeats=1)
+        assert len(forwards) == 2 * measured, "a changed thread count must measure again"
+    finally:
+        torch.set_num_threads(threads)
+        hook.remove()
+    with open(verify.costs_path(), encoding="utf-8") as f:
+        keys = [json.loads(key) for key in json.load(f)]
+    assert sorted(key["threads"] for key in keys) == sorted({threads, 1 if threads > 1 else 2})
+    assert all(key["processor"] == verify.cpu_name() and key["torch"] == torch.__version__ for key in keys)

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: MIT
 """bench.py's report, on hand-made rows: both speedup definitions, the acceptance rate and the drafting share;
 which prompts it loads; and CARD's cost model."""
 

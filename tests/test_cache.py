@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: MIT
 """verify.PreallocatedKVCache, the one KV cache every method and the vanilla baseline use: the same logits and
 the same logical keys/values as transformers' DynamicCache (the oracle), rollback by a length, compaction in
 place, no allocation on a step within capacity, and growth by doubling beyond it."""

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: MIT
 """cacheback.py: the LRU rules of §3.1 one by one, sliding-window updates, tree growth under TDL/CRT on
 hand-built tables, the tree's attention mask, and losslessness against HF greedy on the real model."""
 

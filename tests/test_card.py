@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: MIT
 """card.py: cache construction (Eq. 1-9) on a hand-made draft distribution, the §2.3 mask against a
 hand-written one, hit and miss correction (§2.4) against fresh recomputation, losslessness against the
 target's HF greedy decoding in both modes, the offline drafts, the draft process (same tokens as lockstep, no

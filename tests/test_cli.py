@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: MIT
 """The shared CLI contract (through verify.py's own vanilla entry point): --json, --help, and one-line
 errors for bad input. Most cases call the script's main() in this process (conftest.run_main: the same
 code, without a second start-up); those that only a real process can show -- the scripts' own entry points,

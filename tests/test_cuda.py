@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: MIT
 """The CUDA tier: what a user of one GPU gets with the defaults, checked against the same oracles as on the CPU.
 
 Every test here carries the `cuda` marker and is skipped where torch sees no GPU, so the CPU CI collects them
@@ -25,6 +26,7 @@ import cacheback
 import card
 import fafo
 import ngram_predictor
+import tools.methods
 import verify
 from conftest import REAL_PROMPTS
 
@@ -34,7 +36,7 @@ pytestmark = [pytest.mark.cuda,
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 N_NEW = 64  # new tokens per run: long enough for every method to draft and accept, short enough for the tier
 PROMPTS = REAL_PROMPTS[:2]
-METHODS = {"ngram": ngram_predictor, "cacheback": cacheback, "card": card, "fafo": fafo}
+METHODS = {name: sys.modules[method.module] for name, method in tools.methods.METHODS.items()}  # imported above
 CONFIGS = {"ngram": ngram_predictor.NgramConfig, "cacheback": cacheback.CachebackConfig, "card": card.CardConfig,
            "fafo": fafo.FafoConfig}
 

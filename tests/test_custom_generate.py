@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: MIT
 """The drop-in: every method run by transformers' own `model.generate(..., custom_generate=...)`, in the
 callable form (`METHOD.custom_generate`) and the exported folder form (tools/export_generate.py), checked
 against `model.generate` itself: token-identical on tiny models of eight families and on the real default
@@ -5,6 +6,7 @@ model; EOS, max_new_tokens and a stop string that fall inside an accepted draft;
 a TextStreamer; sampling; and each refusal."""
 
 import copy
+import inspect
 import multiprocessing
 import os
 import sys
@@ -18,11 +20,12 @@ import cacheback
 import card
 import fafo
 import ngram_predictor
+import tools.methods
 import verify
 from conftest import CARD_REAL, REAL_PROMPTS, ROOT, encode
 from test_architectures import ARCHS, EOS, NEW, PROMPT, _testable, tiny_model
 
-METHODS = {"ngram": ngram_predictor, "cacheback": cacheback, "card": card, "fafo": fafo}
+METHODS = {name: sys.modules[method.module] for name, method in tools.methods.METHODS.items()}  # imported above
 
 
 def tiny_options(name: str, draft) -> dict:
@@ -141,19 +144,112 @@ class FailAfter(StoppingCriteria):
 
 
 @pytest.mark.compat
-def test_card_with_no_options_runs_as_its_script_and_its_draft_process_ends(real, draft_process_bf16):
-    """No keywords: CARD's CPU default (an int8 draft in a process of its own) is built for the call, and the
-    process it started is gone when the call returns, and when it raises."""
-    model, tok = real
+def test_card_with_no_options_keeps_one_draft_process_for_the_model(real):
+    """No keywords: CARD's CPU default (an int8 draft in a process of its own) is built at the model's first
+    call and serves its later calls, a call that raises included, with the same tokens as model.generate;
+    the process ends when the model is let go."""
+    import gc
+
+    model = copy.deepcopy(real[0])  # a model of this test's own, to let go at the end
     ids = torch.tensor([encode(real, REAL_PROMPTS[2])[0]])
     before = card_drafts()  # the session's own draft process lives on
     out = model.generate(ids, custom_generate=card.custom_generate, max_new_tokens=24)
-    assert torch.equal(out, plain(model, ids, 24))
-    assert card_drafts() == before
+    assert torch.equal(out, plain(real[0], ids, 24))
+    kept = card_drafts() - before
+    assert len(kept) == 1, "one draft process, kept for the model"
     with pytest.raises(RuntimeError, match="a criterion failed"):
         model.generate(ids, custom_generate=card.custom_generate, max_new_tokens=24,
                        stopping_criteria=StoppingCriteriaList([FailAfter(5)]))
-    assert card_drafts() == before
+    out = model.generate(ids, custom_generate=card.custom_generate, max_new_tokens=16)
+    assert torch.equal(out, plain(real[0], ids, 24)[:, : ids.shape[1] + 16])
+    assert card_drafts() - before == kept, "the same process served all three calls"
+    del model, out
+    gc.collect()
+    assert card_drafts() == before, "let go with the model"
+
+
+GUARDED_BY_NOTHING = """
+import multiprocessing, os, sys, torch
+sys.path.insert(0, {root!r})
+sys.path.insert(0, os.path.join({root!r}, "tests"))
+import card
+from conftest import make_tiny_llama
+print("top level", flush=True)
+model = make_tiny_llama(0)
+ids = torch.tensor([[1] + [5, 6, 7, 8, 9] * 6])
+want = model.generate(ids, max_new_tokens=20, do_sample=False)
+out = model.generate(ids, custom_generate=card.custom_generate, max_new_tokens=20, eos_token_id=95,
+                     card_config=card.CardConfig(K=2, k=2, ratio=3, draft="self", draft_dtype="float32"))
+drafts = [p.pid for p in multiprocessing.active_children() if p.name == "card-draft"]
+print("identical", torch.equal(out, want), "drafts", drafts, flush=True)
+if {interrupt}:
+    os.kill(os.getpid(), __import__("signal").SIGINT)  # Ctrl-C, as a user presses it
+"""
+
+
+def run_script(how: str, tmp_path, interrupt: bool = False):
+    """The script above run as a file, from stdin or with -c: (exit status, stdout, stderr)."""
+    import subprocess
+
+    code = GUARDED_BY_NOTHING.format(root=ROOT, interrupt=interrupt)
+    path = tmp_path / "script.py"
+    path.write_text(code)
+    argv = {"file": [sys.executable, str(path)], "stdin": [sys.executable, "-"], "-c": [sys.executable, "-c", code]}
+    run = subprocess.run(argv[how], input=code if how == "stdin" else None, capture_output=True, text=True,
+                         cwd=tmp_path, timeout=300)
+    return run.returncode, run.stdout, run.stderr
+
+
+@pytest.mark.parametrize("how", ["file", "stdin"])
+def test_card_from_a_script_without_the_main_guard_runs_lockstep_and_says_so(tmp_path, how):
+    """A spawned draft process would run the unguarded top level again (or, from stdin, find no file to
+    import): CARD runs lockstep, the same tokens, and says why in one line; the top level runs once."""
+    status, out, err = run_script(how, tmp_path)
+    assert status == 0, err
+    assert out.count("top level") == 1 and "identical True drafts []" in out, out
+    assert err.count("\n") == 1 and err.startswith("[card] lockstep instead of parallel: "), err
+    assert ('__name__ == "__main__"' if how == "file" else "<stdin>") in err
+
+
+@pytest.mark.parametrize("interrupt", [False, True], ids=["exit", "ctrl-c"])
+def test_card_from_python_c_runs_parallel_and_leaves_no_process_behind(tmp_path, interrupt):
+    """Code from -c (a notebook's case too) has no main file to run again: the parallel mode, its draft
+    process kept for the model, and gone once the program exits, normally or on Ctrl-C."""
+    import re
+    import time
+
+    from conftest import running
+
+    status, out, err = run_script("-c", tmp_path, interrupt)
+    assert out.count("top level") == 1 and "identical True" in out, (out, err)
+    pids = [int(pid) for pid in re.findall(r"\d+", out.split("drafts")[1])]
+    assert len(pids) == 1, out
+    if interrupt:
+        assert status != 0 and "KeyboardInterrupt" in err
+    else:
+        assert status == 0 and err == "", err
+    deadline = time.time() + 10
+    while running(pids[0]) and time.time() < deadline:
+        time.sleep(0.1)
+    assert not running(pids[0]), "the draft process outlived its program"
+
+
+def test_a_renamed_streamer_local_is_an_error_not_a_silent_hang(tmp_path):
+    """generate_argument reads `streamer` from transformers' generate() frame; where a release no longer has
+    it there, a TextIteratorStreamer's reader would wait forever: one line naming the version instead."""
+    import importlib.util
+
+    folder = tmp_path / "generation"
+    folder.mkdir()
+    (folder / "utils.py").write_text("import verify\n\ndef generate(streamed=None):\n"
+                                     "    return verify.generate_argument('streamer')\n")
+    spec = importlib.util.spec_from_file_location("fake_generation_utils", folder / "utils.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    with pytest.raises(ValueError, match=r"transformers \S+'s generate\(\) has no argument 'streamer'") as e:
+        module.generate()
+    assert "\n" not in str(e.value)
+    assert verify.generate_argument("streamer") is None  # no generate() frame at all: no streamer given
 
 
 # ---------------------------------------------------------------------- where a stop falls inside a step
@@ -369,8 +465,20 @@ def test_the_exported_folder_holds_the_method_and_verify_as_in_the_repository(ex
         module = METHODS[name].__name__
         files = sorted(os.listdir(os.path.join(folder, "custom_generate")))
         assert files == sorted(["generate.py", "requirements.txt", "verify.py", f"{module}.py"]), files
+        assert sorted(os.listdir(folder)) == ["LICENSE", "README.md", "custom_generate"]
+        with open(os.path.join(folder, "LICENSE"), encoding="utf-8") as f, open(os.path.join(ROOT, "LICENSE")) as g:
+            assert f.read() == g.read()
         with open(os.path.join(folder, "README.md"), encoding="utf-8") as f:
-            assert f.read().startswith("---\nlibrary_name: transformers\ntags:\n- custom_generate\n---\n")
+            readme = f.read()
+        assert readme.startswith("---\nlibrary_name: transformers\nlicense: mit\ntags:\n- custom_generate\n---\n")
+        assert all(item in readme for item in verify.REFUSED)
+        # the method's keywords, one item each, as its custom_generate's signature has them
+        keywords = [k for k in inspect.signature(METHODS[name].custom_generate).parameters
+                    if k not in ("model", "input_ids", "logits_processor", "stopping_criteria", "generation_config",
+                                 "model_kwargs")]
+        arguments = readme.split("## Additional arguments")[1].split("##")[0]
+        assert [line.split("`")[1] for line in arguments.splitlines() if line.startswith("- `")] == keywords
+        assert "prepare()" not in arguments and "frozen_table_for" not in arguments  # no internal names
         for source in (f"{module}.py", "verify.py"):
             with open(os.path.join(ROOT, source), encoding="utf-8") as f:
                 ours = f.read().splitlines()

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: MIT
 """The documentation is code too: every `>>>` example in the method files and verify.py runs, and verify.py's
 module docstring lists exactly the public names the file defines."""
 
@@ -119,3 +120,33 @@ def test_the_packed_assignment_check_sees_one(tmp_path):
     path = tmp_path / "x.py"
     path.write_text("a, b = [], 0\nc, d = f(x), y[i] + 1\n")
     assert packed_assignments(str(path)) == [2]
+
+
+def _root() -> str:
+    import os
+
+    return os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def test_readme_lists_exactly_what_verify_refuses():
+    """verify.REFUSED is the one list of refusals; README's copy (between its markers) says the same."""
+    import os
+
+    with open(os.path.join(_root(), "README.md"), encoding="utf-8") as f:
+        readme = f.read()
+    block = readme.split("<!-- refused: verify.REFUSED -->")[1].split("<!-- /refused -->")[0]
+    items = [" ".join(item.split()) for item in block.strip().removeprefix("- ").split("\n- ")]
+    assert items == list(verify.REFUSED)
+
+
+def test_every_python_file_carries_the_licence():
+    import os
+    import subprocess
+
+    with open(os.path.join(_root(), "LICENSE"), encoding="utf-8") as f:
+        assert f.readline().strip() == "MIT License"
+    files = subprocess.run(["git", "ls-files", "*.py"], cwd=_root(), capture_output=True, text=True).stdout.split()
+    assert len(files) > 30
+    for name in files:
+        with open(os.path.join(_root(), name), encoding="utf-8") as f:
+            assert f.readline() == "# SPDX-License-Identifier: MIT\n", name

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: MIT
 """fafo.py and verify.py's FlexAttention compacted-block path.
 
 Oracles: hand-written expectations (pool, streams, selections, the Figure 4 mask, Algorithm 4), the dense

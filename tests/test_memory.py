@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: MIT
 """What a run holds beyond the target's weights (FAFO's memory claim, Table 1 and §3.1): verify.tensor_bytes
 counts tensors, each storage once; every method reports gen.extra["held_bytes"]. Oracles: the KV cache's size
 from the model's config, an int8 model's size from its float original's shapes, and lockstep CARD against the

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: MIT
 """ngram_predictor.py: hashing, the predictor's backoff and chaining, the corrected arithmetic, the
 capacity guard, and losslessness against HF greedy on the real default model."""
 

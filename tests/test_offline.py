@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: MIT
 """tools/offline.py: a drafter replayed over a greedy stream, with no model, gives exactly what an online run
 gives: the same accepted length at every step, the same target forwards (so the same mean accepted tokens).
 The oracle is each method's own generate() on the real default model, and for prompt lookup transformers' own

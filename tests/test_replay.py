@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: MIT
 """tools/replay.py: a page per method from a real run of the default model, checked against oracles (HF
 greedy through --compare, a fresh n-gram predictor, the KV cache's arithmetic, the candidate cache's own
 tree), then opened in headless Chromium (skipped, with the reason, where none is installed)."""

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: MIT
 """Sampling (verify.Sampling): Gumbel-max noise keyed by (seed, position).
 
 Oracles: the exact filtered softmax (a chi-square test of the plain sampler, which must also FAIL for two

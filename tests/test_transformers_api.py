@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: MIT
 """How we talk to transformers while it moves under us: the one place that hands a model its KV cache
 (verify.model_forward, under the keyword the model's forward takes), and the suite's guard (conftest.py) that
 fails any test in which our own code calls something transformers or torch has deprecated."""

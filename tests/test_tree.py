@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: MIT
 """Tree machinery: trie construction, the tree attention mask, position ids, and the central claim that one
 tree forward computes the same logits as separate left-to-right forwards of every branch."""
 

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: MIT
 """
 tools/build_frozen.py -- build a frozen Cacheback table offline (Cacheback §3.3 and §4).
 

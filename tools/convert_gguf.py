@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: MIT
 """
 tools/convert_gguf.py -- the set-up step behind the default model: dequantize a GGUF file once into an
 ordinary float32 transformers checkpoint (verify.converted_dir). transformers can load a GGUF directly, but it

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: MIT
 """Export one method as a folder that transformers' model.generate loads by name (its "custom generation
 method" layout), to publish it on the Hub or keep it beside a project:
 
@@ -8,7 +9,8 @@ method" layout), to publish it on the Hub or keep it beside a project:
 What it writes (transformers' load_custom_generate reads custom_generate/generate.py and checks
 custom_generate/requirements.txt; the Hub lists a repository whose README carries the custom_generate tag):
 
-    OUT/README.md                          front matter (library_name, tags: custom_generate) and usage
+    OUT/README.md                          front matter (library_name, license, tags: custom_generate), usage
+    OUT/LICENSE                            the repository's licence (MIT), which the copied files carry
     OUT/custom_generate/generate.py        generate(model, **arguments): every argument model.generate got
     OUT/custom_generate/cacheback.py       the method file, and verify.py, as in this repository, but for
     OUT/custom_generate/verify.py          their `import verify` lines, made relative (see below)
@@ -28,15 +30,9 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from replay import METHODS  # noqa: E402  (name -> the method's file, its config class)
+import verify  # noqa: E402  (REFUSED: what a call refuses, the README's list)
+from tools.methods import METHODS  # noqa: E402  (name -> the method's file, config class, title)
 
-# what each method is called in the README it gets
-TITLES = {
-    "ngram": "N-gram speculative decoding (akunu's frequency predictor)",
-    "cacheback": "Cacheback speculative decoding",
-    "card": "CARD speculative decoding",
-    "fafo": "FAFO decoding",
-}
 # a script's imports of the shared module, and what they become inside the exported package
 IMPORT_REWRITES = [
     (re.compile(r"^import verify$", re.MULTILINE), "from . import verify"),
@@ -45,7 +41,8 @@ IMPORT_REWRITES = [
 # one comparator per line: transformers' check_python_requirements reads no more
 REQUIRED = ("torch", "transformers", "numpy")
 
-GENERATE_PY = '''"""{title} for model.generate: the custom generation method that tools/export_generate.py
+GENERATE_PY = '''# SPDX-License-Identifier: MIT
+"""{title} for model.generate: the custom generation method that tools/export_generate.py
 exported from a reference implementation of training-free speculative decoding. {module}.py and verify.py
 beside this file are the reference's own files (their `import verify` lines made relative: transformers
 imports this folder as a package).
@@ -91,6 +88,7 @@ def generate(model, **arguments):
 
 README_MD = """---
 library_name: transformers
+license: mit
 tags:
 - custom_generate
 ---
@@ -116,16 +114,14 @@ tested on SmolLM2-135M-Instruct and on small random models of those families.
 - Sampled (`do_sample=True` with `temperature`, `top_k`, `top_p`), the output follows the same
   distribution as transformers' sampler but is a different random stream: the sampling noise is keyed by
   (seed, position), so a verified draft token is the one the plain sampler would have drawn.
-- Refused with one line that names the cause: batch size or `num_return_sequences` above 1, a padded
-  `attention_mask`, every decoding mode but greedy and sampling (beam, contrastive, DoLa, constrained,
-  `assistant_model`, prompt lookup), any logits processor other than temperature/top-k/top-p (a repetition
-  penalty, `min_new_tokens`, bad words, ...), `output_scores`/`output_logits`/`output_attentions`/
-  `output_hidden_states`, a `cache_implementation`, and models whose cache cannot be rolled back
-  (sliding-window or chunked attention, recurrent or linear-attention layers, static caches, FlashAttention).
+- Refused, each with one line that names the cause (what would break losslessness):
+{refused}
 
 ## Additional arguments
 
-Passed to `model.generate` beside the usual ones: {arguments}
+Passed to `model.generate` beside the usual ones, all optional:
+
+{arguments}
 
 ## Output type changes
 
@@ -146,6 +142,10 @@ ids = tok(text, return_tensors="pt", add_special_tokens=False).input_ids
 out = model.generate(ids, custom_generate="THIS_FOLDER_OR_REPO", trust_remote_code=True, max_new_tokens=128,
                      streamer=TextStreamer(tok, skip_prompt=True), stop_strings=["\\n\\n"], tokenizer=tok)
 ```
+
+## License
+
+MIT (`LICENSE`), as the reference it was exported from.
 """
 
 
@@ -173,8 +173,8 @@ def export(method: str, out: str) -> list[str]:
     """Write the folder; returns the paths written."""
     import importlib
 
-    module = METHODS[method][0]
-    title = TITLES[method]
+    module = METHODS[method].module
+    title = METHODS[method].title
     folder = os.path.join(out, "custom_generate")
     os.makedirs(folder, exist_ok=True)
     written = []
@@ -190,14 +190,34 @@ def export(method: str, out: str) -> list[str]:
         write(os.path.join(folder, "verify.py"), f.read())
     write(os.path.join(folder, "generate.py"), GENERATE_PY.format(title=title, module=module))
     write(os.path.join(folder, "requirements.txt"), requirements())
+    with open(os.path.join(ROOT, "LICENSE"), encoding="utf-8") as f:
+        write(os.path.join(out, "LICENSE"), f.read())
     method_module = importlib.import_module(module)
     summary = method_module.__doc__.strip().split("\n\n")[0]
-    # the callable's docstring names the method's keywords: "... Keywords of this method: ..."
-    doc = inspect.getdoc(method_module.custom_generate)
-    arguments = " ".join(re.split(r"Keywords of this method:\s+", doc)[1].split())
+    arguments = "\n".join(keyword_list(inspect.getdoc(method_module.custom_generate)))
+    refused = "\n".join("  - " + item for item in verify.REFUSED)
     write(os.path.join(out, "README.md"), README_MD.format(title=title, summary=summary, method=method,
-                                                           module=module, arguments=arguments))
+                                                           module=module, arguments=arguments, refused=refused))
     return written
+
+
+def keyword_list(doc: str) -> list[str]:
+    """The custom_generate docstring's "Keywords of this method" list as Markdown items: each
+    "- name: text" item on one line, the name as code.
+
+    >>> keyword_list("Intro.\n\nKeywords of this method, ...:\n    - seed: the noise's\n      key\n")
+    ['- `seed`: the noise\'s key']
+    """
+    block = re.split(r"Keywords of this method[^\n]*:\n", doc)[1]
+    items = []
+    for line in block.splitlines():
+        text = line.strip()
+        if text.startswith("- "):
+            name, _, rest = text[2:].partition(": ")
+            items.append(f"- `{name}`: {rest}")
+        elif text and items:
+            items[-1] += " " + text
+    return items
 
 
 def main(argv=None) -> int:

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: MIT
 """Drafting quality without a model: replay a drafter over a known greedy text, in seconds.
 
 Under greedy decoding the emitted text is the model's greedy text whatever the drafter, so a drafter can be
@@ -83,17 +84,16 @@ class Replay:
 
 
 def walk(tree: Tree, stream: Sequence[int], at: int) -> list[int]:
-    """The accepted path's node indices below the root: the tree's branch that the stream follows from
-    index `at` (the token after the root), as verify.accepted_path walks it with the model's choices."""
-    path = []
-    node = 0
-    while at + len(path) < len(stream):
-        child = tree.children[node].get(stream[at + len(path)])
-        if child is None:
-            break
-        path.append(child)
-        node = child
-    return path
+    """The accepted path's node indices below the root: verify.accepted_path's walk, with the stream's tokens
+    from index `at` (the token after the root) as the model's choices (none past the stream's end)."""
+    depths = tree.depths
+
+    def choose(node: int) -> int:  # the model's token after `node`: the stream's, at that depth
+        position = at + depths[node]
+        return stream[position] if position < len(stream) else -1  # -1: no child carries it
+
+    path, _ = verify.accepted_path(tree, None, choose)
+    return path[1:]
 
 
 def replay(prompt: Sequence[int], output: Sequence[int], start: Callable, propose: Callable,
@@ -209,8 +209,11 @@ def prompt_lookup_drafter(budget: int, max_matching_ngram_size: int = 2, eos_ids
     return start, propose, learn
 
 
-CACHEBACK_CPU = cacheback.CachebackConfig(ll=2, tdl=16, crt=4)
-CACHEBACK_PAPER = cacheback.CachebackConfig(frozen="selfchat")
+# Cacheback's presets, as its file defines them (the budget then sets TDL, and CRT in proportion)
+CACHEBACK_PRESETS = {
+    "cacheback-cpu": cacheback.CachebackConfig.cpu(),
+    "cacheback-paper": cacheback.CachebackConfig.paper(),
+}
 
 
 def make_drafter(name: str, budget: int, frozen_table=None, eos_ids=(), max_matching_ngram_size: int = 2,
@@ -221,8 +224,8 @@ def make_drafter(name: str, budget: int, frozen_table=None, eos_ids=(), max_matc
         return ngram_drafter(budget)
     if name == "prompt-lookup":
         return prompt_lookup_drafter(budget, max_matching_ngram_size, eos_ids)
-    if name in ("cacheback-cpu", "cacheback-paper"):
-        base = CACHEBACK_CPU if name == "cacheback-cpu" else CACHEBACK_PAPER
+    if name in CACHEBACK_PRESETS:
+        base = CACHEBACK_PRESETS[name]
         # CRT scales with the budget: the presets reserve a quarter (CPU: 4 of 16) and a sixth (16 of 96)
         crt = max(1, budget * base.crt // (base.tdl - 1))
         cfg = dataclasses.replace(base, crt=crt, **fields)
@@ -231,7 +234,7 @@ def make_drafter(name: str, budget: int, frozen_table=None, eos_ids=(), max_matc
     raise ValueError(f"unknown drafter {name!r}")
 
 
-DRAFTERS = ("ngram", "cacheback-cpu", "cacheback-paper", "prompt-lookup")
+DRAFTERS = ("ngram", *CACHEBACK_PRESETS, "prompt-lookup")
 
 
 def replay_all(streams: list[dict], name: str, budget: int, max_new_tokens: int | None = None,
@@ -379,7 +382,7 @@ def main(argv=None) -> int:
     frozen = None
     limit = None if args.text else args.max_new_tokens  # what the streams were made with
     if "cacheback-paper" in names or args.figure4 or args.table1:
-        frozen = cacheback.frozen_table_for(tok, CACHEBACK_PAPER)
+        frozen = cacheback.frozen_table_for(tok, CACHEBACK_PRESETS["cacheback-paper"])
     if args.figure4 or args.table1:
         sys.path.insert(0, os.path.join(ROOT, "tools"))
         if args.table1:

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: MIT
 """
 tools/replay.py -- one run of a method, step by step, as one self-contained HTML page.
 
@@ -50,13 +51,8 @@ sys.path.insert(0, ROOT)
 import cacheback  # noqa: E402
 import verify  # noqa: E402
 
-# name -> (the method's file, its config class); prepare() and report() are taken where the file has them
-METHODS = {
-    "ngram": ("ngram_predictor", "NgramConfig"),
-    "cacheback": ("cacheback", "CachebackConfig"),
-    "card": ("card", "CardConfig"),
-    "fafo": ("fafo", "FafoConfig"),
-}
+# name -> the method's file and config class (prepare() and report() are taken where the file has them)
+from tools.methods import METHODS  # noqa: E402
 
 
 class RawStep(NamedTuple):
@@ -81,7 +77,7 @@ class Recorder:
 def run(method: str, argv: list[str]):
     """Parse the method's options (its make_parser) and -o, run it with a Recorder. Returns (args,
     result dict, Generation, tokenizer, Recorder)."""
-    module_name, config_name = METHODS[method]
+    module_name, config_name, _ = METHODS[method]
     module = importlib.import_module(module_name)
     parser = module.make_parser()
     parser.prog = f"python tools/replay.py {method}"
