@@ -407,7 +407,7 @@ def generate(model, prompt_ids: Sequence[int], max_new_tokens: int, eos_ids: Seq
              on_emit=None, on_step=None, stop=None) -> Generation:
     """Cacheback decoding. A fresh dynamic table per call (stateful methods start from scratch for
     every prompt, as in the paper's SpecBench runs). frozen_table: the table cfg.frozen names
-    (`frozen_table_for`; `prepare` loads it once per process), shared and never modified. cost: the
+    (`frozen_table_for`; `prepare` loads it before the first call), shared and never modified. cost: the
     pruning's curve {n: t(n)/t(1)} (measured now if not given). `sampling`: greedy by default;
     sampled, the plain sampler's tokens."""
     cfg.check()
@@ -483,8 +483,8 @@ def generate(model, prompt_ids: Sequence[int], max_new_tokens: int, eos_ids: Seq
 #
 #     E[tokens] / cost(1 + k)    over k = 0 .. N-1
 #
-# where cost(n) = t(n)/t(1) is measured at start-up (verify.measure_cost_curve). k = 0 is a plain
-# one-token step: 1 token for 1 unit of cost.
+# where cost(n) = t(n)/t(1) is measured once per machine (verify.measure_cost_curve, kept on disk).
+# k = 0 is a plain one-token step: 1 token for 1 unit of cost.
 #
 #   q: dynamic rank 0 pos 0 = 0.5, pos 1 = 0.8;  cost(1)=1, cost(2)=1.65, cost(3)=1.7
 #   tree root -> a (P .5) -> b (P .4):
@@ -707,7 +707,7 @@ def custom_generate(model, input_ids, logits_processor, stopping_criteria, gener
           one the config names, loaded at the model's first call with the tokenizer saved beside
           the model, and kept for its later calls)
         - cost: the pruning's cost curve {n: t(n)/t(1)} (default: measured once on this machine
-          and kept on disk beside the converted model)
+          and kept in ~/.cache/specdec-reference, or $SPECDEC_CACHE)
         - seed: the sampling noise's key under do_sample=True (default: drawn from torch's
           generator, so torch.manual_seed repeats a call)
     """

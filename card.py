@@ -50,6 +50,7 @@ import math
 import os
 import signal
 import sys
+import threading
 import time
 import warnings
 import weakref
@@ -91,7 +92,7 @@ class CardConfig:
     @classmethod
     def paper(cls, draft: str = "self") -> "CardConfig":
         """§3.1 for a 1B draft: K = 100, in parallel, and r by §3.1's own rule, r = ceil(t_target /
-        t_draft), measured at start-up ("auto"). The paper's 1B draft beside a 70B target gives 7;
+        t_draft), measured once per machine ("auto"). The paper's 1B draft beside a 70B target gives 7;
         the self-draft (the target's own weights in bfloat16) gives about 1 on a GPU and 1-2 on a
         CPU, so a fixed r = 7 would make the target wait for seven draft layers a step.
         note: the paper gives no value for Eq. 2's k; its reference code expands each node by its
@@ -504,7 +505,7 @@ class Drafter:
 #   lockstep  a Drafter in this process (a DraftProcess passed in lends it its model), up to r layers
 #             per step. Deterministic, what the authors' code effectively does (both sides block on
 #             each other over NCCL), and what the tests pin down.
-#   parallel  a DraftProcess (section 4): the caller's, or one started for this call. The same
+#   parallel  a DraftProcess (section 4): one passed in, or one started for this call. The same
 #             Drafter in its own process, drafting all the time while it leads the verified text by
 #             fewer than max_lead layers, so after a hit the next chain is (partly) ready when the
 #             target asks:
@@ -515,8 +516,9 @@ class Drafter:
 @contextlib.contextmanager
 def draft_side(draft, cfg: CardConfig):
     """The object behind generate()'s draft(r) / query(r) / correct(): a Drafter in this process
-    (lockstep mode), or a DraftProcess (parallel mode: the caller's, or one started for this call
-    and stopped after it)."""
+    (lockstep mode, and parallel where no process can be spawned from this call: cannot_spawn), or
+    a DraftProcess (parallel mode: the one passed in, which prepare() or the caller started and
+    which outlives the call, or one started for this call and stopped after it)."""
     # (a spawned process would run this call again: lockstep instead, said once; section 4)
     if cfg.mode == "lockstep" or (not isinstance(draft, DraftProcess) and cannot_spawn()):
         model = draft.model if isinstance(draft, DraftProcess) else draft
@@ -622,6 +624,8 @@ class DraftProcessError(verify.UserError):
 # lockstep (the same tokens, the draft in this process), said in one line. Code from `python -c`,
 # a REPL or a notebook has no main file to run again: it gets the parallel mode.
 
+LOCKSTEP_SAID: list[str] = []  # cannot_spawn's line, once per process
+
 def cannot_spawn() -> bool:
     """Whether a spawned draft process would fail to start from this call (the first time, the
     reason in one line on stderr)."""
@@ -631,13 +635,13 @@ def cannot_spawn() -> bool:
         print(f"[card] lockstep instead of parallel: {reason}", file=sys.stderr)
     return reason is not None
 
-LOCKSTEP_SAID: list[str] = []  # the line above, once per process
-
 def spawn_obstacle() -> str | None:
     """Why the child could not start, or None: the main program is not a file, or this call is made
     from the main file's top level outside an `if __name__ == "__main__":` block."""
     main = sys.modules.get("__main__")
-    spec = getattr(main, "__spec__", None)  # python -m: the child runs the module again by name
+    spec = getattr(main, "__spec__", None)  # python -m: the child runs the module again by name,
+    if spec is not None and spec.name.split(".")[-1] == "__main__":
+        return None  # but not a package's __main__ (multiprocessing.spawn's own rule)
     path = spec.origin if spec is not None else getattr(main, "__file__", None)
     if path is None:
         return None
@@ -646,10 +650,15 @@ def spawn_obstacle() -> str | None:
     frame = sys._getframe(1)
     while frame is not None and not (frame.f_code.co_name == "<module>" and frame.f_globals is vars(main)):
         frame = frame.f_back
-    if frame is None:  # not called from the main file's top level (a function it calls later)
+    # not from the main file's top level: from a function it calls later, or typed at a REPL
+    # (python -i) in the main module's namespace
+    if frame is None or os.path.abspath(frame.f_code.co_filename) != os.path.abspath(path):
         return None
-    with open(path, encoding="utf-8") as f:
-        module = ast.parse(f.read())
+    try:
+        with open(path, "rb") as f:  # bytes: ast honours a coding cookie or a BOM
+            module = ast.parse(f.read())
+    except (SyntaxError, ValueError):
+        return f"{os.path.basename(path)} cannot be read to find its `if __name__ == \"__main__\":` guard"
     line = frame.f_lineno
     if any(is_main_guard(node) and node.lineno <= line <= node.end_lineno for node in module.body):
         return None
@@ -739,6 +748,9 @@ class DraftProcess:
     It stops at close(), garbage collection or exit, and by itself if its parent dies."""
 
     def __init__(self, draft, cfg: "CardConfig", threads: int | None = None):
+        reason = spawn_obstacle()
+        if reason is not None:  # before Python prints a page of traceback from the child
+            raise verify.UserError(f"a DraftProcess cannot start here: {reason}")
         build, source = (None, draft)  # what crosses to the process, and what it does with it
         if hasattr(draft, "card_rebuild"):  # an int8 draft: the target's weights, quantized there
             build, target = draft.card_rebuild
@@ -753,6 +765,7 @@ class DraftProcess:
             threads = max(1, torch.get_num_threads() // 2)
         self.threads = threads
         self.run = 0  # generate() calls served so far
+        self.busy = threading.Lock()  # one generate() at a time: a second thread's call waits
         self.wait = 0  # layers the cache must lead by before a query is answered (serving() sets it)
         self.conn, child_end = ctx.Pipe()
         self.process = ctx.Process(target=_draft_process, name="card-draft", daemon=True,
@@ -804,15 +817,16 @@ class DraftProcess:
             K, k, correct = self.drafts_with
             raise verify.UserError(f"this DraftProcess drafts with K={K}, k={k}, correct={correct}, "
                                    "unlike the config")
-        self.wait = cfg.ratio if cfg.wait is None else cfg.wait
-        main_threads = torch.get_num_threads()
-        if self.threads:
-            torch.set_num_threads(max(1, main_threads - self.threads))
-        try:
-            yield self
-        finally:
-            torch.set_num_threads(main_threads)
-            self.done()
+        with self.busy:
+            self.wait = cfg.ratio if cfg.wait is None else cfg.wait
+            main_threads = torch.get_num_threads()
+            if self.threads:
+                torch.set_num_threads(max(1, main_threads - self.threads))
+            try:
+                yield self
+            finally:
+                torch.set_num_threads(main_threads)
+                self.done()
 
     # generate()'s four calls, as the Drafter takes them (section 3)
 
@@ -939,8 +953,8 @@ def prepare(model, tok, cfg: CardConfig, name: str = verify.DEFAULT_MODEL,
     through verify.prepare_once, which keeps it for the model's later calls): the draft cfg names
     (unless `draft` is given; tok None: the tokenizer beside the model checks a named draft's
     vocabulary), r if 'auto' (step times measured once per machine), and in parallel mode the draft
-    process for the draft built here. The process lives until the model is let go, the caller
-    closes it, or this process exits; generate() then skips its start-up."""
+    process for the draft built here, so that generate() skips its start-up. The process lives as
+    long as what holds it (the returned dict; for custom_generate, the model) and ends at exit."""
     built = draft is None
     if built:
         named = cfg.draft not in ("int8", "self")
@@ -971,7 +985,7 @@ def custom_generate(model, input_ids, logits_processor, stopping_criteria, gener
     Keywords of this method, passed to model.generate beside its own:
         - card_config: a CardConfig (default: CardConfig.for_device(model.device): on a CPU an int8
           copy of the model drafts in a process of its own; r = "auto" is measured once on this
-          machine and kept on disk)
+          machine and kept in ~/.cache/specdec-reference, or $SPECDEC_CACHE)
         - draft_model: a draft model with the model's tokenizer, or a running card.DraftProcess
           (default: the draft the config names, built at the model's first call; in parallel mode
           its process serves the model's later calls too and ends with the model, at exit or on
@@ -984,7 +998,13 @@ def custom_generate(model, input_ids, logits_processor, stopping_criteria, gener
     cfg = CardConfig.for_device(model.device) if card_config is None else card_config
     cfg.check()
     # the script's set-up (prepare), once per model: the draft, r if auto, the draft process (kept)
-    cfg, extra = verify.prepare_once(model, prepare, cfg, draft=draft_model)
+    kept_cfg, extra = verify.prepare_once(model, prepare, cfg, draft=draft_model)
+    process = extra["draft"]
+    if isinstance(process, DraftProcess) and draft_model is None and not process.process.is_alive():
+        # the kept process died (a failed draft, a kill): this call starts a new one
+        verify.forget_per_model(model, verify.prepared_key(model, prepare, cfg))
+        kept_cfg, extra = verify.prepare_once(model, prepare, cfg)
+    cfg = kept_cfg
     gen = generate(model, call.prompt_ids, call.max_new_tokens, call.eos_ids, cfg, sampling=call.sampling,
                    **call.hooks(), **extra)
     return call.output(gen)

@@ -59,7 +59,7 @@ MAX_BATCH = 64
 @dataclass
 class NgramConfig:
     """Everything generate() needs to know, under the chapter's names. The default is the chapter
-    plus our cost gate (section 5), measured on the device at start-up: on a GPU the measured cost
+    plus our cost gate (section 5), measured on the device once (kept on disk): on a GPU the measured cost
     is ~1 and the gate lets every draft through, on a CPU it withholds the drafts that would cost
     more than they bring.
 
@@ -267,7 +267,7 @@ def generate(model, prompt_ids: Sequence[int], max_new_tokens: int, eos_ids: Seq
              sampling: verify.Sampling = verify.GREEDY, on_emit=None, on_step=None,
              stop=None) -> Generation:
     """Speculative decoding with n-gram drafts. draft_costs = {n: t(1+n)/t(1)}, the cost gate's
-    curve (measured once per process by `prepare`, else now); cfg.draft_cost replaces it (1.0 = the
+    curve (measured once per machine by `prepare`, else now); cfg.draft_cost replaces it (1.0 = the
     chapter: always verify). `sampling`: greedy by default; sampled, exactly the plain sampler's
     tokens (verify.Sampling)."""
     cfg.check()
@@ -424,7 +424,7 @@ def custom_generate(model, input_ids, logits_processor, stopping_criteria, gener
         - ngram_config: an NgramConfig (default: NgramConfig.for_device(model.device), the script's
           default on that device)
         - draft_costs: the cost gate's curve {n: t(1+n)/t(1)} (default: measured once on this
-          machine and kept on disk beside the converted model)
+          machine and kept in ~/.cache/specdec-reference, or $SPECDEC_CACHE)
         - seed: the sampling noise's key under do_sample=True (default: drawn from torch's
           generator, so torch.manual_seed repeats a call)
     """

@@ -44,7 +44,8 @@ The public names, section by section, in the order a reader needs them:
     a method called by model.generate(custom_generate=...) (each file's custom_generate)
     13  reading transformers' call      GenerateCall, check_generate_call, read_logits_processors,
                                         read_stopping_criteria, generate_argument, once_per_model,
-                                        prepare_once, model_name_of, tokenizer_of
+                                        forget_per_model, prepare_once, prepared_key, model_name_of,
+                                        tokenizer_of
 
 What each method reads (a method file and this whole file are what you copy; the map is for reading):
     ngram_predictor.py  1, 3-9 (prefill, tree_forward, accept, rollback, Sampling, the cache,
@@ -77,6 +78,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import copy
 import dataclasses
 import functools
 import inspect
@@ -84,6 +86,7 @@ import json
 import os
 import random
 import sys
+import tempfile
 import time
 import warnings
 import weakref
@@ -750,7 +753,8 @@ def measure_cost_curve(model, sizes: Sequence[int], context: int = 256,
 # measure everything again (a measurement taken while the machine was busy stays until then).
 
 def costs_path() -> str:
-    return os.path.join(cache_root(), "measured-costs.json")
+    """$SPECDEC_COSTS (the test suite keeps its own file), else measured-costs.json in cache_root()."""
+    return os.environ.get("SPECDEC_COSTS") or os.path.join(cache_root(), "measured-costs.json")
 
 def machine_key(model) -> dict:
     """What a forward's time depends on besides its size. The model by its shapes (config) and its
@@ -758,9 +762,12 @@ def machine_key(model) -> dict:
     import hashlib
     import platform
 
-    config = model.config.to_json_string(use_diff=False)
-    layers = sorted({type(module).__name__ for module in model.modules()})
-    shape = hashlib.sha1((type(model).__name__ + config + " ".join(layers)).encode()).hexdigest()[:16]
+    config = model.config.to_dict()
+    config.pop("_name_or_path", None)  # where it was loaded from: the same shapes cost the same
+    # torch's dynamic-int8 Linear is also named Linear: the module path tells it apart
+    layers = sorted({f"{type(module).__module__}.{type(module).__qualname__}" for module in model.modules()})
+    described = type(model).__name__ + json.dumps(config, sort_keys=True, default=str) + " ".join(layers)
+    shape = hashlib.sha1(described.encode()).hexdigest()[:16]
     if model.device.type == "cuda":
         processor = torch.cuda.get_device_name(model.device)
     else:
@@ -801,10 +808,14 @@ def measured_costs(model, what: tuple, measure: Callable):
     known[key] = value
     with contextlib.suppress(OSError):  # a read-only cache folder: measured again next time
         os.makedirs(os.path.dirname(path), exist_ok=True)
-        temporary = f"{path}.{os.getpid()}.tmp"
-        with open(temporary, "w", encoding="utf-8") as f:
-            json.dump(known, f, indent=0)
-        os.replace(temporary, path)  # whole or not at all: a reader never sees half a file
+        handle, temporary = tempfile.mkstemp(dir=os.path.dirname(path), suffix=".tmp")
+        try:
+            with os.fdopen(handle, "w", encoding="utf-8") as f:
+                json.dump(known, f, indent=0)
+            os.replace(temporary, path)  # whole or not at all: a reader never sees half a file
+        finally:
+            with contextlib.suppress(OSError):
+                os.remove(temporary)  # gone already, but for a failed write
     return value
 
 def read_costs(path: str) -> dict:
@@ -1800,8 +1811,8 @@ def generate_argument(name: str):
     model.generate, there is no such frame: None."""
     frame = sys._getframe(1)
     while frame is not None:
-        code = frame.f_code
-        if code.co_name == "generate" and code.co_filename.endswith(os.path.join("generation", "utils.py")):
+        is_transformers = frame.f_globals.get("__name__") == "transformers.generation.utils"
+        if frame.f_code.co_name == "generate" and is_transformers:
             # renamed in a later release: say so, rather than lose a streamer (a TextIteratorStreamer's
             # reader would wait forever for tokens that are never put)
             if name not in frame.f_locals:
@@ -1812,17 +1823,22 @@ def generate_argument(name: str):
         frame = frame.f_back
     return None
 
-# what drop-in calls measured or loaded, per model, for this process: model -> {key: value}
-PREPARED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+# what drop-in calls set up per model in this process (tables, curves, CARD's draft process):
+# model -> {key: value}. Weak: an entry goes with its model, and with it what it holds
+KEPT_PER_MODEL: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 def once_per_model(model, key: tuple, make: Callable):
     """make(), once per model and key in this process. A script's prepare() measures a cost curve
     or loads a table once, before anything is timed; a program that calls model.generate in a loop
     should not pay for that on every call either."""
-    made = PREPARED.setdefault(model, {})
+    made = KEPT_PER_MODEL.setdefault(model, {})
     if key not in made:
         made[key] = make()
     return made[key]
+
+def forget_per_model(model, key: tuple) -> None:
+    """Drop what once_per_model kept under key (CARD: a draft process that died is started again)."""
+    KEPT_PER_MODEL.get(model, {}).pop(key, None)
 
 def prepare_once(model, prepare: Callable, cfg, **given):
     """A method's one set-up, `prepare(model, tok, cfg, name, **given) -> (cfg, generate() kwargs)`,
@@ -1834,8 +1850,13 @@ def prepare_once(model, prepare: Callable, cfg, **given):
     name = model_name_of(model)
     if any(value is not None for value in given.values()):
         return prepare(model, None, cfg, name, **given)
-    key = (prepare.__module__, repr(cfg))
-    return once_per_model(model, key, functools.partial(prepare, model, None, cfg, name))
+    # a copy: the caller may change their config object later, which must not change the kept one
+    make = functools.partial(prepare, model, None, copy.deepcopy(cfg), name)
+    return once_per_model(model, prepared_key(model, prepare, cfg), make)
+
+def prepared_key(model, prepare: Callable, cfg) -> tuple:
+    """Under what prepare_once keeps a set-up: the method, the configuration, where the model is."""
+    return (prepare.__module__, repr(cfg), str(model.device), str(model.dtype))
 
 def model_name_of(model) -> str:
     """The name a method's prepare() takes (it picks the shipped tables and drafts by it): the

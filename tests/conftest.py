@@ -22,6 +22,10 @@ sys.path.insert(0, ROOT)
 
 import verify  # noqa: E402
 
+# The suite's measured costs (verify.measured_costs) in a file of their own, kept between runs: measured under
+# the suite's load, they must not become the costs a user's own runs and bench.py read. Subprocesses inherit it.
+os.environ.setdefault("SPECDEC_COSTS", os.path.join(verify.cache_root(), "measured-costs-tests.json"))
+
 # At most 2 threads (CI's machines have 2 cores), fewer where this process may use fewer: torch's default
 # already honours OMP_NUM_THREADS and the CPU affinity (taskset), so the suite runs under either as asked.
 torch.set_num_threads(max(1, min(2, torch.get_num_threads())))

@@ -75,7 +75,7 @@ def test_a_cost_curve_is_measured_once_per_machine_and_again_when_its_key_change
 
     import torch
 
-    monkeypatch.setenv("SPECDEC_CACHE", str(tmp_path))
+    monkeypatch.setenv("SPECDEC_COSTS", str(tmp_path / "measured-costs.json"))
     forwards = []
     hook = tiny.register_forward_hook(lambda *a: forwards.append(1))
     threads = torch.get_num_threads()

@@ -110,7 +110,8 @@ def test_a_default_model_not_set_up_names_the_set_up_commands(tmp_path):
 
 @pytest.mark.parametrize("script,args", [
     ("ngram_predictor.py", ["--compare"]),  # README's demo (make demo), shorter
-    ("card.py", ["--mode", "parallel", "--draft", "self"]),  # the draft process's forwards print here too
+    # the draft process's forwards print here too; and its output through the script's own entry point
+    ("card.py", ["--mode", "parallel", "--draft", "self", "--json", "--compare"]),
 ])
 def test_a_clean_run_prints_no_warning(script, args):
     """A user's first screen: the answer and the method's lines on stdout, nothing at all on stderr (no
@@ -118,6 +119,8 @@ def test_a_clean_run_prints_no_warning(script, args):
     r = subprocess.run([sys.executable, script, "--prompt", "Say hello.", "--max-new-tokens", "8", *args],
                        cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0 and r.stderr == "", r.stderr
+    if "--json" in args:
+        assert json.loads(r.stdout.strip().splitlines()[-1])["identical"] is True
 
 
 # ---------------------------------------------------------------------------------------------- method scripts
@@ -155,16 +158,13 @@ def test_method_bad_input_gives_one_line_error(script, args, message):
     assert r.stderr.strip().count("\n") == 0 and message in r.stderr
 
 
-@pytest.mark.parametrize("script,args", [  # (card.py lockstep: test_card.py; its CLI is the same path)
+@pytest.mark.parametrize("script,args", [  # (card.py: test_a_clean_run_prints_no_warning, in a process)
     ("cacheback.py", []),
-    ("card.py", ["--mode", "parallel"]),
     ("fafo.py", ["--compress", "quest"]),
     ("fafo.py", ["--attn", "flex"]),
 ])
 def test_method_json_run_is_identical_to_hf_greedy(script, args):
-    # cacheback.py in a subprocess: one method script through its own entry point (card.py: the Ctrl-C tests)
-    r = run("--prompt", "Name three colors.", "--max-new-tokens", "12", "--json", "--compare", *args, script=script,
-            process=script == "cacheback.py")
+    r = run("--prompt", "Name three colors.", "--max-new-tokens", "12", "--json", "--compare", *args, script=script)
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout.strip().splitlines()[-1])
     assert out["identical"] is True and out["new_tokens"] == len(out["token_ids"])

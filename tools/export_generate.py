@@ -202,11 +202,11 @@ def export(method: str, out: str) -> list[str]:
 
 
 def keyword_list(doc: str) -> list[str]:
-    """The custom_generate docstring's "Keywords of this method" list as Markdown items: each
+    r"""The custom_generate docstring's "Keywords of this method" list as Markdown items: each
     "- name: text" item on one line, the name as code.
 
     >>> keyword_list("Intro.\n\nKeywords of this method, ...:\n    - seed: the noise's\n      key\n")
-    ['- `seed`: the noise\'s key']
+    ["- `seed`: the noise's key"]
     """
     block = re.split(r"Keywords of this method[^\n]*:\n", doc)[1]
     items = []
