@@ -27,8 +27,13 @@ install: $(STAMP)
 demo: $(STAMP)
 	$(BIN)/python ngram_predictor.py --prompt "$(PROMPT)" --compare
 
+# Two pytest-xdist workers of one thread each (a file's tests stay together: they share its fixtures); on two
+# cores that is a third faster than one process of two threads. PYTEST_WORKERS=0 runs the suite in this process.
+PYTEST_WORKERS ?= 2
+PYTEST_PARALLEL = $(if $(filter 0,$(PYTEST_WORKERS)),,-n $(PYTEST_WORKERS) --dist loadfile)
+
 test: $(STAMP)
-	$(BIN)/python -m pytest -q tests
+	$(BIN)/python -m pytest -q $(PYTEST_PARALLEL) tests
 
 # The lint floor (ruff.toml: pyflakes, pycodestyle's errors, 110 columns in the main files).
 RUFF ?= ruff==0.17.6
@@ -46,7 +51,7 @@ $(COMPAT_STAMP): requirements.txt
 
 compat: $(COMPAT_STAMP)
 	$(COMPAT_VENV)/bin/python -c "import transformers, torch; print('compat job: transformers', transformers.__version__, 'torch', torch.__version__)"
-	$(COMPAT_VENV)/bin/python -m pytest -q -m compat tests
+	$(COMPAT_VENV)/bin/python -m pytest -q $(PYTEST_PARALLEL) -m compat tests
 
 bench: $(STAMP)
 	$(BIN)/python bench.py --methods vanilla,hf-greedy,hf-pld,ngram

@@ -28,7 +28,13 @@ os.environ.setdefault("SPECDEC_COSTS", os.path.join(verify.cache_root(), "measur
 
 # At most 2 threads (CI's machines have 2 cores), fewer where this process may use fewer: torch's default
 # already honours OMP_NUM_THREADS and the CPU affinity (taskset), so the suite runs under either as asked.
-torch.set_num_threads(max(1, min(2, torch.get_num_threads())))
+# Under pytest-xdist (make test runs two workers) each worker takes its share of them.
+# The scripts that tests start in a subprocess take the same share (OpenMP threads that outnumber the cores
+# spin against each other: a run slows down severalfold).
+WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+torch.set_num_threads(max(1, min(2, torch.get_num_threads()) // WORKERS))
+if WORKERS > 1:
+    os.environ["OMP_NUM_THREADS"] = str(torch.get_num_threads())
 
 
 def make_tiny_llama(seed: int = 0, vocab: int = 96):

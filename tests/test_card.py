@@ -188,13 +188,13 @@ def test_int8_draft_is_close_to_the_target_and_card_with_it_is_lossless():
 
 def test_parallel_equals_lockstep_on_the_real_model(real, oracle, draft_int8):
     """The CPU default draft in its own process: the same tokens as lockstep and as the plain decoders,
-    greedy and sampled, on several prompts, whatever the timing. And the int8 draft is often right."""
+    greedy and sampled, whatever the timing. And the int8 draft is often right."""
     model, tok = real
     cfg = card.CardConfig.cpu()  # K = k = 1: the cache is one chain, the draft's own greedy continuation
     lockstep = dataclasses.replace(cfg, mode="lockstep")
     r, int8_accepted, self_accepted = cfg.ratio, 0, 0
     with card.DraftProcess(draft_int8, cfg) as proc:
-        for prompt in REAL_PROMPTS[:2]:
+        for prompt in REAL_PROMPTS[:1]:  # (the other prompts: test_lossless_on_real_prompts, both modes)
             ids, eos = encode(real, prompt)
             lock = card.generate(model, ids, 32, eos, lockstep, draft=draft_int8)
             par = card.generate(model, ids, 32, eos, cfg, draft=proc)

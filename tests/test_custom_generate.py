@@ -263,7 +263,8 @@ def test_a_renamed_streamer_local_is_an_error_not_a_silent_hang(tmp_path):
     folder.mkdir()
     (folder / "utils.py").write_text("import verify\n\ndef generate(streamed=None):\n"
                                      "    return verify.generate_argument('streamer')\n")
-    spec = importlib.util.spec_from_file_location("fake_generation_utils", folder / "utils.py")
+    # a module under transformers' name (not registered as it): a release whose generate() lacks the local
+    spec = importlib.util.spec_from_file_location("transformers.generation.utils", folder / "utils.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     with pytest.raises(ValueError, match=r"transformers \S+'s generate\(\) has no argument 'streamer'") as e:
