@@ -28,7 +28,8 @@ demo: $(STAMP)
 	$(BIN)/python ngram_predictor.py --prompt "$(PROMPT)" --compare
 
 # Two pytest-xdist workers of one thread each (a file's tests stay together: they share its fixtures); on two
-# cores that is a third faster than one process of two threads. PYTEST_WORKERS=0 runs the suite in this process.
+# cores that takes about half the time of one process of two threads (RESULTS.md, "The test suite").
+# PYTEST_WORKERS=0 runs the suite in one process.
 PYTEST_WORKERS ?= 2
 PYTEST_PARALLEL = $(if $(filter 0,$(PYTEST_WORKERS)),,-n $(PYTEST_WORKERS) --dist loadfile)
 

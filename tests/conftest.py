@@ -3,7 +3,8 @@
 (SmolLM2-135M-Instruct, float32, CPU) for the oracle tests, with the oracle itself (HF greedy) run once per
 prompt for the whole session.
 
-    pytest tests                                   # the whole suite (README's test command)
+    pytest -n 2 --dist loadfile tests              # the whole suite as make test runs it (two workers)
+    pytest tests                                   # the same in one process
     pytest tests --quantized-engine qnnpack        # the int8 draft on another of torch's int8 back-ends
 """
 

@@ -194,7 +194,7 @@ def test_parallel_equals_lockstep_on_the_real_model(real, oracle, draft_int8):
     lockstep = dataclasses.replace(cfg, mode="lockstep")
     r, int8_accepted, self_accepted = cfg.ratio, 0, 0
     with card.DraftProcess(draft_int8, cfg) as proc:
-        for prompt in REAL_PROMPTS[:1]:  # (the other prompts: test_lossless_on_real_prompts, both modes)
+        for prompt in REAL_PROMPTS[:1]:  # (more prompts in parallel mode: test_lossless_on_real_prompts)
             ids, eos = encode(real, prompt)
             lock = card.generate(model, ids, 32, eos, lockstep, draft=draft_int8)
             par = card.generate(model, ids, 32, eos, cfg, draft=proc)

@@ -110,8 +110,8 @@ def test_a_default_model_not_set_up_names_the_set_up_commands(tmp_path):
 
 @pytest.mark.parametrize("script,args", [
     ("ngram_predictor.py", ["--compare"]),  # README's demo (make demo), shorter
-    # the draft process's forwards print here too; and its output through the script's own entry point
-    ("card.py", ["--mode", "parallel", "--draft", "self", "--json", "--compare"]),
+    # the draft process's forwards print here too; and its output, through the script's own entry point
+    ("card.py", ["--mode", "parallel", "--draft", "self", "--compare"]),
 ])
 def test_a_clean_run_prints_no_warning(script, args):
     """A user's first screen: the answer and the method's lines on stdout, nothing at all on stderr (no
@@ -119,8 +119,7 @@ def test_a_clean_run_prints_no_warning(script, args):
     r = subprocess.run([sys.executable, script, "--prompt", "Say hello.", "--max-new-tokens", "8", *args],
                        cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0 and r.stderr == "", r.stderr
-    if "--json" in args:
-        assert json.loads(r.stdout.strip().splitlines()[-1])["identical"] is True
+    assert "token-identical: yes" in r.stdout
 
 
 # ---------------------------------------------------------------------------------------------- method scripts
@@ -237,7 +236,8 @@ def child_pids(pid: int) -> list[int]:
 def start_card_parallel():
     """card.py in parallel mode on a long answer (all 1000 tokens, so it outlasts the test's signal), returned
     once it streams text (its draft process runs). The bf16 draft: what is tested is the processes' life,
-    and the int8 draft's quantization would add seconds to each start (test_method_json_run_... runs it).
+    and the int8 draft's quantization would add seconds to each start (test_card.py and test_replay.py
+    run it in parallel mode).
     subtle: Ctrl-C as a terminal delivers it. A shell starts a background job (`make test &`) with SIGINT
     ignored, every child inherits that, and Python then installs no KeyboardInterrupt handler: the CLI ran
     to the end and exited 0. So the child gets SIGINT's default disposition back before it starts."""

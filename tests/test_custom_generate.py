@@ -181,7 +181,8 @@ def test_card_starts_a_new_draft_process_where_the_kept_one_died(llama):
     assert torch.equal(out, want)
     (dead,) = card_drafts() - before
     os.kill(dead, signal.SIGKILL)
-    while dead in card_drafts():  # (until all its threads are gone: /proc shows a zombie before that)
+    deadline = time.time() + 10
+    while dead in card_drafts() and time.time() < deadline:  # (until all its threads are gone)
         time.sleep(0.05)
     out = model.generate(IDS, custom_generate=card.custom_generate, max_new_tokens=NEW, card_config=config)
     assert torch.equal(out, want)
@@ -215,8 +216,10 @@ def run_script(how: str, tmp_path, interrupt: bool = False):
     path = tmp_path / "script.py"
     path.write_text(code)
     argv = {"file": [sys.executable, str(path)], "stdin": [sys.executable, "-"], "-c": [sys.executable, "-c", code]}
+    # SIGINT's default disposition: a suite started in the background (`make test &`) ignores it, which its
+    # children would inherit, and the Ctrl-C case would then be no interrupt at all
     run = subprocess.run(argv[how], input=code if how == "stdin" else None, capture_output=True, text=True,
-                         cwd=tmp_path, timeout=300)
+                         cwd=tmp_path, timeout=300, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     return run.returncode, run.stdout, run.stderr
 
 
