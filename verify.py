@@ -29,14 +29,16 @@ The public names, section by section, in the order a reader needs them:
                                         check_supported, check_filled, last_logits_only,
                                         PreallocatedLayer, PreallocatedKVCache, new_cache, cache_len
      8  bookkeeping and the baselines   Generation, vanilla_generate, hf_generate
-     9  what a forward costs here       sync, measure_step_times, measure_cost_curve, kept on disk
-                                        per machine: costs_path, machine_key, cpu_name, measured_costs,
-                                        read_costs; and what a run holds: tensor_bytes, kv_cache_bytes
+     9  what a forward costs here       sync, measure_step_times, measure_cost_curve, kept on
+                                        disk per machine: costs_path, machine_key, cpu_name,
+                                        measured_costs, read_costs; and what a run holds:
+                                        tensor_bytes, kv_cache_bytes
     FAFO's flex and split back-ends only
     10  compacted blocks, FlexAttention flex_mode, CompactedKVCache, CompactedLayer, attention_function
     running a method file as a script
-    11  loading a model                 cache_root, converted_dir, resolve_model, pick_device, pick_dtype,
-                                        load_model, eos_ids_of, encode_prompt, context_length
+    11  loading a model                 cache_root, converted_dir, resolve_model, pick_device,
+                                        pick_dtype, load_model, eos_ids_of, encode_prompt,
+                                        context_length
     12  the command line                common_parser, Printer, make_tracer, config_from_args,
                                         defaults_help, run_cli, run_method, seed_everything,
                                         streaming_hooks, print_statistics, print_comparison,
@@ -753,7 +755,8 @@ def measure_cost_curve(model, sizes: Sequence[int], context: int = 256,
 # measure everything again (a measurement taken while the machine was busy stays until then).
 
 def costs_path() -> str:
-    """$SPECDEC_COSTS (the test suite keeps its own file), else measured-costs.json in cache_root()."""
+    """$SPECDEC_COSTS (the test suite keeps its own file), else cache_root()'s
+    measured-costs.json."""
     return os.environ.get("SPECDEC_COSTS") or os.path.join(cache_root(), "measured-costs.json")
 
 def machine_key(model) -> dict:
@@ -765,20 +768,23 @@ def machine_key(model) -> dict:
     config = model.config.to_dict()
     config.pop("_name_or_path", None)  # where it was loaded from: the same shapes cost the same
     # torch's dynamic-int8 Linear is also named Linear: the module path tells it apart
-    layers = sorted({f"{type(module).__module__}.{type(module).__qualname__}" for module in model.modules()})
-    described = type(model).__name__ + json.dumps(config, sort_keys=True, default=str) + " ".join(layers)
+    kinds = {type(module) for module in model.modules()}
+    layers = sorted(f"{kind.__module__}.{kind.__qualname__}" for kind in kinds)
+    config_text = json.dumps(config, sort_keys=True, default=str)
+    described = type(model).__name__ + config_text + " ".join(layers)
     shape = hashlib.sha1(described.encode()).hexdigest()[:16]
     if model.device.type == "cuda":
         processor = torch.cuda.get_device_name(model.device)
     else:
         processor = cpu_name()
-    return {"model": shape, "device": model.device.type, "dtype": str(model.dtype), "processor": processor,
-            "threads": torch.get_num_threads(), "torch": torch.__version__,
+    return {"model": shape, "device": model.device.type, "dtype": str(model.dtype),
+            "processor": processor, "threads": torch.get_num_threads(), "torch": torch.__version__,
             "attention": getattr(model.config, "_attn_implementation", None),
             "int8_engine": torch.backends.quantized.engine, "python": platform.python_version()}
 
 def cpu_name() -> str:
-    """The CPU's model name and its vector instruction sets (two 'AMD EPYC' can differ in AVX-512)."""
+    """The CPU's model name and its vector instruction sets (two 'AMD EPYC' can differ in
+    AVX-512)."""
     import platform
 
     name = platform.processor() or platform.machine()
@@ -1609,18 +1615,19 @@ PREPARED_INPUTS = ("attention_mask", "position_ids", "cache", "past_key_values",
 # where README's copy differs.
 REFUSED = (
     "a batch of more than one sequence, or `num_return_sequences` above 1",
-    "a padded `attention_mask`; model inputs other than the prompt's ids and mask; `position_ids` other than "
-    "0 .. L-1; a KV cache that already holds tokens",
-    "every decoding mode but greedy and sampling: beam search, contrastive search, DoLa, constrained beams, "
-    "transformers' own `assistant_model` and `prompt_lookup_num_tokens`",
-    "any logits processor but temperature, top-k and top-p, once each and in that order (a repetition "
-    "penalty, `min_new_tokens`, bad words, ...)",
-    "`output_scores`, `output_logits`, `output_attentions`, `output_hidden_states`, and `ConfidenceCriteria` "
-    "(a speculative step has no per-token scores)",
-    "a `cache_implementation` (the method brings its own cache) and `token_healing` (it needs the tokenizer)",
-    "encoder-decoder models, and models whose KV cache cannot be rolled back: sliding-window or chunked "
-    "attention, recurrent or linear-attention layers, static, offloaded or quantized caches, FlashAttention "
-    "(it knows no tree mask)",
+    "a padded `attention_mask`; model inputs other than the prompt's ids and mask; "
+    "`position_ids` other than 0 .. L-1; a KV cache that already holds tokens",
+    "every decoding mode but greedy and sampling: beam search, contrastive search, DoLa, "
+    "constrained beams, transformers' own `assistant_model` and `prompt_lookup_num_tokens`",
+    "any logits processor but temperature, top-k and top-p, once each and in that order "
+    "(a repetition penalty, `min_new_tokens`, bad words, ...)",
+    "`output_scores`, `output_logits`, `output_attentions`, `output_hidden_states`, and "
+    "`ConfidenceCriteria` (a speculative step has no per-token scores)",
+    "a `cache_implementation` (the method brings its own cache) and `token_healing` "
+    "(it needs the tokenizer)",
+    "encoder-decoder models, and models whose KV cache cannot be rolled back: sliding-window "
+    "or chunked attention, recurrent or linear-attention layers, static, offloaded or "
+    "quantized caches, FlashAttention (it knows no tree mask)",
 )
 
 @dataclass
@@ -1813,12 +1820,12 @@ def generate_argument(name: str):
     while frame is not None:
         is_transformers = frame.f_globals.get("__name__") == "transformers.generation.utils"
         if frame.f_code.co_name == "generate" and is_transformers:
-            # renamed in a later release: say so, rather than lose a streamer (a TextIteratorStreamer's
-            # reader would wait forever for tokens that are never put)
+            # renamed in a later release: say so, rather than lose a streamer (a
+            # TextIteratorStreamer's reader would wait forever for tokens that are never put)
             if name not in frame.f_locals:
                 version = transformers.__version__
-                raise UserError(f"custom_generate: transformers {version}'s generate() has no argument "
-                                f"{name!r} where verify.generate_argument reads it")
+                raise UserError(f"custom_generate: transformers {version}'s generate() has no "
+                                f"argument {name!r} where verify.generate_argument reads it")
             return frame.f_locals[name]
         frame = frame.f_back
     return None
@@ -1837,7 +1844,8 @@ def once_per_model(model, key: tuple, make: Callable):
     return made[key]
 
 def forget_per_model(model, key: tuple) -> None:
-    """Drop what once_per_model kept under key (CARD: a draft process that died is started again)."""
+    """Drop what once_per_model kept under key (CARD: a draft process that died is started
+    again)."""
     KEPT_PER_MODEL.get(model, {}).pop(key, None)
 
 def prepare_once(model, prepare: Callable, cfg, **given):
