@@ -447,7 +447,10 @@ class Drafter:
         keep.sort(key=lambda n: candidates.nodes[n].slot)
         slots = [candidates.nodes[n].slot for n in verified + keep]
         assert slots == sorted(slots)
-        verify.compact_kv(self.kv_cache, self.dp, [s - self.dp for s in slots])
+        # subtle: corrections can come before the first draft forward (a DraftProcess still
+        # starting queues them): the draft's KV cache is then empty, with nothing to keep or drop
+        if verify.cache_len(self.kv_cache) > 0:
+            verify.compact_kv(self.kv_cache, self.dp, [s - self.dp for s in slots])
         self.dp += len(verified)
         self.root_pos = len(self.text) - 1
         if x is None:  # MISS: restart the cache from the target's token
@@ -684,13 +687,14 @@ def _draft_process(conn, K: int, k: int, correct: bool, threads: int | None) -> 
         # the draft model, its tensors in shared memory
         engine, build, (kind, payload) = conn.recv()
         draft = assemble(*payload) if kind == "parts" else payload
-        # an int8 draft is quantized here, with the parent's quantized engine (the parent waits:
-        # all cores)
+        # its share of the cores first: the target may be decoding meanwhile (a DraftProcess not
+        # waited for), and threads that outnumber the cores spin against each other
+        if threads:
+            torch.set_num_threads(threads)
+        # an int8 draft is quantized here, with the parent's quantized engine
         if build is not None:
             torch.backends.quantized.engine = engine
             draft = build(draft)
-        if threads:
-            torch.set_num_threads(threads)
         conn.send(("ready",))
         while True:
             # QUERY, once far enough
@@ -745,9 +749,11 @@ class DraftProcess:
         with card.DraftProcess(draft, cfg) as proc:      # cfg: the K, k and correction it drafts with
             for ids in prompts: card.generate(target, ids, 128, eos, cfg, draft=proc)
 
-    It stops at close(), garbage collection or exit, and by itself if its parent dies."""
+    It stops at close(), garbage collection or exit, and by itself if its parent dies. wait=False
+    returns before the process is up: generate() then verifies no draft (a plain step) until it is
+    (custom_generate's first call streams at once this way)."""
 
-    def __init__(self, draft, cfg: "CardConfig", threads: int | None = None):
+    def __init__(self, draft, cfg: "CardConfig", threads: int | None = None, wait: bool = True):
         reason = spawn_obstacle()
         if reason is not None:  # before Python prints a page of traceback from the child
             raise verify.UserError(f"a DraftProcess cannot start here: {reason}")
@@ -758,7 +764,7 @@ class DraftProcess:
             if source is None:
                 raise verify.UserError("the int8 draft's target model is gone: build the draft again")
         ctx = torch.multiprocessing.get_context("spawn")  # fork is unsafe with threads and CUDA
-        self.model = draft
+        self._model = draft  # the draft's weights here (an Int8Plan: built only if asked, see model)
         self.drafts_with = (cfg.K, cfg.k, cfg.correct)  # what its Drafter is made with
         # on a CPU: half the threads (on 2 cores: one)
         if threads is None and draft.device.type == "cpu":
@@ -780,7 +786,35 @@ class DraftProcess:
         # opens it; (3) an int8 draft cannot make the trip, so the child quantizes its own copy of
         # the target (int8_draft's card_rebuild).
         self._send((torch.backends.quantized.engine, build, portable(source)))
-        self._receive("ready")
+        # wait=False: return now, and let generate() decode without drafts until the process is
+        # up (its imports and its own quantization take seconds: a first call streams at once)
+        self.ready = False
+        if wait:
+            self._receive("ready")
+            self.ready = True
+
+    @property
+    def model(self):
+        """The draft's weights in this process (lockstep, measuring). An int8 draft that the process
+        quantized for itself (Int8Plan) is copied here only when asked."""
+        if isinstance(self._model, Int8Plan):
+            self._model = self._model.build()
+        return self._model
+
+    def started(self) -> bool:
+        """Whether the process is up, without waiting: its "ready" is read if it has come."""
+        while not self.ready and self.conn.poll():
+            try:
+                msg = self.conn.recv()
+            except (EOFError, OSError):
+                self._died()
+            if msg[0] == "error":
+                self.close()
+                raise DraftProcessError(f"the draft process failed: {msg[1]}")
+            self.ready = msg[0] == "ready"
+        if not self.ready and not self.process.is_alive():
+            self._died()
+        return self.ready
 
     def _send(self, msg) -> None:
         try:
@@ -840,6 +874,8 @@ class DraftProcess:
         pass  # the process drafts all the time, while it leads by fewer than max_lead layers
 
     def query(self, r: int) -> list[int]:
+        if not self.started():  # still starting (wait=False): this step verifies no draft
+            return []
         self._send(("query", self.run, r, self.wait))
         _, _, chain, self.counts, self.cache_shown = self._receive("chain")
         return chain
@@ -922,6 +958,21 @@ def int8_draft(model, copy_model: bool = True):
     draft.card_rebuild = (functools.partial(int8_draft, copy_model=False), weakref.ref(model))
     return draft
 
+class Int8Plan:
+    """The int8 draft of `model`, not built in this process: what a DraftProcess sends so that its
+    process quantizes its own copy (as for int8_draft's card_rebuild), and build() for a copy here
+    when one is asked for (DraftProcess.model). Saves the seconds of quantizing a copy nobody uses."""
+
+    def __init__(self, model):
+        self.card_rebuild = (functools.partial(int8_draft, copy_model=False), weakref.ref(model))
+        self.device = model.device
+
+    def build(self):
+        target = self.card_rebuild[1]()
+        if target is None:
+            raise verify.UserError("the int8 draft's target model is gone: build the draft again")
+        return int8_draft(target)
+
 def load_draft(model, tok, cfg: CardConfig, target_name: str = verify.DEFAULT_MODEL):
     """The draft cfg.draft names (see the table above), on the target's device."""
     if cfg.draft == "int8":
@@ -948,15 +999,20 @@ def measure_ratio(model, draft, K: int) -> int:
     return max(1, math.ceil(step_time(model, 1) / step_time(draft, K)))
 
 def prepare(model, tok, cfg: CardConfig, name: str = verify.DEFAULT_MODEL,
-            draft=None) -> tuple[CardConfig, dict]:
+            draft=None, wait: bool = True) -> tuple[CardConfig, dict]:
     """The set-up before the first call, untimed, like loading (the script's, and custom_generate's
     through verify.prepare_once, which keeps it for the model's later calls): the draft cfg names
     (unless `draft` is given; tok None: the tokenizer beside the model checks a named draft's
     vocabulary), r if 'auto' (step times measured once per machine), and in parallel mode the draft
-    process for the draft built here, so that generate() skips its start-up. The process lives as
-    long as what holds it (the returned dict; for custom_generate, the model) and ends at exit."""
+    process for the draft built here, so that generate() skips its start-up (wait=False: it does
+    not wait for the process either; its first steps go without drafts). An int8 draft is then
+    quantized by that process alone (Int8Plan). The process lives as long as what holds it (the
+    returned dict; for custom_generate, the model) and ends at exit."""
     built = draft is None
-    if built:
+    in_process = built and cfg.mode == "parallel" and not cannot_spawn()
+    if in_process and cfg.draft == "int8" and cfg.ratio != "auto":
+        draft = Int8Plan(model)  # no copy here: the draft process quantizes its own
+    elif built:
         named = cfg.draft not in ("int8", "self")
         tok = tok or (verify.tokenizer_of(model, instead="draft_model") if named else None)
         draft = load_draft(model, tok, cfg, name)
@@ -964,9 +1020,14 @@ def prepare(model, tok, cfg: CardConfig, name: str = verify.DEFAULT_MODEL,
         draft_weights = draft.model if isinstance(draft, DraftProcess) else draft
         cfg = dataclasses.replace(cfg, ratio=measure_ratio(model, draft_weights, cfg.K))
         print(f"[card] --ratio auto: measured r = {cfg.ratio}", file=sys.stderr)
-    if built and cfg.mode == "parallel" and not cannot_spawn():
-        draft = DraftProcess(draft, cfg)
+    if in_process:
+        draft = DraftProcess(draft, cfg, wait=wait)
     return cfg, {"draft": draft}
+
+def prepare_without_waiting(model, tok, cfg: CardConfig, name: str = verify.DEFAULT_MODEL, draft=None):
+    """prepare(), but a draft process it starts is not waited for: custom_generate's set-up, so
+    that a program's first call streams its first token at once."""
+    return prepare(model, tok, cfg, name, draft=draft, wait=False)
 
 # ---- 6. From model.generate: the drop-in (verify.py section 13 reads the call) -----------------------------
 
@@ -998,12 +1059,12 @@ def custom_generate(model, input_ids, logits_processor, stopping_criteria, gener
     cfg = CardConfig.for_device(model.device) if card_config is None else card_config
     cfg.check()
     # the script's set-up (prepare), once per model: the draft, r if auto, the draft process (kept)
-    kept_cfg, extra = verify.prepare_once(model, prepare, cfg, draft=draft_model)
+    kept_cfg, extra = verify.prepare_once(model, prepare_without_waiting, cfg, draft=draft_model)
     process = extra["draft"]
     if isinstance(process, DraftProcess) and draft_model is None and not process.process.is_alive():
         # the kept process died (a failed draft, a kill): this call starts a new one
-        verify.forget_per_model(model, verify.prepared_key(model, prepare, cfg))
-        kept_cfg, extra = verify.prepare_once(model, prepare, cfg)
+        verify.forget_per_model(model, verify.prepared_key(model, prepare_without_waiting, cfg))
+        kept_cfg, extra = verify.prepare_once(model, prepare_without_waiting, cfg)
     cfg = kept_cfg
     gen = generate(model, call.prompt_ids, call.max_new_tokens, call.eos_ids, cfg, sampling=call.sampling,
                    **call.hooks(), **extra)

@@ -293,6 +293,25 @@ def test_a_draft_with_hooks_crosses_to_its_process_as_parts():
     assert gen.tokens == verify.hf_generate(target, prompt, 20, [95])
 
 
+def test_a_draft_process_not_waited_for_lets_the_first_steps_go_undrafted():
+    """DraftProcess(wait=False), as custom_generate starts one: generate() begins at once, its steps verify
+    no draft while the process starts (corrections queue up for it), the tokens are HF greedy's, and once the
+    process is up the next call drafts."""
+    target = make_tiny_llama(0)
+    prompt = [1] + [5, 6, 7, 8, 9] * 6
+    cfg = card.CardConfig(K=4, k=2, ratio=3, mode="parallel")
+    want = verify.hf_generate(target, prompt, 30, [95])
+    with card.DraftProcess(target, cfg, wait=False) as proc:
+        assert not proc.ready  # (a process start takes a second or more; these 30 tokens far less)
+        gen = card.generate(target, prompt, 30, [95], cfg, draft=proc)
+        assert gen.tokens == want and gen.drafted[0] == 0
+        deadline = time.time() + 60
+        while not proc.started() and time.time() < deadline:
+            time.sleep(0.05)
+        gen = card.generate(target, prompt, 30, [95], cfg, draft=proc)
+        assert gen.tokens == want and sum(gen.accepted) > 0
+
+
 @pytest.mark.skipif(not os.path.isdir("/proc"), reason="reads /proc")
 def test_a_kept_draft_process_stops_drafting_when_generate_returns():
     """Between two prompts the draft process must not take cores from whatever the caller runs next. The
