@@ -785,13 +785,27 @@ class DraftProcess:
         # (2) not as a Process argument: pickled at start(), such a tensor is freed before the child
         # opens it; (3) an int8 draft cannot make the trip, so the child quantizes its own copy of
         # the target (int8_draft's card_rebuild).
-        self._send((torch.backends.quantized.engine, build, portable(source)))
         # wait=False: return now, and let generate() decode without drafts until the process is
-        # up (its imports and its own quantization take seconds: a first call streams at once)
+        # up (its imports and its own quantization take seconds: a first call streams at once).
+        # The parts go at the first start() then, after the prompt's first token: moving the
+        # weights into shared memory takes a second of its own
         self.ready = False
+        self.engine = torch.backends.quantized.engine
+        self.unsent = (build, weakref.ref(source))  # weakly: a kept process must not keep the model
         if wait:
+            self._send_model()
             self._receive("ready")
             self.ready = True
+
+    def _send_model(self) -> None:
+        """The draft's parts (or the target's, to be quantized there), once."""
+        if self.unsent is None:
+            return
+        build, source = self.unsent
+        if source() is None:
+            raise verify.UserError("the draft's model is gone before its process got it")
+        self._send((self.engine, build, portable(source())))
+        self.unsent = None
 
     @property
     def model(self):
@@ -803,6 +817,7 @@ class DraftProcess:
 
     def started(self) -> bool:
         """Whether the process is up, without waiting: its "ready" is read if it has come."""
+        self._send_model()
         while not self.ready and self.conn.poll():
             try:
                 msg = self.conn.recv()
@@ -868,6 +883,7 @@ class DraftProcess:
         self.run += 1
         self.counts = dict(draft_layers=0, hits=0, misses=0, hit_tokens=0, draft_held_bytes=0)
         self.cache_shown = {}  # the last answer's Drafter.shown() ({} unless show)
+        self._send_model()  # (wait=False: the first call's first token is out by now)
         self._send(("start", self.run, list(text), capacity, max_lead, show))
 
     def draft(self, r: int) -> None:
