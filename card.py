@@ -819,14 +819,7 @@ class DraftProcess:
         """Whether the process is up, without waiting: its "ready" is read if it has come."""
         self._send_model()
         while not self.ready and self.conn.poll():
-            try:
-                msg = self.conn.recv()
-            except (EOFError, OSError):
-                self._died()
-            if msg[0] == "error":
-                self.close()
-                raise DraftProcessError(f"the draft process failed: {msg[1]}")
-            self.ready = msg[0] == "ready"
+            self.ready = self._next_message()[0] == "ready"
         if not self.ready and not self.process.is_alive():
             self._died()
         return self.ready
@@ -841,19 +834,24 @@ class DraftProcess:
         self.close()
         raise DraftProcessError(f"the draft process died (exit code {self.process.exitcode})")
 
+    def _next_message(self) -> tuple:
+        """The message waiting on the pipe; the draft's failure or death raised here."""
+        try:
+            msg = self.conn.recv()
+        except (EOFError, OSError):
+            self._died()
+        if msg[0] == "error":
+            self.close()
+            raise DraftProcessError(f"the draft process failed: {msg[1]}")
+        return msg
+
     def _receive(self, kind: str) -> tuple:
         while True:
             # wakes as soon as a message arrives; checks the draft lives
             while not self.conn.poll(0.05):
                 if not self.process.is_alive():
                     self._died()
-            try:
-                msg = self.conn.recv()
-            except (EOFError, OSError):
-                self._died()
-            if msg[0] == "error":
-                self.close()
-                raise DraftProcessError(f"the draft process failed: {msg[1]}")
+            msg = self._next_message()
             if msg[0] == kind and (kind == "ready" or msg[1] == self.run):
                 return msg  # (an answer left over from an interrupted run is dropped)
 
