@@ -757,12 +757,12 @@ class DraftProcess:
         reason = spawn_obstacle()
         if reason is not None:  # before Python prints a page of traceback from the child
             raise verify.UserError(f"a DraftProcess cannot start here: {reason}")
-        build, source = (None, draft)  # what crosses to the process, and what it does with it
+        # what crosses to the process (held weakly), and what the process does with it
+        build, source = (None, weakref.ref(draft))
         if hasattr(draft, "card_rebuild"):  # an int8 draft: the target's weights, quantized there
-            build, target = draft.card_rebuild
-            source = target()
-            if source is None:
-                raise verify.UserError("the int8 draft's target model is gone: build the draft again")
+            build, source = draft.card_rebuild
+        if source() is None:
+            raise verify.UserError("the int8 draft's target model is gone: build the draft again")
         ctx = torch.multiprocessing.get_context("spawn")  # fork is unsafe with threads and CUDA
         self._model = draft  # the draft's weights here (an Int8Plan: built only if asked, see model)
         self.drafts_with = (cfg.K, cfg.k, cfg.correct)  # what its Drafter is made with
@@ -791,7 +791,7 @@ class DraftProcess:
         # weights into shared memory takes a second of its own
         self.ready = False
         self.engine = torch.backends.quantized.engine
-        self.unsent = (build, weakref.ref(source))  # weakly: a kept process must not keep the model
+        self.unsent = (build, source)  # weakly: a kept process must not keep the model
         if wait:
             self._send_model()
             self._receive("ready")
@@ -967,9 +967,9 @@ def int8_draft(model, copy_model: bool = True):
         warnings.simplefilter("ignore")
         draft = quantize_dynamic(copy.deepcopy(model) if copy_model else model,
                                  {torch.nn.Linear: per_channel_dynamic_qconfig}, dtype=torch.qint8)
-    # how DraftProcess rebuilds it in the draft process (see there). A weak reference: a draft kept
-    # for the model (verify.prepare_once) must not keep the model alive
-    draft.card_rebuild = (functools.partial(int8_draft, copy_model=False), weakref.ref(model))
+    # how DraftProcess rebuilds it in the draft process (see there): Int8Plan's recipe, which holds
+    # the model weakly (a draft kept for the model by verify.prepare_once must not keep it alive)
+    draft.card_rebuild = Int8Plan(model).card_rebuild
     return draft
 
 class Int8Plan:

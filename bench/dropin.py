@@ -104,7 +104,6 @@ def later_calls(modules: list[str], prompts: list[str], n: int) -> list[dict]:
                          "calls_s": calls, "over_greedy": [c / base for c in calls]})
             print(f"{module_name:16} greedy {base:5.2f} s | calls " + " ".join(f"{c:5.2f} s ({c / base:.2f}x)"
                                                                                for c in calls), flush=True)
-        del module
     return rows
 
 
