@@ -758,7 +758,8 @@ class DraftProcess:
         if reason is not None:  # before Python prints a page of traceback from the child
             raise verify.UserError(f"a DraftProcess cannot start here: {reason}")
         # what crosses to the process (held weakly), and what the process does with it
-        build, source = (None, weakref.ref(draft))
+        build = None
+        source = weakref.ref(draft)
         if hasattr(draft, "card_rebuild"):  # an int8 draft: the target's weights, quantized there
             build, source = draft.card_rebuild
         if source() is None:
