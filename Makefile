@@ -12,7 +12,13 @@ COMPAT_VENV ?= .venv-compat
 COMPAT_TRANSFORMERS ?= transformers==4.57.6
 COMPAT_STAMP := $(COMPAT_VENV)/.installed
 
-.PHONY: install demo test lint compat bench gpu-bench figures clean
+# The serve venv: vLLM's CPU build and our proposers in it (serve/requirements.txt says why it is apart).
+SERVE_VENV ?= .venv-serve
+SERVE_STAMP := $(SERVE_VENV)/.installed
+# what vLLM's CPU worker wants: the venv's Intel OpenMP preloaded, a small KV cache (GiB)
+SERVE_ENV = LD_PRELOAD=$(abspath $(SERVE_VENV))/lib/libiomp5.so VLLM_CPU_KVCACHE_SPACE=2
+
+.PHONY: install demo test lint compat serve-venv serve-test bench gpu-bench figures clean
 
 $(STAMP): requirements.txt
 	$(PYTHON) -m venv $(VENV)
@@ -54,6 +60,20 @@ compat: $(COMPAT_STAMP)
 	$(COMPAT_VENV)/bin/python -c "import transformers, torch; print('compat job: transformers', transformers.__version__, 'torch', torch.__version__)"
 	$(COMPAT_VENV)/bin/python -m pytest -q $(PYTEST_PARALLEL) -m compat tests
 
+# The default model is converted by .venv's install (order-only: the serve venv reads the same folder).
+$(SERVE_STAMP): serve/requirements.txt | $(STAMP)
+	$(PYTHON) -m venv $(SERVE_VENV)
+	$(SERVE_VENV)/bin/pip install --quiet "$(TORCH)"
+	$(SERVE_VENV)/bin/pip install --quiet -r serve/requirements.txt
+	$(SERVE_VENV)/bin/pip uninstall --yes --quiet torchvision torchaudio torchcodec
+	touch $(SERVE_STAMP)
+
+serve-venv: $(SERVE_STAMP)
+
+# The proposers inside vLLM (tests/test_vllm.py), and their stand-alone tests again beside vLLM's own packages.
+serve-test: $(SERVE_STAMP)
+	$(SERVE_ENV) $(SERVE_VENV)/bin/python -m pytest -q -p no:cacheprovider tests/test_vllm.py tests/test_serve.py
+
 bench: $(STAMP)
 	$(BIN)/python bench.py --methods vanilla,hf-greedy,hf-pld,ngram
 
@@ -69,4 +89,4 @@ figures: $(STAMP)
 	$(BIN)/python docs/make_figures.py
 
 clean:
-	rm -rf $(VENV) $(COMPAT_VENV) .pytest_cache
+	rm -rf $(VENV) $(COMPAT_VENV) $(SERVE_VENV) .pytest_cache

@@ -264,6 +264,9 @@ def no_deprecation_from_our_calls():
     with warnings.catch_warnings():
         warnings.simplefilter("always", FutureWarning)  # every occurrence, not once per place
         warnings.simplefilter("always", DeprecationWarning)
+        # torch's own, at the first import of its compiler (FAFO's FlexAttention path, vLLM): a TorchScript
+        # class in torch/utils/mkldnn.py. Not from a call of ours, and nothing we can change.
+        warnings.filterwarnings("ignore", "`torch.jit.script_method` is deprecated", DeprecationWarning)
         log.forward = warnings.showwarning
         warnings.showwarning = log.showwarning
         library_logger.addHandler(log)

@@ -15,8 +15,9 @@ import card
 import fafo
 import ngram_predictor
 import verify
+from serve import vllm_proposers
 
-MODULES = [verify, ngram_predictor, cacheback, card, fafo, bench]
+MODULES = [verify, ngram_predictor, cacheback, card, fafo, vllm_proposers, bench]
 
 
 @pytest.mark.parametrize("module", MODULES, ids=lambda m: m.__name__)

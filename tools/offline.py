@@ -217,21 +217,34 @@ CACHEBACK_PRESETS = {
 
 
 def make_drafter(name: str, budget: int, frozen_table=None, eos_ids=(), max_matching_ngram_size: int = 2,
-                 **fields):
+                 chain: int | None = None, **fields):
     """(start, propose, learn) of the drafter `name` at budget B; `fields` fix Cacheback's config (ll, fl,
-    frozen_order, dynamic_table, ...)."""
+    frozen_order, dynamic_table, ...). chain = k: each tree's first branch, at most k tokens, as the vLLM
+    proposer drafts it (serve/vllm_proposers.py: first_branch); an n-gram chain is cut to k."""
     if name == "ngram":
-        return ngram_drafter(budget)
-    if name == "prompt-lookup":
-        return prompt_lookup_drafter(budget, max_matching_ngram_size, eos_ids)
-    if name in CACHEBACK_PRESETS:
+        drafter = ngram_drafter(budget)
+    elif name == "prompt-lookup":
+        drafter = prompt_lookup_drafter(budget, max_matching_ngram_size, eos_ids)
+    elif name in CACHEBACK_PRESETS:
         base = CACHEBACK_PRESETS[name]
         # CRT scales with the budget: the presets reserve a quarter (CPU: 4 of 16) and a sixth (16 of 96)
         crt = max(1, budget * base.crt // (base.tdl - 1))
         cfg = dataclasses.replace(base, crt=crt, **fields)
         frozen = frozen_table if cfg.frozen != "none" else None
-        return cacheback_drafter(budget, cfg, frozen)
-    raise ValueError(f"unknown drafter {name!r}")
+        drafter = cacheback_drafter(budget, cfg, frozen)
+    else:
+        raise ValueError(f"unknown drafter {name!r}")
+    if chain is None:
+        return drafter
+    from serve.vllm_proposers import first_branch
+
+    start, propose_tree, learn = drafter
+
+    def propose(state, room):
+        tree = propose_tree(state, room)
+        return Tree.chain(tree.tokens[0], first_branch(tree)[:chain])
+
+    return start, propose, learn
 
 
 DRAFTERS = ("ngram", *CACHEBACK_PRESETS, "prompt-lookup")

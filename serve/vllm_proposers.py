@@ -1,0 +1,474 @@
+# SPDX-License-Identifier: MIT
+"""
+serve/vllm_proposers.py -- the n-gram predictor (ngram_predictor.py) and Cacheback (cacheback.py) as
+speculative proposers inside vLLM, for serving many requests at once. The method files are imported
+as they are: this file only feeds them the engine's batch and hands their drafts back.
+
+vLLM (0.32) takes a proposer from outside its own code through one hook, method="custom_class"
+(vllm/v1/spec_decode/custom_class_proposer.py, marked experimental there):
+
+    Class(vllm_config)               once per server, in the engine's worker process
+    load_model(...)                  once (the CPU runner always calls it)
+    propose(sampled_token_ids,       after every forward: one chain of draft tokens per batch
+            num_tokens_no_spec,      row (an empty list: no draft); vLLM verifies each chain with
+            token_ids_cpu, ...)      its rejection sampler: the output stays the target model's
+
+    import serve.vllm_proposers as proposers                # with PYTHONPATH=<this repository>
+    llm = vllm.LLM(model=path, dtype="float32", **proposers.engine_args("cacheback", k=4))
+
+    python serve/vllm_proposers.py --method cacheback -k 4 -- MODEL --dtype float32  # vllm serve
+
+The file, section by section:
+
+    options              ServeOptions, engine_args: what a server is started with      [1]
+    per-request state    NgramRequest, CachebackRequest, first_branch                  [2]
+    which request a row  Rows: the hook passes rows, not request ids                   [3]
+    the proposers        NgramProposer, CachebackProposer                              [4]
+    the command line     main: checks the options, then runs `vllm serve`              [5]
+
+Greedy and float32, vLLM's output with these proposers is its output without speculation
+(tests/test_vllm.py); TUTORIAL.md §6 says how each of our four methods maps onto a serving engine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import sys
+from collections import OrderedDict
+from dataclasses import asdict, dataclass
+from typing import Sequence
+
+import numpy as np
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:  # the method files live one folder up
+    sys.path.insert(0, ROOT)
+
+import cacheback  # noqa: E402
+import ngram_predictor  # noqa: E402
+import verify  # noqa: E402
+
+# ---- 1. Options --------------------------------------------------------------------------------------------
+#
+# vLLM's speculative_config names the class and k (num_speculative_tokens); it has no field for a
+# proposer's own options. They travel in vLLM's free-form `additional_config` under the key
+# "specdec", which reaches the worker process with the rest of the config:
+#
+#   speculative_config = {"method": "custom_class", "model": "serve.vllm_proposers.CachebackProposer",
+#                         "num_speculative_tokens": 4}
+#   additional_config  = {"specdec": {"preset": "cpu", "table": "request"}}
+
+OPTIONS_KEY = "specdec"
+PROPOSERS = {"ngram": "NgramProposer", "cacheback": "CachebackProposer"}
+CACHEBACK_PRESETS = ("cpu", "paper")  # CachebackConfig.cpu() and .paper()
+TABLE_SCOPES = ("request", "server")
+
+
+@dataclass
+class ServeOptions:
+    """A proposer's options. k is vLLM's num_speculative_tokens, the longest chain drafted.
+
+    table: 'request' = a fresh table per request, as each method's generate() keeps it (the
+    default); 'server' = one table that every request learns into and drafts from (measured:
+    RESULTS.md, "Serving with vLLM": it did not pay on the tuning half). preset: Cacheback's
+    configuration (cpu or paper). log: a file each draft is appended to as one JSON line (the tests
+    compare them with the offline replay).
+
+    >>> ServeOptions("cacheback", 4, preset="fast").check()
+    Traceback (most recent call last):
+    verify.UserError: cacheback: unknown preset 'fast' (known: cpu, paper)
+    """
+
+    method: str
+    k: int
+    preset: str | None = None  # Cacheback's: None = cpu
+    table: str = "request"
+    log: str | None = None
+
+    def check(self) -> "ServeOptions":
+        """Raise verify.UserError (one line) for an option that cannot work; returns itself."""
+        if self.method not in PROPOSERS:
+            raise verify.UserError(f"unknown method {self.method!r} (known: {', '.join(PROPOSERS)})")
+        if not isinstance(self.k, int) or self.k < 1:
+            raise verify.UserError(f"{self.method}: k (num_speculative_tokens) must be a whole number >= 1 "
+                                   f"(got {self.k!r})")
+        if self.method == "cacheback" and self.preset not in (None, *CACHEBACK_PRESETS):
+            raise verify.UserError(f"cacheback: unknown preset {self.preset!r} (known: "
+                                   f"{', '.join(CACHEBACK_PRESETS)})")
+        if self.method == "ngram" and self.preset is not None:
+            raise verify.UserError(f"ngram: no presets (got {self.preset!r}): the chapter has one "
+                                   "configuration")
+        if self.table not in TABLE_SCOPES:
+            raise verify.UserError(f"{self.method}: table must be {' or '.join(TABLE_SCOPES)} "
+                                   f"(got {self.table!r})")
+        return self
+
+    @classmethod
+    def from_dict(cls, method: str, k, given: dict) -> "ServeOptions":
+        known = {"preset", "table", "log"}
+        unknown = sorted(set(given) - known)
+        if unknown:
+            raise verify.UserError(f"{method}: unknown option {unknown[0]!r} in additional_config"
+                                   f"[{OPTIONS_KEY!r}] (known: {', '.join(sorted(known))})")
+        return cls(method, k, **given).check()
+
+    @classmethod
+    def from_vllm(cls, method: str, vllm_config) -> "ServeOptions":
+        extra = vllm_config.additional_config
+        given = extra.get(OPTIONS_KEY, {}) if isinstance(extra, dict) else {}
+        return cls.from_dict(method, vllm_config.speculative_config.num_speculative_tokens, given)
+
+    def engine_args(self) -> dict:
+        """The keywords of vllm.LLM(...) (and EngineArgs) that start a server with this proposer."""
+        spec = {"method": "custom_class", "model": f"serve.vllm_proposers.{PROPOSERS[self.method]}",
+                "num_speculative_tokens": self.k}
+        given = {name: value for name, value in asdict(self).items() if name not in ("method", "k")}
+        defaults = asdict(ServeOptions(self.method, self.k))
+        changed = {name: value for name, value in given.items() if value != defaults[name]}
+        return {"speculative_config": spec, "additional_config": {OPTIONS_KEY: changed}}
+
+
+def engine_args(method: str, k: int, **options) -> dict:
+    """vllm.LLM(model, **engine_args("cacheback", k=4, preset="paper")): the speculative_config and
+    additional_config for one of our proposers, checked here, in the caller's process, so that a bad
+    option is one line (a ValueError) instead of a traceback from the engine's worker."""
+    return ServeOptions.from_dict(method, k, options).engine_args()
+
+# ---- 2. Per-request state: each method's own tables, learned as its generate() learns them -----------------
+#
+# A request's state is a function of its text (prompt + tokens so far): the tables are filled by
+# sliding over that text in order. So whatever order the engine schedules requests in, a request's
+# drafts are the ones its method's generate() would make for the same text, at the same steps.
+
+
+class RequestState:
+    """One request as a proposer knows it: `text`, the tokens it has learned, in order."""
+
+    def __init__(self, tokens: Sequence[int]):
+        self.text = [int(t) for t in tokens]
+
+    def is_prefix_of(self, tokens: np.ndarray) -> bool:
+        """True if this request's text is where `tokens` starts (the same request, grown)."""
+        n = len(self.text)
+        if n > len(tokens) or int(tokens[n - 1]) != self.text[-1]:
+            return False  # the cheap checks first: most rows that changed hands fail here
+        return tokens[:n].tolist() == self.text
+
+    def catch_up(self, tokens: np.ndarray) -> None:
+        """Learn the tokens emitted since the last step (the accepted drafts and the bonus)."""
+        first_new = len(self.text)
+        if first_new < len(tokens):
+            self.text += tokens[first_new:].tolist()
+            self.learn(first_new)
+
+    def learn(self, first_new: int) -> None:
+        raise NotImplementedError
+
+    def draft(self, k: int) -> list[int]:
+        raise NotImplementedError
+
+
+class NgramRequest(RequestState):
+    """ngram_predictor.generate()'s predictor: seeded with the prompt, taught every emitted token,
+    a chain of up to k tokens (DRAFT_COUNT = k). Its cost gate is off: vLLM's batch sets the cost."""
+
+    def __init__(self, tokens: Sequence[int], k: int, shared_tables: list | None = None):
+        super().__init__(tokens)
+        self.predictor = ngram_predictor.NGramPredictor(ngram_predictor.MAX_ORDER, k,
+                                                        ngram_predictor.MAX_HISTORY)
+        if shared_tables is not None:  # table = 'server': every request counts into the same tables
+            self.predictor.tables = shared_tables
+        self.predictor.update_batch(self.text)
+
+    def learn(self, first_new: int) -> None:
+        self.predictor.update_batch(self.text[first_new:])
+
+    def draft(self, k: int) -> list[int]:
+        return self.predictor.predict()[:k]
+
+
+def first_branch(tree: verify.Tree) -> list[int]:
+    """The tree's first root-to-leaf branch, without the root: at each node the child added first.
+
+    In a Cacheback tree that is the leader's most recently seen follower (the dynamic table's before
+    the frozen table's), then the follower chained below it, and so on: the branch the paper ranks
+    first. vLLM verifies one chain per request, so this is the chain; measured against the deepest
+    branch and other tree budgets, it drafts as well (RESULTS.md, "Serving with vLLM").
+
+    >>> tree = verify.Tree.from_branches(7, [[1, 2, 3], [1, 5], [9]])
+    >>> first_branch(tree)
+    [1, 2, 3]
+    """
+    node = 0
+    branch = []
+    while tree.children[node]:
+        node = next(iter(tree.children[node].values()))  # dicts keep insertion order
+        branch.append(tree.tokens[node])
+    return branch
+
+
+class CachebackRequest(RequestState):
+    """cacheback.generate()'s dynamic table (a fresh one per request, or the server's), filled from
+    the prompt and the new windows after each step; a draft is the first branch of grow_tree's
+    tree. deviation: no cost pruning (cfg.prune): it weighs one request's forward, and the engine's
+    batch is another matter."""
+
+    def __init__(self, tokens: Sequence[int], cfg: cacheback.CachebackConfig,
+                 dynamic: cacheback.CacheTable | None, frozen: cacheback.CacheTable | None):
+        super().__init__(tokens)
+        self.cfg = cfg
+        self.frozen = frozen
+        if dynamic is None:  # table = 'request': its own
+            dynamic = cacheback.CacheTable(cfg.ll, cfg.fl, cfg.lc, cfg.fc)
+        self.dynamic = dynamic
+        if cfg.dynamic_table:
+            cacheback.update_table(self.dynamic, self.text, 0)
+
+    def learn(self, first_new: int) -> None:
+        if self.cfg.dynamic_table:
+            cacheback.update_table(self.dynamic, self.text, first_new)
+
+    def draft(self, k: int) -> list[int]:
+        cfg = self.cfg
+        tree = cacheback.grow_tree(self.text[-1], self.text, self.dynamic, self.frozen, cfg.tdl, cfg.crt,
+                                   cfg.frozen_order, cut=cfg.follower_fit == "cut")
+        return first_branch(tree)[:k]
+
+# ---- 3. Which request a row holds --------------------------------------------------------------------------
+#
+# propose() is given the batch's rows: row i's tokens so far (token_ids_cpu[i,
+# :num_tokens_no_spec[i]]) and what it sampled this step. No request id. Rows change hands: a
+# request that finishes frees its row for a new one, the engine moves requests from the end of the
+# batch into freed rows ("condensing"), and a request not scheduled for a step leaves the batch for
+# that step.
+#
+# The rule: a row holds the request we knew if the text we learned is where the row's tokens start
+# (each step only appends). Else the request left: its state waits among the `gone` ones, and the
+# row's request is a gone one whose text starts its tokens (it moved, or it is back), or new.
+#
+#   step 5:  row 0 = [p q r s t]  (A)      row 1 = [x y z]  (B)
+#   step 6:  A finished; B moved to row 0: row 0 = [x y z w]  -> A's text is not its start: A is gone;
+#            B's text is: row 0 holds B, which learns w
+#
+# subtle: the rule cannot tell a new request whose prompt starts with a gone request's whole text (a
+# chat's next turn) from that request going on; it adopts the gone state. That is sound: a state is
+# a function of its text (section 2), so the adopted state is what a fresh one seeded with the same
+# tokens would be (Cacheback: up to the recency its lookups refreshed).
+
+
+class Rows:
+    """The request state of each batch row, told apart by their tokens."""
+
+    def __init__(self, new_state, keep: int):
+        self.new_state = new_state  # tokens -> a RequestState for a request never seen
+        self.keep = keep  # how many gone states to remember (requests that may come back)
+        self.by_row: dict[int, RequestState] = {}
+        # id(state) -> state, the longest gone first
+        self.gone: OrderedDict[int, RequestState] = OrderedDict()
+        self.counts = {"new": 0, "adopted": 0}  # states made, and states found again in another row
+
+    def states(self, rows: dict[int, np.ndarray]) -> dict[int, RequestState]:
+        """rows = {row: its tokens now} for the rows that sampled this step -> each row's state,
+        caught up with its tokens."""
+        found = {}
+        for row, tokens in rows.items():
+            state = self.by_row.get(row)
+            if state is not None and state.is_prefix_of(tokens):
+                found[row] = state
+        for row, state in self.by_row.items():
+            if found.get(row) is not state:  # its request left the row: finished, moved, paused
+                self.gone[id(state)] = state
+        for row, tokens in rows.items():
+            if row not in found:
+                found[row] = self.adopt(tokens) or self.start(tokens)
+        while len(self.gone) > self.keep:
+            self.gone.popitem(last=False)  # the longest gone: most likely finished
+        self.by_row = found
+        for row, tokens in rows.items():
+            found[row].catch_up(tokens)
+        return found
+
+    def adopt(self, tokens: np.ndarray) -> RequestState | None:
+        for key, state in reversed(self.gone.items()):  # the latest gone first
+            if state.is_prefix_of(tokens):
+                del self.gone[key]
+                self.counts["adopted"] += 1
+                return state
+        return None
+
+    def start(self, tokens: np.ndarray) -> RequestState:
+        self.counts["new"] += 1
+        return self.new_state(tokens)
+
+# ---- 4. The proposers --------------------------------------------------------------------------------------
+
+
+class ChainProposer:
+    """What vLLM's custom_class hook calls. A subclass names its method, makes a request's state."""
+
+    method = ""
+
+    def __init__(self, vllm_config):
+        self.options = ServeOptions.from_vllm(self.method, vllm_config)
+        self.k = self.options.k
+        self.max_model_len = vllm_config.model_config.max_model_len
+        # gone requests remembered: two batches' worth (a request paused for a step comes back)
+        self.rows = Rows(self.new_request, keep=2 * vllm_config.scheduler_config.max_num_seqs)
+
+    def new_request(self, tokens: np.ndarray) -> RequestState:
+        raise NotImplementedError
+
+    def load_model(self, *args, **kwargs) -> None:
+        """Nothing to load: the drafts come from tables (vLLM calls this for every proposer)."""
+
+    def propose(self, sampled_token_ids: list[list[int]], num_tokens_no_spec, token_ids_cpu,
+                slot_mappings=None) -> list[list[int]]:
+        """One chain per batch row: sampled_token_ids[i] = what row i emitted this step (empty: a
+        prefill chunk, nothing to draft from yet); num_tokens_no_spec[i] = its tokens so far;
+        token_ids_cpu[i, :n] = those tokens (numpy; a tensor from an older release works too)."""
+        table = np.asarray(token_ids_cpu)  # [max_num_reqs, max_model_len]
+        rows = {}
+        for row, sampled in enumerate(sampled_token_ids):
+            n = int(num_tokens_no_spec[row])
+            if sampled and n < self.max_model_len:
+                rows[row] = table[row, :n]  # [n]
+        states = self.rows.states(rows)
+        drafts = []
+        for row in range(len(sampled_token_ids)):
+            if row not in states:
+                drafts.append([])
+                continue
+            # as vLLM's own ngram proposer: a draft may not run past the model's length
+            room = self.max_model_len - len(rows[row])
+            drafts.append(states[row].draft(min(self.k, room)))
+        if self.options.log:
+            self.write_log(rows, drafts)
+        return drafts
+
+    def write_log(self, rows: dict[int, np.ndarray], drafts: list[list[int]]) -> None:
+        with open(self.options.log, "a", encoding="utf-8") as f:
+            for row, tokens in rows.items():
+                f.write(json.dumps({"row": row, "tokens": tokens.tolist(), "draft": drafts[row]}) + "\n")
+
+
+class NgramProposer(ChainProposer):
+    """akunu's n-gram predictor (ngram_predictor.py), one per request (or tables server-wide)."""
+
+    method = "ngram"
+
+    def __init__(self, vllm_config):
+        super().__init__(vllm_config)
+        self.shared_tables = None
+        if self.options.table == "server":
+            self.shared_tables = ngram_predictor.NGramPredictor(ngram_predictor.MAX_ORDER).tables
+
+    def new_request(self, tokens: np.ndarray) -> NgramRequest:
+        return NgramRequest(tokens, self.k, self.shared_tables)
+
+
+class CachebackProposer(ChainProposer):
+    """Cacheback (cacheback.py): a dynamic table per request (or one server-wide); the preset's
+    frozen table loaded once per server and shared by every request (read-only, §3.3)."""
+
+    method = "cacheback"
+
+    def __init__(self, vllm_config):
+        super().__init__(vllm_config)
+        if self.options.preset == "paper":
+            self.cfg = cacheback.CachebackConfig.paper()
+        else:
+            self.cfg = cacheback.CachebackConfig.cpu()
+        self.cfg.prune = "none"  # see CachebackRequest
+        self.frozen = None
+        if self.cfg.frozen != "none":
+            self.frozen = load_frozen_for(vllm_config, self.cfg)
+        self.shared_dynamic = None
+        if self.options.table == "server":
+            cfg = self.cfg
+            self.shared_dynamic = cacheback.CacheTable(cfg.ll, cfg.fl, cfg.lc, cfg.fc)
+
+    def new_request(self, tokens: np.ndarray) -> CachebackRequest:
+        return CachebackRequest(tokens, self.cfg, self.shared_dynamic, self.frozen)
+
+
+def load_frozen_for(vllm_config, cfg: cacheback.CachebackConfig) -> cacheback.CacheTable:
+    """The preset's frozen table for the served model's tokenizer (tables are per tokenizer). The
+    default model is served from its converted folder: its 'selfchat' table is the default name's."""
+    from transformers import AutoTokenizer
+
+    path = vllm_config.model_config.tokenizer
+    tok = AutoTokenizer.from_pretrained(path)
+    served = os.path.realpath(vllm_config.model_config.model)
+    name = verify.DEFAULT_MODEL if served == os.path.realpath(verify.converted_dir()) else served
+    return cacheback.frozen_table_for(tok, cfg, name)
+
+# ---- 5. The command line: check the options, then run `vllm serve` -----------------------------------------
+
+
+def serve_command(options: ServeOptions, vllm_args: list[str]) -> list[str]:
+    """`vllm serve` with this proposer: vllm_args are vLLM's own (the model first)."""
+    args = options.engine_args()
+    return ["vllm", "serve", *vllm_args,
+            "--speculative-config", json.dumps(args["speculative_config"]),
+            "--additional-config", json.dumps(args["additional_config"])]
+
+
+def serve_environment() -> dict:
+    """What vLLM's CPU build wants in the environment: this repository importable (the engine
+    imports the class by name), the venv's Intel OpenMP preloaded (its worker asks for it), and a
+    small KV cache."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (ROOT, env.get("PYTHONPATH")) if p)
+    iomp = os.path.join(sys.prefix, "lib", "libiomp5.so")
+    if os.path.exists(iomp) and "libiomp5" not in env.get("LD_PRELOAD", ""):
+        env["LD_PRELOAD"] = " ".join(p for p in (iomp, env.get("LD_PRELOAD")) if p)
+    env.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")  # GiB
+    return env
+
+
+def make_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        description="Run `vllm serve` with the n-gram predictor or Cacheback as its speculative proposer. "
+                    "Everything after `--` goes to vllm serve, the model first.",
+        epilog="example: python serve/vllm_proposers.py --method cacheback -k 4 -- "
+               "~/.cache/specdec-reference/SmolLM2-135M-Instruct-tf5 --dtype float32")
+    p.add_argument("--method", choices=list(PROPOSERS), required=True,
+                   help="ngram: akunu's n-gram predictor; cacheback: Cacheback's LRU tables")
+    p.add_argument("-k", "--num-speculative-tokens", type=int, required=True, dest="k",
+                   help="the longest chain drafted per step (vLLM's num_speculative_tokens)")
+    p.add_argument("--preset",
+                   help=f"Cacheback's configuration: {' or '.join(CACHEBACK_PRESETS)} (default: cpu; paper "
+                        "adds the frozen table, which corpus/ holds)")
+    p.add_argument("--table", default="request",
+                   help="request: a table per request, as generate() keeps it (default); server: one table "
+                        "shared by all requests")
+    p.add_argument("--dry-run", action="store_true", help="print the command instead of running it")
+    p.add_argument("vllm_args", nargs=argparse.REMAINDER, help="-- MODEL [vllm serve options]")
+    return p
+
+
+def main(argv=None) -> int:
+    args = make_parser().parse_args(argv)
+    vllm_args = args.vllm_args[1:] if args.vllm_args[:1] == ["--"] else args.vllm_args
+    try:
+        options = ServeOptions(args.method, args.k, preset=args.preset, table=args.table).check()
+        if not vllm_args:
+            raise verify.UserError("give the model after --, e.g. -- ~/.cache/specdec-reference/"
+                                   "SmolLM2-135M-Instruct-tf5")
+    except verify.UserError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    command = serve_command(options, vllm_args)
+    print(shlex.join(command), file=sys.stderr)
+    if args.dry_run:
+        return 0
+    # the vllm command of this Python's venv (the serve venv), else the one on PATH
+    vllm = os.path.join(sys.prefix, "bin", "vllm")
+    os.execvpe(vllm if os.path.exists(vllm) else "vllm", command, serve_environment())
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,236 @@
+# SPDX-License-Identifier: MIT
+"""serve/vllm_proposers.py without vLLM: the options refuse in one line, and the proposers, driven by a stand-in
+for vLLM's continuous batching (requests finish, new ones take their rows, rows move, a request sits out a step),
+draft for each request exactly what tools/offline.py replays for its text. tests/test_vllm.py runs them in vLLM."""
+
+import json
+import os
+import subprocess
+import sys
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+import verify
+from conftest import ROOT
+from serve import vllm_proposers as proposers
+
+sys.path.insert(0, os.path.join(ROOT, "tools"))
+import offline  # noqa: E402
+
+SCRIPT = os.path.join(ROOT, "serve", "vllm_proposers.py")
+
+
+# ---- options ------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("method,k,options,message", [
+    ("cacheback", 0, {}, "cacheback: k (num_speculative_tokens) must be a whole number >= 1 (got 0)"),
+    ("ngram", -1, {}, "ngram: k (num_speculative_tokens) must be a whole number >= 1 (got -1)"),
+    ("cacheback", 4, {"preset": "fast"}, "cacheback: unknown preset 'fast' (known: cpu, paper)"),
+    ("ngram", 4, {"preset": "paper"}, "ngram: no presets (got 'paper'): the chapter has one configuration"),
+    ("ngram", 4, {"table": "global"}, "ngram: table must be request or server (got 'global')"),
+    ("ngram", 4, {"draft_count": 3}, "ngram: unknown option 'draft_count' in additional_config['specdec'] "
+                                     "(known: log, preset, table)"),
+    ("medusa", 4, {}, "unknown method 'medusa' (known: ngram, cacheback)"),
+])
+def test_a_bad_option_is_one_line(method, k, options, message):
+    with pytest.raises(ValueError) as refused:
+        proposers.engine_args(method, k, **options)
+    assert str(refused.value) == message
+
+
+def test_engine_args_name_the_class_k_and_only_the_options_given():
+    assert proposers.engine_args("cacheback", 4, preset="paper") == {
+        "speculative_config": {"method": "custom_class", "model": "serve.vllm_proposers.CachebackProposer",
+                               "num_speculative_tokens": 4},
+        "additional_config": {"specdec": {"preset": "paper"}}}
+    assert proposers.engine_args("ngram", 3)["additional_config"] == {"specdec": {}}
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--method", "cacheback", "-k", "0", "--", "m"], "error: cacheback: k (num_speculative_tokens) must be a "
+                                                      "whole number >= 1 (got 0)"),
+    (["--method", "cacheback", "--preset", "fast", "-k", "4", "--", "m"], "error: cacheback: unknown preset "
+                                                                         "'fast' (known: cpu, paper)"),
+    (["--method", "ngram", "-k", "4"], "error: give the model after --, e.g. -- "
+                                       "~/.cache/specdec-reference/SmolLM2-135M-Instruct-tf5"),
+])
+def test_the_command_line_refuses_in_one_line(args, message):
+    run = subprocess.run([sys.executable, SCRIPT, *args], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 2
+    assert run.stderr.strip() == message
+
+
+def test_the_command_line_prints_the_vllm_serve_command():
+    run = subprocess.run([sys.executable, SCRIPT, "--method", "cacheback", "-k", "4", "--table", "server",
+                          "--dry-run", "--", "MODEL", "--dtype", "float32"], capture_output=True, text=True,
+                         timeout=120)
+    assert run.returncode == 0, run.stderr
+    spec = json.dumps(proposers.engine_args("cacheback", 4)["speculative_config"])
+    assert run.stderr.strip() == ("vllm serve MODEL --dtype float32 --speculative-config '" + spec + "' "
+                                  "--additional-config '{\"specdec\": {\"table\": \"server\"}}'")
+
+
+# ---- a stand-in for vLLM's batching ---------------------------------------------------------------------------
+
+def vllm_config(method: str, k: int, max_num_seqs: int, max_model_len: int = 4096, **options):
+    """The parts of a VllmConfig that the proposers read."""
+    return SimpleNamespace(
+        speculative_config=SimpleNamespace(num_speculative_tokens=k),
+        additional_config={"specdec": options},
+        model_config=SimpleNamespace(max_model_len=max_model_len, tokenizer=None, model=None),
+        scheduler_config=SimpleNamespace(max_num_seqs=max_num_seqs))
+
+
+def serve_batch(proposer, streams, max_num_seqs: int, sit_out_every: int = 0):
+    """Run `streams` [(prompt, output)] through `proposer` as vLLM's continuous batching does: a waiting request
+    takes the first free row after its prefill (which emits output[0]); each step every row is proposed for, and
+    accepts the longest prefix of its draft that the output continues with, plus the bonus token; a request that
+    is done leaves, and the batch is condensed (the last row moves into the hole); every `sit_out_every` steps the
+    first row's request is left out of one step (not scheduled). Returns per request {emitted: draft}."""
+    waiting = list(range(len(streams)))
+    batch = []  # request index per row
+    emitted = {}
+    drafts = {i: {} for i in range(len(streams))}
+    resting = None
+    step = 0
+    while waiting or batch or resting is not None:
+        step += 1
+        if resting is not None:  # back after a step out, at the end of the batch
+            batch.append(resting)
+            resting = None
+        while waiting and len(batch) < max_num_seqs:
+            request = waiting.pop(0)
+            batch.append(request)
+            emitted[request] = 1
+        if sit_out_every and step % sit_out_every == 0 and len(batch) > 1:
+            resting = batch.pop(0)
+        width = max(len(p) + len(o) for p, o in streams)
+        token_ids = np.zeros((max_num_seqs, width), dtype=np.int32)
+        num_tokens = np.zeros(max_num_seqs, dtype=np.int32)
+        for row, request in enumerate(batch):
+            prompt, output = streams[request]
+            tokens = prompt + output[: emitted[request]]
+            token_ids[row, : len(tokens)] = tokens
+            num_tokens[row] = len(tokens)
+        chains = proposer.propose([[1]] * len(batch), num_tokens, token_ids)
+        assert len(chains) == len(batch)
+        for row, request in enumerate(batch):
+            output = streams[request][1]
+            done = emitted[request]
+            drafts[request][done] = chains[row]
+            accepted = 0
+            while accepted < len(chains[row]) and done + accepted < len(output) \
+                    and chains[row][accepted] == output[done + accepted]:
+                accepted += 1
+            emitted[request] = min(len(output), done + accepted + 1)
+        for row in reversed(range(len(batch))):  # the done requests leave; the last rows fill the holes
+            if emitted[batch[row]] >= len(streams[batch[row]][1]):
+                last = batch.pop()
+                if row < len(batch):
+                    batch[row] = last
+    return drafts
+
+
+def replayed_drafts(drafter, prompt, output):
+    """{emitted: draft} of tools/offline.py's replay over one stream."""
+    start, propose, learn = drafter
+    drafts = {}
+
+    def recording_propose(state, room):
+        tree = propose(state, room)
+        drafts[len(output) - room] = tree.tokens[1:]
+        return tree
+
+    offline.replay(prompt, output, start, recording_propose, learn)
+    return drafts
+
+
+@pytest.fixture(scope="module")
+def byte_streams():
+    """Eight of the default model's own answers (corpus/), as byte streams: token ids < 256 with the repeats of
+    real text, of different lengths. The first 40 bytes are the prompt."""
+    with open(os.path.join(ROOT, "corpus", "selfchat-SmolLM2-135M-Instruct.jsonl"), encoding="utf-8") as f:
+        answers = [json.loads(line)["answer"].encode() for line in f][:8]
+    return [(list(a[:40]), list(a[40:40 + 120 + 37 * i])) for i, a in enumerate(answers)]
+
+
+@pytest.mark.parametrize("method,options,drafter", [
+    ("ngram", {}, dict(name="ngram", budget=4)),
+    ("cacheback", {}, dict(name="cacheback-cpu", budget=15, chain=4)),
+])
+@pytest.mark.parametrize("sit_out_every", [0, 3])
+def test_each_request_drafts_what_the_offline_replay_drafts(byte_streams, method, options, drafter, sit_out_every):
+    proposer = getattr(proposers, proposers.PROPOSERS[method])(vllm_config(method, 4, max_num_seqs=3, **options))
+    served = serve_batch(proposer, byte_streams, max_num_seqs=3, sit_out_every=sit_out_every)
+    for request, (prompt, output) in enumerate(byte_streams):
+        replayed = replayed_drafts(offline.make_drafter(**drafter), prompt, output)
+        # the replay cuts a draft to what the output has room for; the engine stops the request itself
+        cut = {done: draft[: len(output) - done - 1] for done, draft in served[request].items()}
+        assert cut == replayed, f"request {request}"
+    assert sum(len(d) for r in served.values() for d in r.values()) > 0  # it did draft
+    # every request was new once; the ones that moved rows or sat out were found again, not made again
+    assert proposer.rows.counts["new"] == len(byte_streams)
+    assert proposer.rows.counts["adopted"] > 0
+
+
+def test_a_request_whose_prompt_continues_a_gone_one_drafts_as_a_fresh_one(byte_streams):
+    """A chat's next turn: its prompt starts with a finished request's whole text. Adopting that request's
+    state gives the drafts a fresh state would (a state is a function of its text)."""
+    prompt, output = byte_streams[0]
+    first = (prompt, output[:30])
+    second = (prompt + output[:30] + output[30:50], output[50:120])
+    proposer = proposers.NgramProposer(vllm_config("ngram", 4, max_num_seqs=1))
+    served = serve_batch(proposer, [first, second], max_num_seqs=1)
+    fresh = serve_batch(proposers.NgramProposer(vllm_config("ngram", 4, max_num_seqs=1)), [second], max_num_seqs=1)
+    assert proposer.rows.counts["new"] == 1  # the second request went on with the first one's state
+    assert served[1] == fresh[0]
+
+
+def test_a_shared_table_learns_across_requests(byte_streams):
+    """table = 'server': a request drafts from what earlier requests taught the table, so the second of two equal
+    requests drafts from its first step, where a per-request table has only its prompt."""
+    prompt, output = byte_streams[1]
+    twice = [(prompt, output), (prompt, output)]
+    shared = serve_batch(proposers.CachebackProposer(vllm_config("cacheback", 4, 1, table="server")), twice, 1)
+    alone = serve_batch(proposers.CachebackProposer(vllm_config("cacheback", 4, 1)), twice, 1)
+    assert alone[1] == alone[0]
+    assert sum(map(len, shared[1].values())) > sum(map(len, alone[1].values()))
+
+
+def test_no_draft_runs_past_the_model_length(byte_streams):
+    prompt, output = byte_streams[2]
+    limit = len(prompt) + 30
+    proposer = proposers.NgramProposer(vllm_config("ngram", 8, max_num_seqs=1, max_model_len=limit))
+    tokens = np.array([prompt + output[:28]], dtype=np.int32)
+    chain = proposer.propose([[1]], np.array([len(prompt) + 28]), tokens)[0]
+    assert len(chain) <= 2
+    full = np.array([prompt + output[:30]], dtype=np.int32)
+    assert proposer.propose([[1]], np.array([limit]), full) == [[]]  # at the limit: nothing to draft
+
+
+def test_a_row_without_a_sample_gets_no_draft(byte_streams):
+    """A prefill chunk samples nothing: no draft, and no state made for it."""
+    prompt, output = byte_streams[0]
+    proposer = proposers.NgramProposer(vllm_config("ngram", 4, max_num_seqs=2))
+    tokens = np.zeros((2, 400), dtype=np.int32)
+    tokens[0, :50] = (prompt + output)[:50]
+    tokens[1, :60] = (prompt + output)[:60]
+    chains = proposer.propose([[], [5]], np.array([50, 60]), tokens)
+    assert chains[0] == [] and chains[1] != []
+    assert proposer.rows.counts["new"] == 1
+
+
+def test_the_frozen_table_is_the_default_models_own(tmp_path):
+    """CachebackProposer with preset paper loads the shipped selfchat table for the default model's folder."""
+    pytest.importorskip("transformers")
+    path = verify.converted_dir()
+    if not os.path.isdir(path):
+        pytest.skip("the default model is not converted here")
+    config = vllm_config("cacheback", 4, 2, preset="paper")
+    config.model_config.tokenizer = path
+    config.model_config.model = path
+    proposer = proposers.CachebackProposer(config)
+    assert proposer.frozen is not None and proposer.frozen.frozen and len(proposer.frozen) > 1000
+    assert (proposer.cfg.ll, proposer.cfg.fl, proposer.cfg.prune) == (1, 3, "none")

@@ -1,0 +1,121 @@
+# SPDX-License-Identifier: MIT
+"""The proposers of serve/vllm_proposers.py inside vLLM itself (its CPU build, float32): a batch of requests of
+different lengths that finish at different steps, more requests than rows, gives vLLM's own greedy output without
+speculation, token for token; each request's drafts are what tools/offline.py replays over vLLM's output; vLLM's
+counters show drafts made and accepted. Run by `make serve-test` in the serve venv (`make serve-venv`); skipped
+where vLLM is not installed (make test's venv)."""
+
+import gc
+import json
+import os
+import sys
+
+import pytest
+
+vllm = pytest.importorskip("vllm")
+
+import verify  # noqa: E402
+from conftest import ROOT  # noqa: E402
+from serve import vllm_proposers as proposers  # noqa: E402
+
+sys.path.insert(0, os.path.join(ROOT, "tools"))
+import offline  # noqa: E402
+
+K = 4
+MAX_TOKENS = [24, 64, 40, 80, 32, 56]  # one per request: they finish at different steps (some at an EOS first)
+MAX_NUM_SEQS = 4  # fewer rows than requests: finished requests' rows are taken by new ones
+
+
+@pytest.fixture(scope="module")
+def model_path():
+    path = verify.converted_dir()
+    if not os.path.isdir(path):
+        pytest.skip(f"the default model is not converted here ({path}): run make install first")
+    os.environ.update(proposers.serve_environment())  # the engine's processes inherit it
+    return path
+
+
+@pytest.fixture(scope="module")
+def prompts(model_path):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model_path)
+    with open(os.path.join(ROOT, "bench", "prompts.jsonl"), encoding="utf-8") as f:
+        questions = [json.loads(line)["turns"][0] for line in f][: len(MAX_TOKENS)]
+    return [verify.encode_prompt(tok, q) for q in questions]
+
+
+def run_vllm(model_path, prompts, log_path=None, **engine_args):
+    """vLLM's greedy outputs for the batch, and its speculative-decoding counters."""
+    llm = vllm.LLM(model=model_path, dtype="float32", max_model_len=1024, max_num_seqs=MAX_NUM_SEQS, seed=0,
+                   enforce_eager=True, disable_log_stats=False, **engine_args)
+    params = [vllm.SamplingParams(temperature=0.0, max_tokens=m) for m in MAX_TOKENS]
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    counters = {m.name: m.value for m in llm.get_metrics()
+                if m.name.startswith("vllm:spec_decode_num") and hasattr(m, "value")}
+    del llm
+    gc.collect()
+    return [list(o.outputs[0].token_ids) for o in outputs], counters
+
+
+@pytest.fixture(scope="module")
+def plain(model_path, prompts):
+    return run_vllm(model_path, prompts)[0]
+
+
+def logged_drafts(log_path, prompt, output):
+    """{emitted: draft} of one request, from the proposer's log (rows are told apart by their tokens)."""
+    drafts = {}
+    with open(log_path, encoding="utf-8") as f:
+        for line in f:
+            entry = json.loads(line)
+            tokens = entry["tokens"]
+            emitted = len(tokens) - len(prompt)
+            if 0 < emitted < len(output) and tokens == prompt + output[:emitted]:
+                drafts[emitted] = entry["draft"][: len(output) - emitted - 1]  # as the replay cuts it
+    return drafts
+
+
+def replayed_drafts(drafter, prompt, output):
+    start, propose, learn = drafter
+    drafts = {}
+
+    def recording_propose(state, room):
+        tree = propose(state, room)
+        drafts[len(output) - room] = tree.tokens[1:]
+        return tree
+
+    offline.replay(prompt, output, start, recording_propose, learn)
+    return drafts
+
+
+@pytest.mark.parametrize("method,options,drafter", [
+    ("ngram", {}, dict(name="ngram", budget=K)),
+    ("cacheback", {}, dict(name="cacheback-cpu", budget=15, chain=K)),
+    ("cacheback", {"preset": "paper", "table": "server"}, None),
+], ids=["ngram", "cacheback-cpu", "cacheback-paper-server"])
+def test_vllm_with_our_proposer_is_vllm_without_speculation(model_path, prompts, plain, tmp_path, method, options,
+                                                            drafter):
+    log_path = str(tmp_path / "drafts.jsonl")
+    outputs, counters = run_vllm(model_path, prompts, **proposers.engine_args(method, K, log=log_path, **options))
+    assert outputs == plain
+    assert len({len(o) for o in outputs}) >= 4  # they finished at different steps
+    assert counters["vllm:spec_decode_num_drafts"] > 0
+    assert counters["vllm:spec_decode_num_accepted_tokens"] > 0
+    if drafter is None:  # a server-wide table: a request's drafts depend on the others' order
+        return
+    frozen = None
+    for prompt, output in zip(prompts, outputs):
+        replayed = replayed_drafts(offline.make_drafter(frozen_table=frozen, **drafter), prompt, output)
+        assert logged_drafts(log_path, prompt, output) == replayed
+
+
+def test_a_bad_option_given_to_vllm_directly_names_itself(model_path, capfd):
+    """Options written by hand into additional_config are checked in the engine: it stops, and our line is in
+    what it prints."""
+    args = proposers.engine_args("cacheback", K)
+    args["additional_config"] = {"specdec": {"preset": "fast"}}
+    with pytest.raises(Exception):
+        vllm.LLM(model=model_path, dtype="float32", max_model_len=1024, enforce_eager=True, **args)
+    printed = capfd.readouterr()
+    assert "cacheback: unknown preset 'fast' (known: cpu, paper)" in printed.out + printed.err
