@@ -7,7 +7,7 @@ as they are: this file only feeds them the engine's batch and hands their drafts
 vLLM (0.32) takes a proposer from outside its own code through one hook, method="custom_class"
 (vllm/v1/spec_decode/custom_class_proposer.py, marked experimental there):
 
-    Class(vllm_config)               once per server, in the engine's worker process
+    Class(vllm_config)               once per server, in each of the engine's worker processes
     load_model(...)                  once (the CPU runner always calls it)
     propose(sampled_token_ids,       after every forward: one chain of draft tokens per batch
             num_tokens_no_spec,      row (an empty list: no draft); vLLM verifies each chain with
@@ -27,7 +27,7 @@ The file, section by section:
     the command line     main: checks the options, then runs `vllm serve`              [5]
 
 Greedy and float32, vLLM's output with these proposers is its output without speculation
-(tests/test_vllm.py); TUTORIAL.md §6 says how each of our four methods maps onto a serving engine.
+(tests/test_vllm.py); TUTORIAL.md §7 says how each of our four methods maps onto a serving engine.
 """
 
 from __future__ import annotations
@@ -173,7 +173,9 @@ class RequestState:
 
 class NgramRequest(RequestState):
     """ngram_predictor.generate()'s predictor: seeded with the prompt, taught every emitted token,
-    a chain of up to k tokens (DRAFT_COUNT = k). Its cost gate is off: vLLM's batch sets the cost."""
+    a chain of up to k tokens (DRAFT_COUNT = k). Its cost gate is off: vLLM's batch sets the cost.
+    Seeding with prompt + first token in one update_batch is generate()'s update_batch(prompt)
+    then update(first): update_batch is update for each token."""
 
     def __init__(self, tokens: Sequence[int], k: int, shared_tables: list | None = None):
         super().__init__(tokens)
@@ -195,8 +197,9 @@ def first_branch(tree: verify.Tree) -> list[int]:
 
     In a Cacheback tree that is the leader's most recently seen follower (the dynamic table's before
     the frozen table's), then the follower chained below it, and so on: the branch the paper ranks
-    first. vLLM verifies one chain per request, so this is the chain; measured against the deepest
-    branch and other tree budgets, it drafts as well (RESULTS.md, "Serving with vLLM").
+    first. vLLM verifies one chain per request, so this is the chain; the deepest branch, or the
+    first of a tree grown to the paper's TDL, accepted within 0.005 tokens a step of it on the
+    tuning half (RESULTS.md, "Serving with vLLM").
 
     >>> tree = verify.Tree.from_branches(7, [[1, 2, 3], [1, 5], [9]])
     >>> first_branch(tree)
@@ -213,8 +216,8 @@ def first_branch(tree: verify.Tree) -> list[int]:
 class CachebackRequest(RequestState):
     """cacheback.generate()'s dynamic table (a fresh one per request, or the server's), filled from
     the prompt and the new windows after each step; a draft is the first branch of grow_tree's
-    tree. deviation: no cost pruning (cfg.prune): it weighs one request's forward, and the engine's
-    batch is another matter."""
+    tree. deviation: no cost pruning (cfg.prune is not read): it weighs one request's forward, and
+    the engine's batch is another matter."""
 
     def __init__(self, tokens: Sequence[int], cfg: cacheback.CachebackConfig,
                  dynamic: cacheback.CacheTable | None, frozen: cacheback.CacheTable | None):
@@ -232,6 +235,9 @@ class CachebackRequest(RequestState):
             cacheback.update_table(self.dynamic, self.text, first_new)
 
     def draft(self, k: int) -> list[int]:
+        """The first branch of the tree the preset grows (TDL tokens at most; CRT of them kept for
+        level 2 and deeper, which bounds how far the first branch chains): one branch is sent, the
+        whole tree is grown, as generate() grows it. k <= TDL - 1 is what can reach the chain."""
         cfg = self.cfg
         tree = cacheback.grow_tree(self.text[-1], self.text, self.dynamic, self.frozen, cfg.tdl, cfg.crt,
                                    cfg.frozen_order, cut=cfg.follower_fit == "cut")
@@ -240,10 +246,11 @@ class CachebackRequest(RequestState):
 # ---- 3. Which request a row holds --------------------------------------------------------------------------
 #
 # propose() is given the batch's rows: row i's tokens so far (token_ids_cpu[i,
-# :num_tokens_no_spec[i]]) and what it sampled this step. No request id. Rows change hands: a
-# request that finishes frees its row for a new one, the engine moves requests from the end of the
-# batch into freed rows ("condensing"), and a request not scheduled for a step leaves the batch for
-# that step.
+# :num_tokens_no_spec[i]]) and what it sampled this step. No request id. Rows change hands (vLLM
+# 0.32's InputBatch): a request that finishes frees its row; a new or resumed request takes the
+# lowest free row; the engine then moves requests from the end of the batch into the rows still
+# free ("condensing"); a request not scheduled for a step leaves the batch for that step; an
+# attention back-end may swap rows; a failed KV load can shorten a row's tokens.
 #
 # The rule: a row holds the request we knew if the text we learned is where the row's tokens start
 # (each step only appends). Else the request left: its state waits among the `gone` ones, and the
@@ -254,9 +261,11 @@ class CachebackRequest(RequestState):
 #            B's text is: row 0 holds B, which learns w
 #
 # subtle: the rule cannot tell a new request whose prompt starts with a gone request's whole text (a
-# chat's next turn) from that request going on; it adopts the gone state. That is sound: a state is
-# a function of its text (section 2), so the adopted state is what a fresh one seeded with the same
-# tokens would be (Cacheback: up to the recency its lookups refreshed).
+# chat's next turn) from that request going on; it adopts the gone state (the longest such text).
+# With a table per request that is sound: a state is a function of its text (section 2), so the
+# adopted state is what a fresh one seeded with the same tokens would be (Cacheback: up to which
+# leaders its level-1 lookups made most recent, which matters only once LC leaders are held). With
+# table = 'server' a state adopted or made again teaches the shared table its text a second time.
 
 
 class Rows:
@@ -270,34 +279,36 @@ class Rows:
         self.gone: OrderedDict[int, RequestState] = OrderedDict()
         self.counts = {"new": 0, "adopted": 0}  # states made, and states found again in another row
 
-    def states(self, rows: dict[int, np.ndarray]) -> dict[int, RequestState]:
-        """rows = {row: its tokens now} for the rows that sampled this step -> each row's state,
-        caught up with its tokens."""
+    def states_for(self, texts: dict[int, np.ndarray]) -> dict[int, RequestState]:
+        """texts = {row: its tokens now} for the rows that sampled this step -> each row's state,
+        caught up with its tokens (each learns what it emitted since the last step)."""
         found = {}
-        for row, tokens in rows.items():
+        for row, tokens in texts.items():
             state = self.by_row.get(row)
             if state is not None and state.is_prefix_of(tokens):
                 found[row] = state
         for row, state in self.by_row.items():
             if found.get(row) is not state:  # its request left the row: finished, moved, paused
                 self.gone[id(state)] = state
-        for row, tokens in rows.items():
+        for row, tokens in texts.items():
             if row not in found:
                 found[row] = self.adopt(tokens) or self.start(tokens)
         while len(self.gone) > self.keep:
             self.gone.popitem(last=False)  # the longest gone: most likely finished
         self.by_row = found
-        for row, tokens in rows.items():
+        for row, tokens in texts.items():
             found[row].catch_up(tokens)
         return found
 
     def adopt(self, tokens: np.ndarray) -> RequestState | None:
-        for key, state in reversed(self.gone.items()):  # the latest gone first
-            if state.is_prefix_of(tokens):
-                del self.gone[key]
-                self.counts["adopted"] += 1
-                return state
-        return None
+        """The gone state whose text starts `tokens`, the longest if several (a request that moved,
+        rather than a shorter finished one it continues); None if there is none."""
+        matches = [key for key, state in self.gone.items() if state.is_prefix_of(tokens)]
+        if not matches:
+            return None
+        key = max(matches, key=lambda k: len(self.gone[k].text))
+        self.counts["adopted"] += 1
+        return self.gone.pop(key)
 
     def start(self, tokens: np.ndarray) -> RequestState:
         self.counts["new"] += 1
@@ -326,31 +337,40 @@ class ChainProposer:
 
     def propose(self, sampled_token_ids: list[list[int]], num_tokens_no_spec, token_ids_cpu,
                 slot_mappings=None) -> list[list[int]]:
-        """One chain per batch row: sampled_token_ids[i] = what row i emitted this step (empty: a
-        prefill chunk, nothing to draft from yet); num_tokens_no_spec[i] = its tokens so far;
-        token_ids_cpu[i, :n] = those tokens (numpy; a tensor from an older release works too)."""
-        table = np.asarray(token_ids_cpu)  # [max_num_reqs, max_model_len]
-        rows = {}
+        """One chain per live batch row (the first len(sampled_token_ids) rows):
+
+            sampled_token_ids[i]   what row i emitted this step: its accepted drafts and the bonus
+                                   token (empty: a prefill chunk, nothing to draft from yet)
+            num_tokens_no_spec     [max_num_reqs]: row i's tokens so far, this step's included
+            token_ids_cpu          [max_num_reqs, max_model_len]: row i's tokens in [i, :n] (numpy;
+                                   what lies past n is stale: an old occupant's, rejected drafts)
+
+        vLLM 0.32 calls it synchronously after each forward: it turns async scheduling off for
+        custom_class (whose rows would hold placeholder ids), and trims a chain longer than it
+        schedules. Each worker rank builds its own proposer (tensor parallelism: one per rank)."""
+        token_rows = np.asarray(token_ids_cpu)  # [max_num_reqs, max_model_len]
+        texts = {}
         for row, sampled in enumerate(sampled_token_ids):
             n = int(num_tokens_no_spec[row])
             if sampled and n < self.max_model_len:
-                rows[row] = table[row, :n]  # [n]
-        states = self.rows.states(rows)
+                texts[row] = token_rows[row, :n]  # [n]
+        states = self.rows.states_for(texts)
         drafts = []
         for row in range(len(sampled_token_ids)):
             if row not in states:
                 drafts.append([])
                 continue
-            # as vLLM's own ngram proposer: a draft may not run past the model's length
-            room = self.max_model_len - len(rows[row])
+            # as vLLM's own ngram proposer: a draft may not run past the model's length. (generate()
+            # also cuts it to max_new_tokens; the engine stops a request there itself.)
+            room = self.max_model_len - len(texts[row])
             drafts.append(states[row].draft(min(self.k, room)))
         if self.options.log:
-            self.write_log(rows, drafts)
+            self.write_log(texts, drafts)
         return drafts
 
-    def write_log(self, rows: dict[int, np.ndarray], drafts: list[list[int]]) -> None:
+    def write_log(self, texts: dict[int, np.ndarray], drafts: list[list[int]]) -> None:
         with open(self.options.log, "a", encoding="utf-8") as f:
-            for row, tokens in rows.items():
+            for row, tokens in texts.items():
                 f.write(json.dumps({"row": row, "tokens": tokens.tolist(), "draft": drafts[row]}) + "\n")
 
 
@@ -381,7 +401,6 @@ class CachebackProposer(ChainProposer):
             self.cfg = cacheback.CachebackConfig.paper()
         else:
             self.cfg = cacheback.CachebackConfig.cpu()
-        self.cfg.prune = "none"  # see CachebackRequest
         self.frozen = None
         if self.cfg.frozen != "none":
             self.frozen = load_frozen_for(vllm_config, self.cfg)

@@ -178,6 +178,9 @@ def pytest_configure(config):
     config.addinivalue_line(
         "markers", "cuda: the GPU tier (tests/test_cuda.py): skipped without CUDA; run it with pytest -m cuda"
     )
+    # torch's own notice at the first import of its compiler (no_deprecation_from_our_calls says more); this
+    # line covers what runs outside that fixture, such as a module's fixtures
+    config.addinivalue_line("filterwarnings", "ignore:`torch.jit.script_method` is deprecated:DeprecationWarning")
     engine = config.getoption("--quantized-engine")
     if engine:
         if engine not in torch.backends.quantized.supported_engines:

@@ -84,39 +84,64 @@ def vllm_config(method: str, k: int, max_num_seqs: int, max_model_len: int = 409
 
 
 def serve_batch(proposer, streams, max_num_seqs: int, sit_out_every: int = 0):
-    """Run `streams` [(prompt, output)] through `proposer` as vLLM's continuous batching does: a waiting request
-    takes the first free row after its prefill (which emits output[0]); each step every row is proposed for, and
-    accepts the longest prefix of its draft that the output continues with, plus the bonus token; a request that
-    is done leaves, and the batch is condensed (the last row moves into the hole); every `sit_out_every` steps the
-    first row's request is left out of one step (not scheduled). Returns per request {emitted: draft}."""
+    """Run `streams` [(prompt, output)] through `proposer` as vLLM 0.32's continuous batching moves rows:
+
+    - a waiting request takes the lowest free row; its first step is a prefill chunk (nothing sampled), the
+      next one samples output[0];
+    - each step every row that sampled is proposed for, and accepts the longest prefix of its draft that the
+      output continues with, plus the bonus token;
+    - a done request leaves; then the batch is condensed (the last rows move into the lowest holes);
+    - every `sit_out_every` steps the first row's request is not scheduled for one step (its row is free), and
+      comes back into the lowest free row;
+    - the token array is kept from step to step, so a row holds stale tokens past its length.
+
+    Returns per request {emitted: draft}."""
+    width = max(len(p) + len(o) for p, o in streams) + 8
+    token_ids = np.zeros((max_num_seqs, width), dtype=np.int32)  # kept: stale tails stay
+    num_tokens = np.zeros(max_num_seqs, dtype=np.int32)
     waiting = list(range(len(streams)))
-    batch = []  # request index per row
-    emitted = {}
+    rows = [None] * max_num_seqs  # request index per row, None: free
+    emitted = {}  # request -> output tokens emitted (0: its prefill chunk is next)
     drafts = {i: {} for i in range(len(streams))}
     resting = None
     step = 0
-    while waiting or batch or resting is not None:
+    while waiting or resting is not None or any(r is not None for r in rows):
         step += 1
-        if resting is not None:  # back after a step out, at the end of the batch
-            batch.append(resting)
-            resting = None
-        while waiting and len(batch) < max_num_seqs:
-            request = waiting.pop(0)
-            batch.append(request)
-            emitted[request] = 1
-        if sit_out_every and step % sit_out_every == 0 and len(batch) > 1:
-            resting = batch.pop(0)
-        width = max(len(p) + len(o) for p, o in streams)
-        token_ids = np.zeros((max_num_seqs, width), dtype=np.int32)
-        num_tokens = np.zeros(max_num_seqs, dtype=np.int32)
-        for row, request in enumerate(batch):
+        arriving = [resting] if resting is not None else []
+        resting = None
+        while waiting and len(arriving) + sum(r is not None for r in rows) < max_num_seqs:
+            arriving.append(waiting.pop(0))
+            emitted[arriving[-1]] = 0
+        for request in arriving:  # the lowest free row
+            rows[rows.index(None)] = request
+        live = max((i + 1 for i, r in enumerate(rows) if r is not None), default=0)
+        if sit_out_every and step % sit_out_every == 0 and rows[0] is not None and live > 1:
+            resting = rows[0]
+            rows[0] = None
+        sampled = []
+        for row in range(live):
+            request = rows[row]
+            if request is None:
+                sampled.append([])
+                continue
             prompt, output = streams[request]
+            if emitted[request] == 0:  # the prefill chunk: half the prompt, nothing sampled yet
+                token_ids[row, : len(prompt) // 2] = prompt[: len(prompt) // 2]
+                num_tokens[row] = len(prompt) // 2
+                emitted[request] = 1  # the next step samples output[0]
+                sampled.append([])
+                continue
             tokens = prompt + output[: emitted[request]]
             token_ids[row, : len(tokens)] = tokens
             num_tokens[row] = len(tokens)
-        chains = proposer.propose([[1]] * len(batch), num_tokens, token_ids)
-        assert len(chains) == len(batch)
-        for row, request in enumerate(batch):
+            sampled.append([output[emitted[request] - 1]])
+        chains = proposer.propose(sampled, num_tokens, token_ids)
+        assert len(chains) == live
+        for row in range(live):
+            if not sampled[row]:
+                assert chains[row] == []
+                continue
+            request = rows[row]
             output = streams[request][1]
             done = emitted[request]
             drafts[request][done] = chains[row]
@@ -125,11 +150,16 @@ def serve_batch(proposer, streams, max_num_seqs: int, sit_out_every: int = 0):
                     and chains[row][accepted] == output[done + accepted]:
                 accepted += 1
             emitted[request] = min(len(output), done + accepted + 1)
-        for row in reversed(range(len(batch))):  # the done requests leave; the last rows fill the holes
-            if emitted[batch[row]] >= len(streams[batch[row]][1]):
-                last = batch.pop()
-                if row < len(batch):
-                    batch[row] = last
+        for row in range(live):  # the done requests leave
+            if rows[row] is not None and emitted[rows[row]] >= len(streams[rows[row]][1]):
+                rows[row] = None
+        while None in rows[: sum(r is not None for r in rows)]:  # condense: the last row into the lowest hole
+            last = max(i for i, r in enumerate(rows) if r is not None)
+            hole = rows.index(None)
+            rows[hole] = rows[last]
+            rows[last] = None
+            token_ids[hole] = token_ids[last]
+            num_tokens[hole] = num_tokens[last]
     return drafts
 
 
@@ -175,17 +205,22 @@ def test_each_request_drafts_what_the_offline_replay_drafts(byte_streams, method
     assert proposer.rows.counts["adopted"] > 0
 
 
-def test_a_request_whose_prompt_continues_a_gone_one_drafts_as_a_fresh_one(byte_streams):
-    """A chat's next turn: its prompt starts with a finished request's whole text. Adopting that request's
-    state gives the drafts a fresh state would (a state is a function of its text)."""
+@pytest.mark.parametrize("method", ["ngram", "cacheback"])
+def test_a_request_whose_prompt_continues_a_gone_one_drafts_as_a_fresh_one(byte_streams, method):
+    """A chat's next turn: its prompt starts with a finished request's whole text. It takes over that request's
+    state, in its row or (here, after a request of another text took the row) from the gone ones, and drafts
+    what a fresh state would (a state is a function of its text)."""
     prompt, output = byte_streams[0]
     first = (prompt, output[:30])
+    other = byte_streams[3]
     second = (prompt + output[:30] + output[30:50], output[50:120])
-    proposer = proposers.NgramProposer(vllm_config("ngram", 4, max_num_seqs=1))
-    served = serve_batch(proposer, [first, second], max_num_seqs=1)
-    fresh = serve_batch(proposers.NgramProposer(vllm_config("ngram", 4, max_num_seqs=1)), [second], max_num_seqs=1)
-    assert proposer.rows.counts["new"] == 1  # the second request went on with the first one's state
-    assert served[1] == fresh[0]
+    make = getattr(proposers, proposers.PROPOSERS[method])
+    proposer = make(vllm_config(method, 4, max_num_seqs=1))
+    served = serve_batch(proposer, [first, other, second], max_num_seqs=1)
+    fresh = serve_batch(make(vllm_config(method, 4, max_num_seqs=1)), [second], max_num_seqs=1)
+    assert proposer.rows.counts == {"new": 2, "adopted": 1}
+    assert served[2] == fresh[0]
+    assert sum(map(len, served[2].values())) > 0
 
 
 def test_a_shared_table_learns_across_requests(byte_streams):
@@ -201,13 +236,15 @@ def test_a_shared_table_learns_across_requests(byte_streams):
 
 def test_no_draft_runs_past_the_model_length(byte_streams):
     prompt, output = byte_streams[2]
-    limit = len(prompt) + 30
-    proposer = proposers.NgramProposer(vllm_config("ngram", 8, max_num_seqs=1, max_model_len=limit))
-    tokens = np.array([prompt + output[:28]], dtype=np.int32)
-    chain = proposer.propose([[1]], np.array([len(prompt) + 28]), tokens)[0]
-    assert len(chain) <= 2
-    full = np.array([prompt + output[:30]], dtype=np.int32)
-    assert proposer.propose([[1]], np.array([limit]), full) == [[]]  # at the limit: nothing to draft
+
+    def chain(max_model_len, text):
+        proposer = proposers.NgramProposer(vllm_config("ngram", 8, max_num_seqs=1, max_model_len=max_model_len))
+        return proposer.propose([[1]], np.array([len(text)]), np.array([text + [0] * 8], dtype=np.int32))[0]
+
+    # the first text the predictor drafts more than 2 tokens after, with no limit in sight
+    text = next(prompt + output[:m] for m in range(1, len(output)) if len(chain(4096, prompt + output[:m])) > 2)
+    assert len(chain(len(text) + 2, text)) == 2
+    assert chain(len(text), text) == []  # at the limit: nothing to draft
 
 
 def test_a_row_without_a_sample_gets_no_draft(byte_streams):
@@ -233,4 +270,4 @@ def test_the_frozen_table_is_the_default_models_own(tmp_path):
     config.model_config.model = path
     proposer = proposers.CachebackProposer(config)
     assert proposer.frozen is not None and proposer.frozen.frozen and len(proposer.frozen) > 1000
-    assert (proposer.cfg.ll, proposer.cfg.fl, proposer.cfg.prune) == (1, 3, "none")
+    assert (proposer.cfg.ll, proposer.cfg.fl) == (1, 3)

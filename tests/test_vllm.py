@@ -22,8 +22,10 @@ sys.path.insert(0, os.path.join(ROOT, "tools"))
 import offline  # noqa: E402
 
 K = 4
-MAX_TOKENS = [24, 64, 40, 80, 32, 56]  # one per request: they finish at different steps (some at an EOS first)
+# one per request: they finish at different steps (some at an EOS first); the last prompt is long
+MAX_TOKENS = [24, 64, 40, 80, 32, 56, 48]
 MAX_NUM_SEQS = 4  # fewer rows than requests: finished requests' rows are taken by new ones
+MAX_NUM_BATCHED_TOKENS = 128  # the long prompt is prefilled in chunks: steps where its row samples nothing
 
 
 @pytest.fixture(scope="module")
@@ -41,14 +43,18 @@ def prompts(model_path):
 
     tok = AutoTokenizer.from_pretrained(model_path)
     with open(os.path.join(ROOT, "bench", "prompts.jsonl"), encoding="utf-8") as f:
-        questions = [json.loads(line)["turns"][0] for line in f][: len(MAX_TOKENS)]
-    return [verify.encode_prompt(tok, q) for q in questions]
+        questions = [json.loads(line)["turns"][0] for line in f]
+    prompts = [verify.encode_prompt(tok, q) for q in questions[: len(MAX_TOKENS) - 1]]
+    prompts.append(verify.encode_prompt(tok, "Answer each of these in turn.\n" + "\n".join(questions[-5:])))
+    assert len(prompts[-1]) > 2 * MAX_NUM_BATCHED_TOKENS
+    return prompts
 
 
-def run_vllm(model_path, prompts, log_path=None, **engine_args):
+def run_vllm(model_path, prompts, **engine_args):
     """vLLM's greedy outputs for the batch, and its speculative-decoding counters."""
     llm = vllm.LLM(model=model_path, dtype="float32", max_model_len=1024, max_num_seqs=MAX_NUM_SEQS, seed=0,
-                   enforce_eager=True, disable_log_stats=False, **engine_args)
+                   max_num_batched_tokens=MAX_NUM_BATCHED_TOKENS, enable_chunked_prefill=True, enforce_eager=True,
+                   disable_log_stats=False, **engine_args)
     params = [vllm.SamplingParams(temperature=0.0, max_tokens=m) for m in MAX_TOKENS]
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     counters = {m.name: m.value for m in llm.get_metrics()
@@ -104,9 +110,8 @@ def test_vllm_with_our_proposer_is_vllm_without_speculation(model_path, prompts,
     assert counters["vllm:spec_decode_num_accepted_tokens"] > 0
     if drafter is None:  # a server-wide table: a request's drafts depend on the others' order
         return
-    frozen = None
     for prompt, output in zip(prompts, outputs):
-        replayed = replayed_drafts(offline.make_drafter(frozen_table=frozen, **drafter), prompt, output)
+        replayed = replayed_drafts(offline.make_drafter(**drafter), prompt, output)
         assert logged_drafts(log_path, prompt, output) == replayed
 
 
