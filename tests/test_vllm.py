@@ -8,7 +8,6 @@ where vLLM is not installed (make test's venv)."""
 import gc
 import json
 import os
-import sys
 
 import pytest
 
@@ -17,9 +16,7 @@ vllm = pytest.importorskip("vllm")
 import verify  # noqa: E402
 from conftest import ROOT  # noqa: E402
 from serve import vllm_proposers as proposers  # noqa: E402
-
-sys.path.insert(0, os.path.join(ROOT, "tools"))
-import offline  # noqa: E402
+from test_serve import offline, replayed_drafts  # noqa: E402  (tools/offline.py, and its drafts per step)
 
 K = 4
 # one per request: they finish at different steps (some at an EOS first); the last prompt is long
@@ -79,19 +76,6 @@ def logged_drafts(log_path, prompt, output):
             emitted = len(tokens) - len(prompt)
             if 0 < emitted < len(output) and tokens == prompt + output[:emitted]:
                 drafts[emitted] = entry["draft"][: len(output) - emitted - 1]  # as the replay cuts it
-    return drafts
-
-
-def replayed_drafts(drafter, prompt, output):
-    start, propose, learn = drafter
-    drafts = {}
-
-    def recording_propose(state, room):
-        tree = propose(state, room)
-        drafts[len(output) - room] = tree.tokens[1:]
-        return tree
-
-    offline.replay(prompt, output, start, recording_propose, learn)
     return drafts
 
 
