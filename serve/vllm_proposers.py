@@ -16,7 +16,7 @@ vLLM (0.32) takes a proposer from outside its own code through one hook, method=
     import serve.vllm_proposers as proposers                # with PYTHONPATH=<this repository>
     llm = vllm.LLM(model=path, dtype="float32", **proposers.engine_args("cacheback", k=4))
 
-    python serve/vllm_proposers.py --method cacheback -k 4 -- MODEL --dtype float32  # vllm serve
+    python serve/vllm_proposers.py --method cacheback -k 4 -- MODEL --dtype float32  # a server
 
 The file, section by section:
 
@@ -26,7 +26,7 @@ The file, section by section:
     the proposers        NgramProposer, CachebackProposer                              [4]
     the command line     main: checks the options, then runs `vllm serve`              [5]
 
-Greedy and float32, vLLM's output with these proposers is its output without speculation
+Under greedy decoding in float32, vLLM's output with these proposers is its output without speculation
 (tests/test_vllm.py); TUTORIAL.md §7 says how each of our four methods maps onto a serving engine.
 """
 
@@ -72,8 +72,9 @@ class ServeOptions:
     """A proposer's options. k is vLLM's num_speculative_tokens, the longest chain drafted.
 
     table: 'request' = a fresh table per request, as each method's generate() keeps it (the
-    default); 'server' = one table that every request learns into and drafts from (RESULTS.md,
-    "Serving with vLLM": about 1% more or less, by preset). preset: Cacheback's
+    default); 'server' = one table that every request learns into and drafts from (offline, about
+    1% more accepted tokens for ngram and the cpu preset, a little fewer for paper; and one user's
+    text would shape another's speed: RESULTS.md, "Serving with vLLM"). preset: Cacheback's
     configuration (cpu or paper). log: a file each draft is appended to as one JSON line (the tests
     compare them with the offline replay).
 
@@ -139,9 +140,11 @@ def engine_args(method: str, k: int, **options) -> dict:
 
 # ---- 2. Per-request state: each method's own tables, learned as its generate() learns them -----------------
 #
-# A request's state is a function of its text (prompt + tokens so far): the tables are filled by
-# sliding over that text in order. So whatever order the engine schedules requests in, a request's
-# drafts are the ones its method's generate() would make for the same text, at the same steps.
+# With a table per request, a request's state is a function of its text (prompt + tokens so far):
+# the tables are filled by sliding over that text in order. So whatever order the engine schedules
+# requests in, the draft made at a given text is the one the method's generate() would make at that
+# text. (The steps fall elsewhere: Cacheback's generate() verifies whole trees, and both gate or
+# prune their drafts by cost.)
 
 
 class RequestState:
@@ -158,7 +161,8 @@ class RequestState:
         return tokens[:n].tolist() == self.text
 
     def catch_up(self, tokens: np.ndarray) -> None:
-        """Learn the tokens emitted since the last step (the accepted drafts and the bonus)."""
+        """Learn the tokens the row has beyond our text: those emitted since the last step (the
+        accepted drafts and the bonus), or, for an adopted state, the rest of the new prompt too."""
         first_new = len(self.text)
         if first_new < len(tokens):
             self.text += tokens[first_new:].tolist()
@@ -197,9 +201,9 @@ def first_branch(tree: verify.Tree) -> list[int]:
 
     In a Cacheback tree that is the leader's most recently seen follower (the dynamic table's before
     the frozen table's), then the follower chained below it, and so on: the branch the paper ranks
-    first. vLLM verifies one chain per request, so this is the chain; the deepest branch, or the
-    first of a tree grown to the paper's TDL, accepted within 0.005 tokens a step of it on the
-    tuning half (RESULTS.md, "Serving with vLLM").
+    first. vLLM verifies one chain per request, so this is the chain. Two alternatives measured on
+    the tuning half accepted within 0.005 tokens a step of it: the deepest branch, and the first
+    branch of a tree grown to the paper's TDL of 96 (RESULTS.md, "Serving with vLLM").
 
     >>> tree = verify.Tree.from_branches(7, [[1, 2, 3], [1, 5], [9]])
     >>> first_branch(tree)
@@ -216,8 +220,9 @@ def first_branch(tree: verify.Tree) -> list[int]:
 class CachebackRequest(RequestState):
     """cacheback.generate()'s dynamic table (a fresh one per request, or the server's), filled from
     the prompt and the new windows after each step; a draft is the first branch of grow_tree's
-    tree. deviation: no cost pruning (cfg.prune is not read): it weighs one request's forward, and
-    the engine's batch is another matter."""
+    tree. deviation: no cost pruning (cfg.prune is not read, so preset 'cpu' here is
+    CachebackConfig.cpu() without its prune='cost'): the pruning weighs one request's forward of the
+    tree, and in the engine a step's cost is the whole batch's."""
 
     def __init__(self, tokens: Sequence[int], cfg: cacheback.CachebackConfig,
                  dynamic: cacheback.CacheTable | None, frozen: cacheback.CacheTable | None):
@@ -236,8 +241,11 @@ class CachebackRequest(RequestState):
 
     def draft(self, k: int) -> list[int]:
         """The first branch of the tree the preset grows (TDL tokens at most; CRT of them kept for
-        level 2 and deeper, which bounds how far the first branch chains): one branch is sent, the
-        whole tree is grown, as generate() grows it. k <= TDL - 1 is what can reach the chain."""
+        level 2 and deeper, which bounds how far the first branch chains). The whole tree is grown,
+        as generate() grows it, though one branch is sent: the chain is then a branch of the very
+        tree generate() drafts (the tests check it against tools/offline.py), and a tree of only
+        k + 1 tokens accepted 0.02-0.08 fewer a step. The tree holds TDL - 1 drafts at most, so a k
+        above that (15 for cpu) gives no longer chains."""
         cfg = self.cfg
         tree = cacheback.grow_tree(self.text[-1], self.text, self.dynamic, self.frozen, cfg.tdl, cfg.crt,
                                    cfg.frozen_order, cut=cfg.follower_fit == "cut")
@@ -263,9 +271,10 @@ class CachebackRequest(RequestState):
 # subtle: the rule cannot tell a new request whose prompt starts with a gone request's whole text (a
 # chat's next turn) from that request going on; it adopts the gone state (the longest such text).
 # With a table per request that is sound: a state is a function of its text (section 2), so the
-# adopted state is what a fresh one seeded with the same tokens would be (Cacheback: up to which
-# leaders its level-1 lookups made most recent, which matters only once LC leaders are held). With
-# table = 'server' a state adopted or made again teaches the shared table its text a second time.
+# adopted state is what a fresh one seeded with the same tokens would be (Cacheback: except for the
+# leader recency its own lookups set, which changes an eviction only once a table holds LC leaders).
+# With table = 'server' it is not: an adopted state teaches the shared table the new prompt, and a
+# request seen again after its state was dropped re-seeds, so the shared table counts its text twice.
 
 
 class Rows:
@@ -275,7 +284,7 @@ class Rows:
         self.new_state = new_state  # tokens -> a RequestState for a request never seen
         self.keep = keep  # how many gone states to remember (requests that may come back)
         self.by_row: dict[int, RequestState] = {}
-        # id(state) -> state, the longest gone first
+        # id(state) -> state, in the order they left (the earliest first)
         self.gone: OrderedDict[int, RequestState] = OrderedDict()
         self.counts = {"new": 0, "adopted": 0}  # states made, and states found again in another row
 
@@ -294,7 +303,7 @@ class Rows:
             if row not in found:
                 found[row] = self.adopt(tokens) or self.start(tokens)
         while len(self.gone) > self.keep:
-            self.gone.popitem(last=False)  # the longest gone: most likely finished
+            self.gone.popitem(last=False)  # the earliest to leave: most likely finished
         self.by_row = found
         for row, tokens in texts.items():
             found[row].catch_up(tokens)
@@ -349,11 +358,12 @@ class ChainProposer:
         placeholder ids) is off for custom_class (asked for, it is an error; the CPU platform has
         it off anyway), and a chain longer than what is scheduled is trimmed. Each worker rank
         builds its own proposer (tensor parallelism: one per rank)."""
+        # slot_mappings (where the KV of each token goes) is for drafters that run a model: unused
         token_rows = np.asarray(token_ids_cpu)  # [max_num_reqs, max_model_len]
         texts = {}
         for row, sampled in enumerate(sampled_token_ids):
             n = int(num_tokens_no_spec[row])
-            if sampled and n < self.max_model_len:
+            if sampled and n < self.max_model_len:  # at max_model_len: it stops, no room to draft
                 texts[row] = token_rows[row, :n]  # [n]
         states = self.rows.states_for(texts)
         drafts = []
@@ -415,8 +425,9 @@ class CachebackProposer(ChainProposer):
 
 
 def load_frozen_for(vllm_config, cfg: cacheback.CachebackConfig) -> cacheback.CacheTable:
-    """The preset's frozen table for the served model's tokenizer (tables are per tokenizer). The
-    default model is served from its converted folder: its 'selfchat' table is the default name's."""
+    """The preset's frozen table for the served model's tokenizer (tables are per tokenizer). A
+    served path that is the default model's converted folder is mapped back to DEFAULT_MODEL: the
+    'selfchat' table files are named after the model."""
     from transformers import AutoTokenizer
 
     path = vllm_config.model_config.tokenizer
