@@ -729,9 +729,13 @@ def _draft_process(conn, K: int, k: int, correct: bool, threads: int | None) -> 
         with contextlib.suppress(Exception):
             conn.send(("error", f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"))
 
-def _stop_process(process, conn) -> None:
+def _stop_process(process, conn, child_end) -> None:
     """Ask the draft process to stop, else kill it: at close(), at garbage collection and at
     exit."""
+    child_end.close()  # (already closed once the process started)
+    if process.pid is None:  # never started (wait=False, and no run came)
+        conn.close()
+        return
     with contextlib.suppress(Exception):
         conn.send(("stop",))
     # subtle: the draft reads its messages between two layers, one forward at most
@@ -774,13 +778,10 @@ class DraftProcess:
         self.run = 0  # generate() calls served so far
         self.busy = threading.Lock()  # one generate() at a time: a second thread's call waits
         self.wait = 0  # layers the cache must lead by before a query is answered (serving() sets it)
-        self.conn, child_end = ctx.Pipe()
+        self.conn, self._child_end = ctx.Pipe()
         self.process = ctx.Process(target=_draft_process, name="card-draft", daemon=True,
-                                   args=(child_end, cfg.K, cfg.k, cfg.correct, threads))
-        self.process.start()
-        # subtle: now only the child holds that end, so its death reads here as EOF
-        child_end.close()
-        self._stop = weakref.finalize(self, _stop_process, self.process, self.conn)
+                                   args=(self._child_end, cfg.K, cfg.k, cfg.correct, threads))
+        self._stop = weakref.finalize(self, _stop_process, self.process, self.conn, self._child_end)
         # The model goes through the pipe as its parts (portable()), its tensors in shared memory
         # (CUDA: IPC). subtle, three traps: (1) not the module, whose hooks are often unpicklable;
         # (2) not as a Process argument: pickled at start(), such a tensor is freed before the child
@@ -788,8 +789,9 @@ class DraftProcess:
         # the target (int8_draft's card_rebuild).
         # wait=False: return now, and let generate() decode without drafts until the process is
         # up (its imports and its own quantization take seconds: a first call streams at once).
-        # The parts go at the first start() then, after the prompt's first token: moving the
-        # weights into shared memory takes a second of its own
+        # The process is spawned, and the parts go, at the first start() then, after the prompt's
+        # first token: a process starting beside the prefill takes a core from it (the first
+        # token came 2x later), and moving the weights into shared memory takes a second
         self.ready = False
         self.engine = torch.backends.quantized.engine
         self.unsent = (build, source)  # weakly: a kept process must not keep the model
@@ -798,10 +800,24 @@ class DraftProcess:
             self._receive("ready")
             self.ready = True
 
+    def _start_process(self) -> None:
+        """Spawn the process, once."""
+        if self.process.pid is not None:
+            return
+        self.process.start()
+        # subtle: now only the child holds that end, so its death reads here as EOF
+        self._child_end.close()
+
+    def alive(self) -> bool:
+        """Running, or not yet spawned (wait=False before its first run): not dead."""
+        return self.process.pid is None or self.process.is_alive()
+
     def _send_model(self) -> None:
-        """The draft's parts (or the target's, to be quantized there), once."""
+        """Spawn the process if it is not yet, and send the draft's parts (or the target's, to be
+        quantized there), once."""
         if self.unsent is None:
             return
+        self._start_process()
         build, source = self.unsent
         if source() is None:
             raise verify.UserError("the draft's model is gone before its process got it")
@@ -1076,7 +1092,7 @@ def custom_generate(model, input_ids, logits_processor, stopping_criteria, gener
     # the script's set-up (prepare), once per model: the draft, r if auto, the draft process (kept)
     kept_cfg, extra = verify.prepare_once(model, prepare_without_waiting, cfg, draft=draft_model)
     process = extra["draft"]
-    if isinstance(process, DraftProcess) and draft_model is None and not process.process.is_alive():
+    if isinstance(process, DraftProcess) and draft_model is None and not process.alive():
         # the kept process died (a failed draft, a kill): this call starts a new one
         verify.forget_per_model(model, verify.prepared_key(model, prepare_without_waiting, cfg))
         kept_cfg, extra = verify.prepare_once(model, prepare_without_waiting, cfg)

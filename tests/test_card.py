@@ -294,7 +294,8 @@ def test_a_draft_with_hooks_crosses_to_its_process_as_parts():
 
 
 def test_a_draft_process_not_waited_for_lets_the_first_steps_go_undrafted():
-    """DraftProcess(wait=False), as custom_generate starts one: generate() begins at once, its steps verify
+    """DraftProcess(wait=False), as custom_generate starts one: the process is spawned only after the prompt's
+    first token (beside the prefill it would take a core from it), generate() begins at once, its steps verify
     no draft while the process starts (corrections queue up for it), the tokens are HF greedy's, and once the
     process is up the next call drafts."""
     target = make_tiny_llama(0)
@@ -302,14 +303,25 @@ def test_a_draft_process_not_waited_for_lets_the_first_steps_go_undrafted():
     cfg = card.CardConfig(K=4, k=2, ratio=3, mode="parallel")
     want = verify.hf_generate(target, prompt, 30, [95])
     with card.DraftProcess(target, cfg, wait=False) as proc:
+        assert proc.process.pid is None and proc.alive()  # not spawned yet, and not dead
+        spawned = []  # at each emission: whether the process was spawned by then
+        gen = card.generate(target, prompt, 30, [95], cfg, draft=proc,
+                            on_emit=lambda *a: spawned.append(proc.process.pid is not None))
+        assert spawned[0] is False and spawned[-1] is True  # the first token came before the spawn
         assert not proc.ready  # (a process start takes a second or more; these 30 tokens far less)
-        gen = card.generate(target, prompt, 30, [95], cfg, draft=proc)
         assert gen.tokens == want and gen.drafted[0] == 0
         deadline = time.time() + 60
         while not proc.started() and time.time() < deadline:
             time.sleep(0.05)
         gen = card.generate(target, prompt, 30, [95], cfg, draft=proc)
         assert gen.tokens == want and sum(gen.accepted) > 0
+
+
+def test_a_draft_process_never_spawned_closes_cleanly():
+    cfg = card.CardConfig(K=4, k=2, ratio=3, mode="parallel")
+    proc = card.DraftProcess(make_tiny_llama(0), cfg, wait=False)
+    proc.close()
+    assert proc.process.pid is None and proc.conn.closed
 
 
 @pytest.mark.skipif(not os.path.isdir("/proc"), reason="reads /proc")
