@@ -791,7 +791,7 @@ class DraftProcess:
         # up (its imports and its own quantization take seconds: a first call streams at once).
         # The process is spawned, and the parts go, at the first start() then, after the prompt's
         # first token: a process starting beside the prefill takes a core from it (the first
-        # token came 2x later), and moving the weights into shared memory takes a second
+        # token came at 2.9x greedy's), and moving the weights into shared memory takes a second
         self.ready = False
         self.engine = torch.backends.quantized.engine
         self.unsent = (build, source)  # weakly: a kept process must not keep the model

@@ -37,25 +37,26 @@ def deepest_branch(tree: Tree) -> list[int]:
     return branch[::-1]
 
 
+def learn_emitted(request, new: list[int]) -> None:
+    """A step's emitted tokens, learned as the proposer's catch_up learns them."""
+    first_new = len(request.text)
+    request.text += new
+    request.learn(first_new)
+
+
 def cacheback_chain(cfg, frozen, k: int, tdl: int, crt: int, pick, shared=None):
     """(start, propose, learn): Cacheback's drafting as the proposer does it, with the tree grown under tdl, crt
     and the chain picked by `pick`; `shared`: one dynamic table for every stream."""
 
     def start(prompt, first):
-        request = proposers.CachebackRequest(prompt + [first], cfg, shared, frozen)
-        return request
+        return proposers.CachebackRequest(prompt + [first], cfg, shared, frozen)
 
     def propose(request, room):
         tree = cacheback.grow_tree(request.text[-1], request.text, request.dynamic, frozen, tdl, crt,
                                    cfg.frozen_order, cut=cfg.follower_fit == "cut")
         return Tree.chain(request.text[-1], pick(tree)[:k][: room - 1])
 
-    def learn(request, new):
-        first_new = len(request.text)
-        request.text += new
-        request.learn(first_new)
-
-    return start, propose, learn
+    return start, propose, learn_emitted
 
 
 def ngram_chain(k: int, shared_tables=None):
@@ -65,12 +66,7 @@ def ngram_chain(k: int, shared_tables=None):
     def propose(request, room):
         return Tree.chain(request.text[-1], request.draft(k)[: room - 1])
 
-    def learn(request, new):
-        first_new = len(request.text)
-        request.text += new
-        request.learn(first_new)
-
-    return start, propose, learn
+    return start, propose, learn_emitted
 
 
 def mat(streams, make) -> float:
