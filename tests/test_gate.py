@@ -1,0 +1,278 @@
+# SPDX-License-Identifier: MIT
+"""serve/gate.py, the batch gate, and the proposers' fault guard, without vLLM: the stand-in batcher of
+test_serve.py runs the proposers with an injected clock that each step moves by the cost of its forward.
+
+- a free forward (its time does not grow with its tokens) passes every draft, a costly one (time ∝ tokens) none;
+- a row with surer drafts is sent more of them than one with worse drafts;
+- the acceptance counts converge on a synthetic stream of known acceptance, and a row the gate held back earns
+  its drafts back (its drafts are scored in hindsight);
+- a schedule of k by batch size is a cap; prefill steps are not timed;
+- a fault while drafting sends no drafts that step, is logged once and counted, and drafting goes on; chains
+  over k or with ids outside the vocabulary are cut; a vLLM whose hook the adapter does not know is refused."""
+
+import json
+import logging
+import random
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+import verify
+from serve import gate as batch_gate
+from serve import vllm_proposers as proposers
+from test_serve import serve_batch, vllm_config
+from vllm_faults import FaultyNgramProposer
+
+
+def logged_steps(path):
+    with open(path, encoding="utf-8") as f:
+        return [json.loads(line) for line in f]
+
+
+def second_half(entries):
+    return entries[len(entries) // 2:]
+
+
+def test_the_step_time_fit_finds_a_line_and_holds_its_prior_where_n_never_varies():
+    times = batch_gate.StepTimes()
+    for n in (8, 8, 12, 16, 8, 20, 9, 8) * 16:
+        times.add(n, 0.020 + 0.0001 * n)  # a GPU's forward: almost free per token
+    a, b = times.fit()
+    assert a == pytest.approx(0.020, rel=0.1) and b < 0.0005
+    flat = batch_gate.StepTimes()
+    for _ in range(50):
+        flat.add(8, 0.1)  # N never varies: the line through that point with the prior's slope
+    a, b = flat.fit()
+    assert a + 8 * b == pytest.approx(0.1) and b / a == pytest.approx(batch_gate.PRIOR_SLOPE)
+
+
+def test_the_rule_sends_a_token_only_while_it_pays():
+    """The brute force: over every prefix length per row, the best rate; the gate's choice reaches it."""
+    gate = batch_gate.BatchGate()
+    for n in (2, 4, 6, 8, 3, 10):
+        gate.times.add(n, 0.046 + 0.006 * n)
+    a, b = gate.times.fit()
+    rows = {0: [0.9, 0.7, 0.4, 0.1], 1: [0.3, 0.05], 2: [], 3: [0.6, 0.55, 0.5, 0.45]}
+    chosen = gate.choose(rows)
+
+    def rate(lengths):
+        emitted = len(rows) + sum(sum(rows[r][:n]) for r, n in lengths.items())
+        return emitted / (a + b * (len(rows) + sum(lengths.values())))
+
+    import itertools
+    best = max(itertools.product(*[range(len(rows[r]) + 1) for r in rows]), key=lambda ls: rate(dict(zip(rows, ls))))
+    assert rate(chosen) == pytest.approx(rate(dict(zip(rows, best))))
+    assert 0 < sum(chosen.values()) < sum(map(len, rows.values()))
+
+
+def run_gated(streams, step_cost, tmp_path, method="ngram", max_num_seqs=3, **options):
+    log = str(tmp_path / f"{method}-{len(streams)}.jsonl")
+    make = getattr(proposers, proposers.PROPOSERS[method])
+    proposer = make(vllm_config(method, 4, max_num_seqs=max_num_seqs, log=log, **options))
+    served = serve_batch(proposer, streams, max_num_seqs=max_num_seqs, step_cost=step_cost)
+    return proposer, served, logged_steps(log)
+
+
+@pytest.mark.parametrize("method", ["ngram", "cacheback"])
+def test_a_free_forward_passes_every_draft(byte_streams, tmp_path, method):
+    proposer, _, steps = run_gated(byte_streams, lambda n: 0.05, tmp_path, method)
+    late = second_half(steps)
+    assert sum(len(s["draft"]) for s in late) > 100
+    assert all(s["sent"] == s["draft"] for s in late)
+    a, b = proposer.gate.times.fit()
+    assert b < 0.001 * a
+
+
+@pytest.mark.parametrize("method", ["ngram", "cacheback"])
+def test_a_costly_forward_passes_none(byte_streams, tmp_path, method):
+    """Time in proportion to the tokens: a draft token pays only if it is sure to be accepted."""
+    proposer, _, steps = run_gated(byte_streams, lambda n: 0.01 * n, tmp_path, method)
+    late = second_half(steps)
+    assert sum(len(s["draft"]) for s in late) > 100
+    assert sum(len(s["sent"]) for s in late) == 0
+    assert proposer.gate.tokens_held > 0
+
+
+def periodic(length, period, seed):
+    rng = random.Random(seed)
+    pattern = [rng.randrange(256) for _ in range(period)]
+    return [pattern[i % period] for i in range(length)]
+
+
+def noise(length, seed):
+    rng = random.Random(seed)
+    return [rng.randrange(20) for _ in range(length)]  # a small alphabet: the tables always draft something
+
+
+def test_a_row_with_surer_drafts_keeps_more(tmp_path):
+    """Two requests side by side: one repeats itself (its drafts are right), one is noise (its drafts are
+    mostly wrong). With a forward whose tokens cost, the first is sent most of its drafts, the second few."""
+    sure = periodic(400, 7, seed=1)
+    unsure = noise(400, seed=2)
+    streams = [(sure[:40], sure[40:]), (unsure[:40], unsure[40:])]
+    proposer, _, steps = run_gated(streams, lambda n: 0.05 + 0.01 * n, tmp_path, max_num_seqs=2)
+    sent = {}
+    drafted = {}
+    for who, prompt in (("sure", sure[:40]), ("unsure", unsure[:40])):
+        late = second_half([s for s in steps if s["tokens"][:40] == prompt])  # each request's later steps
+        sent[who] = sum(len(s["sent"]) for s in late)
+        drafted[who] = sum(len(s["draft"]) for s in late)
+    assert sent["sure"] > 0.8 * drafted["sure"]
+    assert sent["unsure"] < 0.2 * drafted["unsure"]
+
+
+def test_the_acceptance_counts_converge_on_a_stream_of_known_acceptance():
+    """A synthetic stream: the first draft token is right with chance 0.3 (key 'first'), the second, given the
+    first was, with chance 0.8 ('second'). Scored in hindsight, the counts find both."""
+    rng = random.Random(0)
+    acceptance = batch_gate.Acceptance()
+    own = {}
+    for _ in range(3000):
+        first_right = rng.random() < 0.3
+        second_right = rng.random() < 0.8
+        text = [1, 2, 5, 6]  # the text after the draft's start: 5, 6
+        draft = [5 if first_right else 9, 6 if second_right else 9]
+        record = batch_gate.DraftRecord(start=2, tokens=draft, keys=["first", "second"])
+        record.score(text, acceptance, own)
+        assert record.done
+    assert acceptance.p("first") == pytest.approx(0.3, abs=0.03)
+    assert acceptance.p("second") == pytest.approx(0.8, abs=0.03)
+    assert acceptance.trials["second"] == pytest.approx(acceptance.hits["first"])  # only after a hit
+
+
+def test_a_row_held_back_earns_its_drafts_back(tmp_path):
+    """The server's counts say that every n-gram draft fails (a poor stretch before this request), and this
+    request repeats itself. Its drafts are held back at first; scored in hindsight though never sent, they show
+    the gate that they are right now, and it sends them."""
+    log = str(tmp_path / "drafts.jsonl")
+    proposer = proposers.NgramProposer(vllm_config("ngram", 4, max_num_seqs=1, log=log))
+    for order in (2, 3, 4):
+        for count in (1, 2, 3):
+            proposer.gate.acceptance.hits[("ngram", order, count)] = 0.0
+            proposer.gate.acceptance.trials[("ngram", order, count)] = 200.0
+    text = periodic(300, 9, seed=4)
+    serve_batch(proposer, [(text[:40], text[40:])], max_num_seqs=1, step_cost=lambda n: 0.05 + 0.05 * n)
+    steps = logged_steps(log)
+    first = next(s for s in steps if s["draft"])
+    assert first["sent"] == []
+    late = second_half(steps)
+    assert sum(len(s["sent"]) for s in late) > 0.8 * sum(len(s["draft"]) for s in late)
+
+
+def test_prefill_steps_are_not_timed(byte_streams):
+    """The stand-in's prefill steps cost 100 s; the fit only sees the decode steps' 50 ms + 10 ms a token."""
+    proposer = proposers.NgramProposer(vllm_config("ngram", 4, max_num_seqs=3))
+    serve_batch(proposer, byte_streams, max_num_seqs=3, sit_out_every=3,
+                step_cost=lambda n: 100.0 if n > 20 else 0.05 + 0.01 * n)
+    a, b = proposer.gate.times.fit()
+    assert a == pytest.approx(0.05, rel=0.05) and b == pytest.approx(0.01, rel=0.05)
+
+
+@pytest.mark.parametrize("gate", ["on", "off"])
+def test_a_schedule_of_k_by_batch_size_is_a_cap(byte_streams, gate):
+    schedule = [(1, 2, 1), (3, 64, 0)]
+    proposer = proposers.NgramProposer(vllm_config("ngram", 4, max_num_seqs=3, schedule=schedule, gate=gate))
+    served = serve_batch(proposer, byte_streams, max_num_seqs=3, step_cost=lambda n: 0.05)
+    chains = [chain for request in served.values() for chain in request.values()]
+    assert max(map(len, chains)) == 1  # batches of 1 and 2 rows, at the end
+    assert sum(map(len, chains)) < len(chains) / 2  # three rows most of the time: none
+    # a batch size past the schedule's last range takes its K, as vLLM reads a schedule
+    carried = proposers.NgramProposer(vllm_config("ngram", 4, max_num_seqs=3, schedule=[(1, 2, 2)], gate=gate))
+    served = serve_batch(carried, byte_streams, max_num_seqs=3, step_cost=lambda n: 0.05)
+    chains = [chain for request in served.values() for chain in request.values()]
+    assert max(map(len, chains)) == 2 and sum(map(len, chains)) > 0
+
+
+def test_a_held_back_draft_is_scored_as_vllm_would_have_accepted_it_when_sampling():
+    """Sampled decoding: a draft token x sent to vLLM is accepted with chance p(x) and, rejected, replaced by a
+    token drawn from the target without x; held back, x is followed by a plain draw from the target. The text
+    continues with x as often either way, so scoring held-back drafts in hindsight counts what sending would."""
+    rng = np.random.default_rng(0)
+    p = np.array([0.5, 0.25, 0.15, 0.1])  # the target's distribution at one position
+    x = 1  # the draft token
+    without_x = np.delete(p, x) / (1 - p[x])
+    counts = {}
+    for way in ("sent", "held"):
+        acceptance = batch_gate.Acceptance()
+        for _ in range(20000):
+            if way == "sent":
+                accepted = rng.random() < p[x]  # vLLM's rejection sampler, with no draft probabilities
+                token = x if accepted else [0, 2, 3][rng.choice(3, p=without_x)]
+            else:
+                token = rng.choice(4, p=p)
+            record = batch_gate.DraftRecord(start=1, tokens=[x], keys=["k"])
+            record.score([9, int(token)], acceptance, {})
+        counts[way] = acceptance.hits["k"] / acceptance.trials["k"]
+    assert counts["sent"] == pytest.approx(p[x], abs=0.01) and counts["held"] == pytest.approx(p[x], abs=0.01)
+
+
+def test_at_batch_8_on_a_cpus_step_costs_the_gate_does_not_lose(byte_streams):
+    """The stand-in at 8 rows with the 2-core CPU's step costs (46 ms + 6 ms a token, RESULTS.md): the time it
+    takes to serve the eight streams with the gate is no more than without drafts; without the gate, more."""
+    def cost(n):
+        return 0.046 + 0.006 * n
+
+    def served_in(**options):
+        proposer = proposers.NgramProposer(vllm_config("ngram", 4, max_num_seqs=8, **options))
+        serve_batch(proposer, byte_streams, max_num_seqs=8, step_cost=cost)
+        return proposer.gate.clock.now
+
+    plain = served_in(schedule=[(1, 64, 0)])  # k = 0 at every batch size: no drafts
+    gated = served_in()
+    ungated = served_in(gate="off")
+    assert gated <= plain and ungated > gated
+
+
+@pytest.mark.parametrize("gate", ["on", "off"])
+def test_a_fault_while_drafting_sends_no_drafts_and_drafting_goes_on(byte_streams, caplog, gate):
+    """The faulty proposer (tests/vllm_faults.py) raises every 5th call (its message naming the call), sends
+    chains k + 3 long every 7th and an id outside the vocabulary every 11th. Every chain that leaves is at most k
+    long and inside the vocabulary; a raising call sends nothing; each kind (the exception's type and place, an
+    over-long chain, a bad id) is logged once and counted; later calls draft."""
+    config = vllm_config("ngram", 4, max_num_seqs=3, gate=gate)
+    proposer = FaultyNgramProposer(config)
+    calls = []
+    original = proposer.propose
+
+    def recording(sampled, *args):
+        chains = original(sampled, *args)
+        calls.append((proposer.tries, chains))
+        return chains
+
+    proposer.propose = recording
+    with caplog.at_level(logging.WARNING, logger="vllm.specdec"):
+        serve_batch(proposer, byte_streams, max_num_seqs=3, step_cost=lambda n: 0.01)  # a cheap forward
+    vocab = config.model_config.get_vocab_size()
+    assert all(len(c) <= 4 and all(0 <= t < vocab for t in c) for _, chains in calls for c in chains)
+    raising = [chains for tries, chains in calls if tries % 5 == 0]
+    assert raising and all(c == [] for chains in raising for c in chains)
+    assert sum(len(c) for tries, chains in calls if tries % 5 == 1 and tries > 5 for c in chains) > 0
+    assert proposer.faults["RuntimeError at vllm_faults.py:21"] == len(raising)
+    assert proposer.faults["a chain over k tokens"] > 0 and proposer.faults["a draft id outside the vocabulary"] > 0
+    lines = [r.getMessage() for r in caplog.records]
+    for kind in ("RuntimeError at vllm_faults.py:21", "a chain over k tokens", "a draft id outside the vocabulary"):
+        assert sum(kind in line for line in lines) == 1, kind
+    assert len(lines) == 3 and all(line.startswith("ngram proposer: ") and "the engine goes on" in line
+                                   for line in lines)
+
+
+def test_an_exception_in_any_part_of_a_call_is_caught():
+    """Even rows it cannot read (a broken token array) give an undrafted step, not an exception."""
+    proposer = proposers.NgramProposer(vllm_config("ngram", 4, max_num_seqs=2))
+    assert proposer.propose([[5], [6]], np.array([10, 10]), None) == [[], []]
+    assert sum(proposer.faults.values()) == 1
+
+
+@pytest.mark.parametrize("release,refused", [((0, 32, 0), False), ((0, 33, 1), False), ((0, 34, 0), True),
+                                             ((1, 0, 0), True)])
+def test_a_vllm_whose_hook_is_not_known_is_refused_in_one_line(release, refused):
+    fake = SimpleNamespace(__version_tuple__=release, __version__=".".join(map(str, release)))
+    if not refused:
+        proposers.check_vllm(fake)
+        return
+    with pytest.raises(verify.UserError) as error:
+        proposers.check_vllm(fake)
+    message = str(error.value)
+    assert "\n" not in message and message.startswith(f"vLLM {fake.__version__}: serve/vllm_proposers.py knows")
+    assert "0.32 and 0.33" in message and "KNOWN_VLLM" in message
