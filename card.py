@@ -9,8 +9,9 @@ both at once: the draft keeps growing a scored tree of candidate continuations, 
 the target QUERIES its best path of up to r tokens (r, the communication ratio ~ t(target step) /
 t(draft step), §3.1), VERIFIES that chain in one forward, then CORRECTS the cache to the subtree
 that continues the accepted text, or restarts it on a miss (§2.4). Beyond the paper (below its
-banner): the draft's own process, and drafts derived from the target (int8 on a CPU, bfloat16 on
-CUDA). bench.py holds a cost model that predicts the speedup from measured step times (RESULTS.md,
+banner): the draft's own process, drafts derived from the target (int8 on a CPU, bfloat16 on
+CUDA), and on a CPU the choice of draft, mode and r by a cost model that predicts the speedup from
+step times measured on this machine, which says so in one line where CARD cannot win (RESULTS.md,
 "CARD on a CPU").
 
 The paper, section by section, and where it is here (this file's sections in brackets):
@@ -26,6 +27,8 @@ The paper, section by section, and where it is here (this file's sections in bra
                     r's rule, ceil(t_target / t_draft)           measure_ratio (below the banner) [5]
     beyond the paper: the draft in its own process (parallel)    DraftProcess                   [4]
                       drafts derived from the target (int8)      int8_draft, load_draft         [5]
+                      the draft, mode and r by predicted speed   predicted_speedup, choose,     [5b]
+                      on this machine; when CARD cannot win      choose_configuration
                       model.generate(..., custom_generate=...)   custom_generate                [6]
 
     python card.py --prompt "Explain what a hash map is." --compare
@@ -65,6 +68,8 @@ from verify import Generation, Tree
 
 # ---- 0. Configuration (§2, §3.1) ---------------------------------------------------------------------------
 
+BEST = "best"  # a draft, mode or ratio chosen at set-up by its predicted speed (section 5b, ours)
+
 @dataclass
 class CardConfig:
     """CARD's parameters under the paper's names, and how this reference runs them.
@@ -75,9 +80,11 @@ class CardConfig:
 
     K: int = 100  # the primary cache size: candidate sequences kept per tree layer (Eq. 7)
     k: int = 100  # children proposed per node, from the draft's top-k (Eq. 2)
-    # r, the communication ratio ~ t(target step) / t(draft layer); "auto" = measured
+    # r, the communication ratio ~ t(target step) / t(draft layer); "auto" = measured (§3.1's
+    # rule); "best" = chosen at set-up with the draft and the mode: the highest speedup the cost
+    # model predicts on this machine (section 5b, ours), even where it is below 1
     ratio: int | str = 7
-    # "parallel": the draft in its own process; "lockstep": r layers, then verify
+    # "parallel": the draft in its own process; "lockstep": r layers, then verify; "best": as r's
     mode: str = "parallel"
     correct: bool = True  # False = Table 2's "cache only" ablation (Drafter.correct)
     # layers the cache may lead the verified text by (None: 2r, the reference's)
@@ -86,7 +93,8 @@ class CardConfig:
     # paper: its "never wait" is 0 (the chain is whatever the cache holds); r matches the
     # communication ratio's intent, r draft layers per target step (TUTORIAL.md §4.5)
     wait: int | None = None
-    draft: str = "self"  # the draft prepare() builds: int8, self or a model name (section 5)
+    # the draft prepare() builds: int8, self or a model name (section 5); "best": section 5b
+    draft: str = "self"
     draft_dtype: str = "bfloat16"  # the dtype of draft "self" or a named draft
 
     @classmethod
@@ -113,10 +121,11 @@ class CardConfig:
 
     @classmethod
     def cpu(cls) -> "CardConfig":
-        """Chosen on the tuning half of the shipped prompts (RESULTS.md, "CARD on a CPU"): the int8
-        draft in its own process, a one-node-wide cache (CARD's loop, not its width), r = 5, a query
-        waits 3 layers."""
-        return cls(K=1, k=1, ratio=5, mode="parallel", wait=3, draft="int8")
+        """A one-node-wide cache (CARD's loop, not its width) whose query waits 3 layers, chosen on
+        the tuning half of the shipped prompts (RESULTS.md, "CARD on a CPU"); the draft, the mode
+        and r chosen at set-up by their predicted speed on this machine (section 5b: on the CPU the
+        defaults were tuned on, the int8 draft in its own process, r = 5)."""
+        return cls(K=1, k=1, ratio=BEST, mode=BEST, wait=3, draft=BEST)
 
     @classmethod
     def for_device(cls, device) -> "CardConfig":
@@ -124,15 +133,15 @@ class CardConfig:
 
     def check(self) -> None:
         """Raise verify.UserError (a ValueError) for an impossible value; accept r as text too."""
-        if self.ratio != "auto" and not str(self.ratio).lstrip("-").isdigit():
-            raise verify.UserError(f"--ratio must be a whole number or 'auto' (got {self.ratio!r})")
-        self.ratio = self.ratio if self.ratio == "auto" else int(self.ratio)
+        if self.ratio not in ("auto", BEST) and not str(self.ratio).lstrip("-").isdigit():
+            raise verify.UserError(f"--ratio must be a whole number, 'auto' or 'best' (got {self.ratio!r})")
+        self.ratio = self.ratio if self.ratio in ("auto", BEST) else int(self.ratio)
         for name, low in (("K", 1), ("k", 1), ("ratio", 1), ("wait", 0), ("max_lead", 1)):
             v = getattr(self, name)
-            if v not in (None, "auto") and v < low:
+            if v not in (None, "auto", BEST) and v < low:
                 raise verify.UserError(f"--{name.replace('_', '-')} must be at least {low} (got {v})")
-        if self.mode not in ("lockstep", "parallel"):
-            raise verify.UserError(f"--mode must be lockstep or parallel (got {self.mode!r})")
+        if self.mode not in ("lockstep", "parallel", BEST):
+            raise verify.UserError(f"--mode must be lockstep, parallel or best (got {self.mode!r})")
 
 # ---- 1. The candidate cache (§2.2) -------------------------------------------------------------------------
 #
@@ -543,9 +552,9 @@ def generate(model, prompt_ids: Sequence[int], max_new_tokens: int, eos_ids: Seq
     default) `drafter` is a DraftProcess: draft(r) returns at once (its process drafts all the
     time) and query(r) waits on the pipe for the chain."""
     cfg.check()
-    if draft is None or cfg.ratio == "auto":
-        raise verify.UserError("CARD needs a draft model (draft=...) and a whole r (prepare() "
-                               "measures auto)")
+    if draft is None or cfg.ratio in ("auto", BEST) or cfg.mode == BEST:
+        raise verify.UserError("CARD needs a draft model (draft=...), a whole r and a mode (prepare() "
+                               "measures auto and chooses best)")
     r = cfg.ratio
     max_lead = 2 * r if cfg.max_lead is None else cfg.max_lead  # the reference's 2r
     gen = Generation(max_new_tokens, eos_ids, on_emit=on_emit, on_step=on_step, stop=stop)
@@ -1032,13 +1041,25 @@ def measure_ratio(model, draft, K: int) -> int:
 def prepare(model, tok, cfg: CardConfig, name: str = verify.DEFAULT_MODEL,
             draft=None, wait: bool = True) -> tuple[CardConfig, dict]:
     """The set-up before the first call, untimed, like loading (the script's, and custom_generate's
-    through verify.prepare_once, which keeps it for the model's later calls): the draft cfg names
+    through verify.prepare_once, which keeps it for the model's later calls): what cfg leaves 'best'
+    chosen by its predicted speed (section 5b, measured once per machine), the draft cfg names
     (unless `draft` is given; tok None: the tokenizer beside the model checks a named draft's
     vocabulary), r if 'auto' (step times measured once per machine), and in parallel mode the draft
     process for the draft built here, so that generate() skips its start-up (wait=False: it does
     not wait for the process either; its first steps go without drafts). An int8 draft is then
     quantized by that process alone (Int8Plan). The process lives as long as what holds it (the
     returned dict; for custom_generate, the model) and ends at exit."""
+    if draft is None:  # our choice by the cost model (section 5b), of what is BEST in cfg
+        cfg = choose_configuration(model, tok, cfg, name)
+    else:  # a draft of the caller's, not measured here: what the choice took where CARD won
+        fixed = {}
+        if cfg.draft == BEST:
+            fixed["draft"] = "given"
+        if cfg.mode == BEST:
+            fixed["mode"] = "parallel" if parallel_possible(model) else "lockstep"
+        if cfg.ratio == BEST:
+            fixed["ratio"] = 5
+        cfg = dataclasses.replace(cfg, **fixed)
     built = draft is None
     in_process = built and cfg.mode == "parallel" and not cannot_spawn()
     if in_process and cfg.draft == "int8" and cfg.ratio != "auto":
@@ -1060,6 +1081,343 @@ def prepare_without_waiting(model, tok, cfg: CardConfig, name: str = verify.DEFA
     that a program's first call streams its first token at once."""
     return prepare(model, tok, cfg, name, draft=draft, wait=False)
 
+# ---- 5b. Which configuration, on this machine: the cost model (ours) ---------------------------------------
+#
+# Whether CARD pays depends on the machine. The paper's draft is ~7x cheaper than its target on a
+# GPU beside it; on a CPU the draft runs on the cores the target gives up (the parallel mode splits
+# them), so the draft must step faster on half the cores than the target does on all of them. On an
+# AVX2-only CPU the int8 draft cannot (RESULTS.md, "CARD on a CPU"). So the CPU default does not fix
+# the draft, the mode and r: it predicts the speed of each configuration it can run from step times
+# measured on this machine, takes the fastest, and says in one line when none beats plain decoding.
+#
+# The model, one step, each side timed alone with the threads it gets (t_target: plain decoding's
+# step on every thread; t_verify(n): the target's forward over n tokens; t_draft: one K-node layer):
+#
+#     lockstep   r layers, then a chain of q = r verified         t = r·t_draft + c + t_verify(r + 1)
+#     parallel   a hit: the draft drafted the next chain while   t = max(t_verify(q + 1), (q + 1)·t_draft)
+#                the target verified this one
+#                a miss: the cache restarts, w layers waited      t = t_verify(q + 1) + w·t_draft + c
+#     per step:  speedup = mat · t_target / t,   t over hits and misses by the hit rate h
+#     per call:  n·t_target / (n·t_target / speedup + t_prefill)    (n = TYPICAL_NEW_TOKENS)
+#
+# c is what the catch-up costs beyond a layer: after a miss (every lockstep step is one, K = 1) the
+# draft's first forward feeds the last accepted token and the bonus token together (Drafter.step),
+# t_draft(2) - t_draft. t_prefill is the draft's prefill of the prompt, which comes after the
+# target's and before the first chain, in either mode: per call, not per step, it is charged for a
+# typical call (TYPICAL_PROMPT_TOKENS, TYPICAL_NEW_TOKENS). subtle: on a CPU without fast bfloat16
+# (AVX2) the bfloat16 self-draft steps almost as fast as the target but prefills several times
+# slower (RESULTS.md, "CARD's choice at set-up"): a model per step alone chose it, and lost.
+#
+# Three quantities come from the draft's agreement with the target, counted token by token on two
+# short greedy answers of the target's own (the draft stepped through them one token at a time, as
+# CARD steps it): from each position, how many of the next tokens the draft gets right in a row.
+#
+#   q    the chain the target verifies. Lockstep: r. Parallel: a query answers once the cache leads
+#        by w layers (cfg.wait, at most max_lead = 2r by default), with what it holds, at most r; the
+#        draft drafts about t_verify / t_draft layers during one verification, so q = min(r,
+#        max(w, t_verify(r + 1) / t_draft)).
+#   mat  tokens a step emits: a chain of q accepts min(run, q) tokens, so mat = 1 + their mean.
+#   h    how often the cache still holds the text after a step (a "hit", §2.4: the next chain is
+#        already drafted): with K = 1 only when the whole chain was accepted and the bonus token is
+#        the draft's next guess too, the share of runs longer than q.
+#
+# The model assumes K = 1 (a wider cache hits more) and the step times at 256 cached tokens, and
+# leaves out what the two processes cost each other (memory bandwidth, caches) and the messages:
+# RESULTS.md compares it with measurements.
+
+BEST_RATIOS = range(1, 9)  # the r the choice tries
+CALIBRATION = ("Explain how a hash map stores and finds a key.", "Write a Python function that merges two "
+               "sorted lists, and explain it.")
+CALIBRATION_TOKENS = 48  # the target's greedy answer to each, the text the agreement is counted on
+# the call the choice is made for: about the shipped prompts' mean length and bench/'s answer length
+TYPICAL_PROMPT_TOKENS = 128
+TYPICAL_NEW_TOKENS = 128
+
+def predicted_speedup(costs: dict, mode: str, r: int, wait: int, mat: float, hit_rate: float,
+                      hit_len: float | None = None) -> float:
+    """The model above, per step; costs = {"t_target", "t_verify", "t_draft"} in seconds (t_verify of
+    the verified chain), and "t_catch_up" where known (the draft's two-token forward; else t_draft);
+    hit_len = the layers a hit consumes (default mat).
+
+    >>> paper = dict(t_target=1.0, t_verify=1.0, t_draft=1 / 7)      # §3.1: a 7x cheaper draft, a GPU
+    >>> round(predicted_speedup(paper, "parallel", 7, 7, mat=5.0, hit_rate=0.97), 2)
+    4.85
+    >>> round(predicted_speedup(paper, "lockstep", 7, 7, mat=5.0, hit_rate=0.97), 2)
+    2.5
+    """
+    t_t = costs["t_target"]
+    t_v = costs["t_verify"]
+    t_d = costs["t_draft"]
+    catch_up = costs.get("t_catch_up", t_d) - t_d  # c: the catch-up beyond one layer
+    if mode == "lockstep":
+        return mat * t_t / (r * t_d + catch_up + t_v)
+    c = mat if hit_len is None else hit_len
+    miss = t_v + wait * t_d + catch_up
+    return mat * t_t / (hit_rate * max(t_v, c * t_d) + (1 - hit_rate) * miss)
+
+def per_call(speedup: float, t_target: float, t_prefill: float) -> float:
+    """A step's speedup over a typical call, the draft's prefill included (the model above).
+
+    >>> round(per_call(1.5, 0.05, 1.0), 2)        # 128 tokens: 6.4 s greedy, 4.27 s + 1 s
+    1.22
+    """
+    greedy = TYPICAL_NEW_TOKENS * t_target
+    return greedy / (greedy / speedup + t_prefill)
+
+def runs_of(agreement: Sequence[Sequence[int]]) -> list[int]:
+    """From each position of each answer, how many tokens in a row the draft guessed right.
+
+    >>> runs_of([[1, 1, 0, 1], [0]])
+    [2, 1, 0, 1, 0]
+    """
+    runs = []
+    for answer in agreement:
+        run = 0
+        backwards = []
+        for right in reversed(answer):
+            run = run + 1 if right else 0
+            backwards.append(run)
+        runs += backwards[::-1]
+    return runs
+
+def chain_acceptance(runs: Sequence[int], q: int) -> tuple[float, float]:
+    """(mat, h) of a K = 1 chain of q tokens: 1 + the mean of min(run, q), and the share of runs
+    longer than q (the chain accepted whole, and the bonus the draft's next guess).
+
+    >>> chain_acceptance([2, 1, 0, 1, 0], 1)
+    (1.6, 0.2)
+    """
+    mat = 1 + sum(min(run, q) for run in runs) / max(len(runs), 1)
+    return mat, sum(run > q for run in runs) / max(len(runs), 1)
+
+@dataclass
+class DraftMeasure:
+    """What the choice knows of one draft (draft spec: int8, self, a name), in seconds: a K-node
+    layer on every thread and on the draft process's share of them; its agreement with the target,
+    per calibration answer one 0/1 a token; the catch-up (a forward over 2 tokens) and the prefill
+    of TYPICAL_PROMPT_TOKENS, each on every thread and on the share (None: not measured, taken as
+    one layer and as free)."""
+
+    on_all: float
+    on_share: float
+    agreement: list
+    catch_up_all: float | None = None
+    catch_up_share: float | None = None
+    prefill_all: float | None = None
+    prefill_share: float | None = None
+
+@dataclass
+class Prediction:
+    """A configuration and its predicted speed over plain decoding, with the step times behind it."""
+
+    draft: str
+    mode: str
+    ratio: int
+    speedup: float
+    t_target: float  # plain decoding's step, on every thread
+    t_draft: float  # a draft layer, on the threads the draft gets in this mode
+    draft_threads: int
+    threads: int  # every thread
+    t_prefill: float = 0.0  # the draft's prefill of a typical prompt, on its threads
+
+def verify_time(table: dict[int, float], n: int) -> float:
+    """t_verify(n) from the measured sizes, the last slope continued past them."""
+    if n in table:
+        return table[n]
+    sizes = sorted(table)
+    slope = (table[sizes[-1]] - table[sizes[-2]]) / (sizes[-1] - sizes[-2])
+    return table[sizes[-1]] + slope * (n - sizes[-1])
+
+def choose(cfg: CardConfig, t_target: float, t_verify: dict, drafts: dict[str, DraftMeasure],
+           can_split: bool, threads: int) -> Prediction:
+    """The fastest predicted configuration: cfg's draft, mode and ratio where they are given, every
+    candidate where they are BEST (ratio 'auto': §3.1's rule). t_verify = {"all": {n: s}, "share":
+    {n: s}}: the target's forward over n tokens on every thread, and on what parallel leaves it.
+    can_split: whether a draft process can run beside the target (two cores, a spawnable program).
+    Ties go to the smaller r.
+
+    >>> right_7_of_8 = [[1, 1, 1, 1, 1, 1, 1, 0]] * 12      # the draft's guesses on 12 answers
+    >>> fast = {"int8": DraftMeasure(on_all=0.01, on_share=0.012, agreement=right_7_of_8)}
+    >>> verify_times = {share: {n: 0.04 + 0.01 * n for n in range(1, 10)} for share in ("all", "share")}
+    >>> best = choose(CardConfig.cpu(), 0.045, verify_times, fast, can_split=True, threads=2)
+    >>> best.draft, best.mode, best.ratio, round(best.speedup, 2)
+    ('int8', 'parallel', 4, 1.5)
+    """
+    share = max(1, threads // 2)
+    names = list(drafts) if cfg.draft == BEST else [cfg.draft]
+    if cfg.mode != BEST:
+        modes = [cfg.mode]
+    elif can_split:
+        modes = ["parallel", "lockstep"]
+    else:
+        modes = ["lockstep"]
+    best = None
+    for name in names:
+        measured = drafts[name]
+        runs = runs_of(measured.agreement)
+        for mode in modes:
+            split = mode == "parallel" and can_split
+            t_draft = measured.on_share if split else measured.on_all
+            catch_up = measured.catch_up_share if split else measured.catch_up_all
+            t_prefill = (measured.prefill_share if split else measured.prefill_all) or 0.0
+            times = t_verify["share" if split else "all"]
+            if cfg.ratio == BEST:
+                ratios = BEST_RATIOS
+            elif cfg.ratio == "auto":  # §3.1's rule, as measure_ratio takes it
+                ratios = [max(1, math.ceil(t_target / measured.on_all))]
+            else:
+                ratios = [int(cfg.ratio)]
+            for r in ratios:
+                lead = 2 * r if cfg.max_lead is None else cfg.max_lead  # the draft process waits at most so
+                wait = min(r if cfg.wait is None else cfg.wait, lead)
+                if mode == "lockstep":
+                    q = r
+                else:
+                    q = min(r, max(wait, math.floor(verify_time(times, r + 1) / t_draft)))
+                mat, hit_rate = chain_acceptance(runs, q)
+                costs = {"t_target": t_target, "t_verify": verify_time(times, q + 1), "t_draft": t_draft,
+                         "t_catch_up": t_draft if catch_up is None else catch_up}
+                per_step = predicted_speedup(costs, mode, r, wait, mat, hit_rate, hit_len=q + 1)
+                speed = per_call(per_step, t_target, t_prefill)
+                if best is None or speed > best.speedup + 1e-9:
+                    best = Prediction(name, mode, r, speed, t_target, t_draft, share if split else threads,
+                                      threads, t_prefill)
+    return best
+
+class CardWillNotWin(UserWarning):
+    """No configuration CARD can run here is predicted to beat plain decoding. A warning, so that
+    python -W ignore (or warnings.filterwarnings) silences it; printed as one line, once a process."""
+
+SAID_WILL_NOT_WIN: list[str] = []
+
+def say_it_cannot_win(best: Prediction) -> None:
+    """The one line, on stderr, once per process, unless the caller turned this warning off."""
+    if SAID_WILL_NOT_WIN:
+        return
+    line = (f"[card] on this machine CARD is predicted at {best.speedup:.2f}x plain decoding at best "
+            f"({best.draft} draft, {best.mode}, r = {best.ratio}): a draft step takes "
+            f"{1000 * best.t_draft:.1f} ms on {best.draft_threads} thread(s) (its prefill of "
+            f"{TYPICAL_PROMPT_TOKENS} tokens {best.t_prefill:.2f} s), a plain step of the target "
+            f"{1000 * best.t_target:.1f} ms on {best.threads}; another core, a smaller draft or a GPU would "
+            "help; it runs the fastest of them anyway")
+    SAID_WILL_NOT_WIN.append(line)
+    with warnings.catch_warnings(record=True) as caught:  # the caller's filters decide; we print
+        warnings.warn(line, CardWillNotWin, stacklevel=2)
+    if any(issubclass(w.category, CardWillNotWin) for w in caught):
+        print(line, file=sys.stderr)
+
+def measure_for_choice(model, tok, cfg: CardConfig, name: str) -> tuple:
+    """t_target, t_verify and each candidate draft's DraftMeasure, measured once per machine and kept
+    on disk (verify.measured_costs, keyed by the target: a draft's numbers need no draft built)."""
+    threads = torch.get_num_threads()
+    share = max(1, threads // 2)
+    left = max(1, threads - share)  # the target's threads beside the draft process
+    sizes = [r + 1 for r in BEST_RATIOS]
+    t_target = step_time(model, 1)
+    t_verify = {}
+    for side, n_threads in (("all", threads), ("share", left)):
+        t_verify[side] = verify.measured_costs(model, ("card: verify", sizes, n_threads),
+                                               functools.partial(timed_on, n_threads, model, sizes))
+    if cfg.draft != BEST:
+        specs = [cfg.draft]
+    elif model.device.type == "cpu":
+        specs = ["int8", "self"]  # torch's dynamic int8 has CPU kernels only
+    else:
+        specs = ["self"]
+    drafts = {}
+    answers = []  # the target's greedy answers to CALIBRATION: generated once, for the first draft measured
+    for spec in specs:
+        what = ("card: a draft", spec, cfg.draft_dtype, cfg.K, share, CALIBRATION, CALIBRATION_TOKENS,
+                "catch-up and prefill", TYPICAL_PROMPT_TOKENS)
+        measure = functools.partial(measure_draft, model, tok, cfg, spec, name, share, answers)
+        drafts[spec] = DraftMeasure(*verify.measured_costs(model, what, measure))
+    return t_target, t_verify, drafts
+
+def timed_on(threads: int, model, sizes: list[int]) -> dict[int, float]:
+    """verify.measure_step_times with `threads` threads."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        return verify.measure_step_times(model, sizes, repeats=3)
+    finally:
+        torch.set_num_threads(before)
+
+@torch.no_grad()
+def measure_draft(model, tok, cfg: CardConfig, spec: str, name: str, share: int,
+                  answers: list) -> list:
+    """DraftMeasure's fields, in order, for one draft: a K-node layer on every thread and on `share`
+    of them; per answer to CALIBRATION (the target's own greedy text), a 1 for each token that the
+    draft, stepped one token at a time through the prompt and the answer, guessed; a 2-token forward
+    (the catch-up) and a prefill of TYPICAL_PROMPT_TOKENS, each on every thread and on the share.
+    answers: the target's answers, filled here if empty (the drafts measured after share them)."""
+    tok = tok or verify.tokenizer_of(model, instead="card_config (a CardConfig with draft, mode and ratio)")
+    draft = load_draft(model, tok, dataclasses.replace(cfg, draft=spec), name)
+    every = torch.get_num_threads()
+    # both sizes after one prefill of the context: a bfloat16 self-draft prefills slowly on a CPU
+    on_every = timed_on(every, draft, [cfg.K, 2])  # {K: a layer, 2: the catch-up}
+    on_share = timed_on(share, draft, [cfg.K, 2])
+    prefill_all = prefill_time(draft, every)
+    prefill_share = prefill_time(draft, share)
+    prompts_ids = [verify.encode_prompt(tok, prompt) for prompt in CALIBRATION]
+    if not answers:
+        eos = verify.eos_ids_of(model, tok)
+        answers.extend(verify.hf_generate(model, ids, CALIBRATION_TOKENS, eos) for ids in prompts_ids)
+    agreement = []
+    for prompt_ids, answer in zip(prompts_ids, answers):
+        cache = verify.new_cache(draft, len(prompt_ids) + len(answer) + 1)
+        guess = int(verify.prefill(draft, cache, prompt_ids)[-1].argmax())  # for answer[0]
+        right = []
+        for token in answer:
+            right.append(int(guess == token))
+            guess = int(verify.tree_forward(draft, cache, Tree.chain(token, []))[-1].argmax())
+        agreement.append(right)
+    return [on_every[cfg.K], on_share[cfg.K], agreement, on_every[2], on_share[2], prefill_all,
+            prefill_share]
+
+@torch.no_grad()
+def prefill_time(model, threads: int, repeats: int = 1) -> float:
+    """Seconds for a prefill of TYPICAL_PROMPT_TOKENS on `threads` threads: the fastest of
+    `repeats`, after a warm-up (one is enough: a forward this long varies little between runs)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    prompt_ids = [1000 + i % 1000 for i in range(TYPICAL_PROMPT_TOKENS)]
+    best = float("inf")
+    try:
+        for _ in range(repeats + 1):  # the first is the warm-up
+            cache = verify.new_cache(model)
+            start = time.perf_counter()
+            verify.prefill(model, cache, prompt_ids)
+            best = min(best, time.perf_counter() - start)
+    finally:
+        torch.set_num_threads(before)
+    return best
+
+def choose_configuration(model, tok, cfg: CardConfig, name: str, measured: tuple | None = None,
+                         can_split: bool | None = None, threads: int | None = None) -> CardConfig:
+    """cfg with its BEST fields chosen by the cost model on this machine's measurements, and the line
+    of say_it_cannot_win where none beats plain decoding; cfg itself, measuring nothing, where
+    nothing is BEST. The tests inject what is otherwise measured or read: measured
+    (measure_for_choice's), can_split, threads."""
+    if BEST not in (cfg.draft, cfg.mode, cfg.ratio):
+        return cfg
+    t_target, t_verify, drafts = measured or measure_for_choice(model, tok, cfg, name)
+    threads = threads or torch.get_num_threads()
+    if can_split is None:
+        can_split = cfg.mode != "lockstep" and parallel_possible(model)
+    best = choose(cfg, t_target, t_verify, drafts, can_split, threads)
+    if best.speedup < 1.0:
+        say_it_cannot_win(best)
+    if cfg.ratio == "auto":
+        print(f"[card] --ratio auto: measured r = {best.ratio}", file=sys.stderr)
+    return dataclasses.replace(cfg, draft=best.draft, mode=best.mode, ratio=best.ratio)
+
+def parallel_possible(model) -> bool:
+    """Two cores at least (or a GPU) and a program a draft process can be spawned from."""
+    if model.device.type != "cpu":
+        return not cannot_spawn()
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return min(cores, torch.get_num_threads()) >= 2 and not cannot_spawn()
+
 # ---- 6. From model.generate: the drop-in (verify.py section 13 reads the call) -----------------------------
 
 def custom_generate(model, input_ids, logits_processor, stopping_criteria, generation_config,
@@ -1075,9 +1433,10 @@ def custom_generate(model, input_ids, logits_processor, stopping_criteria, gener
     own speculative decoding.
 
     Keywords of this method, passed to model.generate beside its own:
-        - card_config: a CardConfig (default: CardConfig.for_device(model.device): on a CPU an int8
-          copy of the model drafts in a process of its own; r = "auto" is measured once on this
-          machine and kept in ~/.cache/specdec-reference, or $SPECDEC_CACHE)
+        - card_config: a CardConfig (default: CardConfig.for_device(model.device): on a CPU the
+          draft, the mode and r predicted fastest on this machine (section 5b), from step times
+          and agreements measured once per machine and kept in ~/.cache/specdec-reference, or
+          $SPECDEC_CACHE; one line on stderr where none beats plain decoding)
         - draft_model: a draft model with the model's tokenizer, or a running card.DraftProcess
           (default: the draft the config names, built at the model's first call; in parallel mode
           its process serves the model's later calls too and ends with the model, at exit or on
@@ -1116,7 +1475,8 @@ def make_parser():
         help="the target model (same as --model)")
     add("--draft",
         help="the draft: int8 (the target's linear layers in int8; CPU), self (the target's "
-        "weights in --draft-dtype), or a model name/path with the same tokenizer" + default("draft"))
+        "weights in --draft-dtype), a model name/path with the same tokenizer, or best (the "
+        "fastest predicted on this machine, section 5b)" + default("draft"))
     add("--draft-dtype", choices=["auto", "float32", "bfloat16", "float16"],
         help="the dtype of --draft self or a named draft (default: bfloat16)")
     add("--K", type=int, help="K, the primary cache size: candidates kept per layer (Eq. 7)"
@@ -1124,10 +1484,11 @@ def make_parser():
     add("--k", type=int, help="k, children proposed per node from the draft's top-k (Eq. 2)"
         + default("k"))
     add("--ratio",
-        help="r, the communication ratio: chain length per target step; auto = measured (§3.1)"
-        + default("ratio"))
-    add("--mode", choices=["parallel", "lockstep"],
-        help="parallel: the draft in its own process; lockstep: r layers, then verify" + default("mode"))
+        help="r, the communication ratio: chain length per target step; auto = §3.1's rule, "
+        "ceil(t_target / t_draft), measured; best = the cost model's choice" + default("ratio"))
+    add("--mode", choices=["parallel", "lockstep", BEST],
+        help="parallel: the draft in its own process; lockstep: r layers, then verify; best: the "
+        "faster predicted on this machine" + default("mode"))
     add("--wait", type=int,
         help="parallel: layers the cache must lead by before a query is answered; 0 = "
         "take what it holds (default: r on CUDA, 3 on CPU)")

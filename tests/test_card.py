@@ -190,7 +190,8 @@ def test_parallel_equals_lockstep_on_the_real_model(real, oracle, draft_int8):
     """The CPU default draft in its own process: the same tokens as lockstep and as the plain decoders,
     greedy and sampled, whatever the timing. And the int8 draft is often right."""
     model, tok = real
-    cfg = card.CardConfig.cpu()  # K = k = 1: the cache is one chain, the draft's own greedy continuation
+    # the CPU default where it was tuned: K = k = 1 (the cache is one chain, the draft's own greedy continuation)
+    cfg = card.CardConfig(K=1, k=1, ratio=5, mode="parallel", wait=3, draft="int8")
     lockstep = dataclasses.replace(cfg, mode="lockstep")
     r, int8_accepted, self_accepted = cfg.ratio, 0, 0
     with card.DraftProcess(draft_int8, cfg) as proc:
@@ -406,3 +407,182 @@ def test_ratio_auto_is_the_ceiling_of_the_step_time_ratio(monkeypatch):
     assert card.measure_ratio("target", "draft", K=4) == 3
     times["draft"] = 0.5  # a draft slower than the target still gets one layer per step
     assert card.measure_ratio("target", "draft", K=4) == 1
+
+
+# ---- section 5b: the configuration chosen by its predicted speed --------------------------------------------
+
+def test_cost_model_by_hand():
+    costs = dict(t_target=0.040, t_verify=0.060, t_draft=0.012)
+    # lockstep: 4 draft layers then a 5-row verification: 4 * 12 + 60 = 108 ms for 3.6 tokens; greedy: 3.6 * 40
+    assert card.predicted_speedup(costs, "lockstep", 4, 4, mat=3.6, hit_rate=0.5) == pytest.approx(144 / 108)
+    # parallel, half hits: a hit costs max(60, 3.6 * 12) = 60 ms; a miss 60 + 4 * 12 = 108 ms -> mean 84 ms
+    assert card.predicted_speedup(costs, "parallel", 4, 4, mat=3.6, hit_rate=0.5) == pytest.approx(144 / 84)
+    # a draft too slow to keep up: a hit then costs the draft's 3.6 layers, not the verification
+    slow = dict(costs, t_draft=0.030)
+    assert card.predicted_speedup(slow, "parallel", 4, 0, mat=3.6, hit_rate=1.0) == pytest.approx(144 / 108)
+    # ... and c, the tokens a hit step emits, if given: 5 layers to replace -> 150 ms
+    assert card.predicted_speedup(slow, "parallel", 4, 0, mat=3.6, hit_rate=1.0, hit_len=5) == pytest.approx(144 / 150)
+    # the catch-up: a two-token draft forward of 20 ms, 8 more than a layer, once a lockstep step / a miss
+    caught = dict(costs, t_catch_up=0.020)
+    assert card.predicted_speedup(caught, "lockstep", 4, 4, mat=3.6, hit_rate=0.5) == pytest.approx(144 / 116)
+    assert card.predicted_speedup(caught, "parallel", 4, 4, mat=3.6, hit_rate=0.5) == pytest.approx(144 / 88)
+    # per call: 128 tokens at 40 ms = 5.12 s greedy; at 1.5x 3.41 s, plus a 2 s draft prefill -> 5.41 s
+    assert card.per_call(1.5, 0.040, 2.0) == pytest.approx(5.12 / (5.12 / 1.5 + 2.0))
+
+
+def guesses(pattern: list[int], answers: int = 12) -> list[list[int]]:
+    """A draft's agreement over `answers` calibration answers: per token, 1 where it guessed the target's."""
+    return [list(pattern) * 4 for _ in range(answers)]
+
+
+RIGHT_3_OF_4 = [1, 1, 1, 0]
+RIGHT_7_OF_8 = [1] * 7 + [0]
+RIGHT_15_OF_16 = [1] * 15 + [0]
+
+
+def injected(draft_ms: float, pattern=RIGHT_3_OF_4, target_ms: float = 45.0) -> tuple:
+    """measure_for_choice's result for a made-up 2-core machine shaped like RESULTS.md's ("CARD on a CPU"): the
+    target's plain step; its verification of n tokens, 3.6 ms a token more on both threads and 7.5 on the one
+    that parallel leaves it; one int8 draft whose layer takes draft_ms on one thread, 15% less on two."""
+    t_verify = {"all": {n: (target_ms + 3.6 * (n - 1)) / 1000 for n in range(1, 10)},
+                "share": {n: (target_ms + 7.5 * (n - 1)) / 1000 for n in range(1, 10)}}
+    drafts = {"int8": card.DraftMeasure(on_all=draft_ms * 0.85 / 1000, on_share=draft_ms / 1000,
+                                        agreement=guesses(pattern))}
+    return target_ms / 1000, t_verify, drafts
+
+
+@pytest.fixture
+def fresh_warning_state(monkeypatch):
+    monkeypatch.setattr(card, "SAID_WILL_NOT_WIN", [])
+
+
+def test_a_slow_draft_gives_the_one_line_once(fresh_warning_state, capsys):
+    """The issue's CPU: a draft step of 115 ms on one core beside a target step of 45 ms on two. Nothing CARD can
+    run here beats plain decoding: one line on stderr, naming the prediction, both step times and what would help,
+    once a process; CARD still runs, with the configuration predicted fastest."""
+    cfg = card.choose_configuration(None, None, card.CardConfig.cpu(), "m", measured=injected(115.0), can_split=True, threads=2)
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("[card] on this machine CARD is predicted at 0.")
+    assert ("115.0 ms on 1 thread(s)" in err) or ("97.8 ms on 2 thread(s)" in err)  # the draft's step, its threads
+    assert "a plain step of the target 45.0 ms on 2" in err and "another core, a smaller draft or a GPU" in err
+    assert (cfg.draft, cfg.K, cfg.wait) == ("int8", 1, 3) and cfg.mode in ("parallel", "lockstep")
+    assert isinstance(cfg.ratio, int)
+    card.choose_configuration(None, None, card.CardConfig.cpu(), "m", measured=injected(115.0), can_split=True, threads=2)
+    assert capsys.readouterr().err == ""  # once a process
+
+
+def test_a_draft_that_steps_fast_but_prefills_slowly_gives_the_one_line(fresh_warning_state, capsys):
+    """RESULTS.md's AVX2 CPU: the bfloat16 self-draft steps nearly as fast as the target but prefills a prompt
+    several times slower. Per step CARD would win; per call the prefill is charged, and it does not."""
+    t_target, t_verify, drafts = injected(15.9, RIGHT_15_OF_16)
+    fast = card.choose(card.CardConfig.cpu(), t_target, t_verify, drafts, can_split=True, threads=2)
+    assert fast.speedup > 1.2
+    drafts["int8"] = dataclasses.replace(drafts["int8"], prefill_all=4.0, prefill_share=4.0)
+    slow = card.choose(card.CardConfig.cpu(), t_target, t_verify, drafts, can_split=True, threads=2)
+    greedy = card.TYPICAL_NEW_TOKENS * t_target  # the same charge on every configuration: the same choice
+    assert (slow.mode, slow.ratio) == (fast.mode, fast.ratio)
+    assert slow.speedup == pytest.approx(greedy / (greedy / fast.speedup + 4.0)) and slow.speedup < 1
+    card.choose_configuration(None, None, card.CardConfig.cpu(), "m", measured=(t_target, t_verify, drafts),
+                              can_split=True, threads=2)
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "its prefill of 128 tokens 4.00 s" in err
+
+
+def test_the_one_line_obeys_the_warnings_filters(fresh_warning_state, capsys):
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # as python -W ignore does
+        card.choose_configuration(None, None, card.CardConfig.cpu(), "m", measured=injected(115.0), can_split=True, threads=2)
+    assert capsys.readouterr().err == ""
+
+
+def test_a_fast_draft_chooses_parallel_and_says_nothing(fresh_warning_state, capsys):
+    """A draft that agrees often and whose three layers take about one verification: drafting while the target
+    verifies hides them, and the parallel mode is predicted fastest."""
+    cfg = card.choose_configuration(None, None, card.CardConfig.cpu(), "m", measured=injected(15.9, RIGHT_15_OF_16),
+                                    can_split=True, threads=2)
+    assert (cfg.draft, cfg.mode) == ("int8", "parallel") and 2 <= cfg.ratio <= 8
+    assert capsys.readouterr().err == ""
+    # where no draft process can run beside the target (one core, an unguarded script): lockstep
+    single = card.choose_configuration(None, None, card.CardConfig.cpu(), "m",
+                                       measured=injected(11.0, RIGHT_7_OF_8), can_split=False, threads=2)
+    assert single.mode == "lockstep"
+
+
+def test_the_choice_is_the_best_of_every_configuration_predicted_alone():
+    """The search against brute force: each (draft, mode, r) predicted on its own (explicit in the config), the
+    best of them is what the choice returns."""
+    t_target, t_verify, drafts = injected(20.0, RIGHT_7_OF_8)
+    drafts["self"] = card.DraftMeasure(on_all=0.030, on_share=0.040, agreement=guesses([1] * 15 + [0]))
+    best = card.choose(card.CardConfig.cpu(), t_target, t_verify, drafts, can_split=True, threads=2)
+    alone = []
+    for name in drafts:
+        for mode in ("parallel", "lockstep"):
+            for r in card.BEST_RATIOS:
+                cfg = dataclasses.replace(card.CardConfig.cpu(), draft=name, mode=mode, ratio=r)
+                alone.append(card.choose(cfg, t_target, t_verify, drafts, can_split=True, threads=2).speedup)
+    assert best.speedup == pytest.approx(max(alone)) and len(alone) == 2 * 2 * len(card.BEST_RATIOS)
+
+
+@pytest.mark.parametrize("cfg", [card.CardConfig(draft="int8", mode="lockstep", ratio=4, K=1, k=1),
+                                 card.CardConfig.paper(), card.CardConfig.gpu()], ids=["explicit", "paper", "gpu"])
+def test_an_explicit_configuration_is_left_alone(fresh_warning_state, capsys, cfg):
+    """Nothing 'best' in it: returned as it is, nothing measured (no model given to measure), nothing said."""
+    assert card.choose_configuration(None, None, cfg, "m") is cfg
+    assert capsys.readouterr().err == ""
+
+
+def test_explicit_fields_are_kept_and_only_best_ones_chosen(fresh_warning_state):
+    cfg = dataclasses.replace(card.CardConfig.cpu(), mode="lockstep")  # --mode lockstep, the rest best
+    chosen = card.choose_configuration(None, None, cfg, "m", measured=injected(11.0, RIGHT_7_OF_8), can_split=True, threads=2)
+    assert chosen.mode == "lockstep" and chosen.draft == "int8" and isinstance(chosen.ratio, int)
+    fixed_r = dataclasses.replace(card.CardConfig.cpu(), ratio=12)  # beyond the measured sizes: extrapolated
+    assert card.choose_configuration(None, None, fixed_r, "m", measured=injected(11.0, RIGHT_7_OF_8),
+                                     can_split=True, threads=2).ratio == 12
+
+
+def test_chain_acceptance_against_the_chain_walked_token_by_token():
+    """mat and the hit rate of a K = 1 chain of q from the run lengths, against the chain itself walked over
+    the same guesses: from every position, accept until the first wrong guess or q tokens; a hit when all q
+    were accepted and the guess after them is right too."""
+    import random
+
+    rng = random.Random(0)
+    agreement = [[int(rng.random() < 0.8) for _ in range(48)] for _ in range(4)]
+    for q in (1, 3, 5):
+        accepted = []
+        hits = []
+        for answer in agreement:
+            for i in range(len(answer)):
+                a = 0
+                while a < q and i + a < len(answer) and answer[i + a]:
+                    a += 1
+                accepted.append(a)
+                hits.append(a == q and i + q < len(answer) and answer[i + q] == 1)
+        mat, hit = card.chain_acceptance(card.runs_of(agreement), q)
+        assert mat == pytest.approx(1 + sum(accepted) / len(accepted))
+        assert hit == pytest.approx(sum(hits) / len(hits))
+
+
+def test_the_choice_is_measured_on_the_real_model_once_per_machine(real, monkeypatch, tmp_path):
+    """measure_for_choice on the default model: positive step times, agreements of 0s and 1s (the int8 draft
+    right more often than not), kept on disk: a second call measures nothing. The int8 draft only (named: a
+    named draft is the one measured): the bfloat16 self-draft costs a minute more on a CPU, and its measurement
+    is the same code but for the draft's loading, which every self-draft run does."""
+    monkeypatch.setenv("SPECDEC_COSTS", str(tmp_path / "costs.json"))
+    model, tok = real
+    cfg = dataclasses.replace(card.CardConfig.cpu(), draft="int8")
+    t_target, t_verify, drafts = card.measure_for_choice(model, tok, cfg, verify.DEFAULT_MODEL)
+    assert t_target > 0 and all(t > 0 for side in t_verify.values() for t in side.values())
+    assert set(drafts) == {"int8"}
+    assert all(t > 0 for t in (drafts["int8"].on_all, drafts["int8"].catch_up_share, drafts["int8"].prefill_all))
+
+    def share(d):
+        flat = [x for answer in d.agreement for x in answer]
+        assert set(flat) <= {0, 1} and len(flat) == len(card.CALIBRATION) * card.CALIBRATION_TOKENS
+        return sum(flat) / len(flat)
+
+    assert 0.5 < share(drafts["int8"]) <= 1.0
+    monkeypatch.setattr(verify, "measure_step_times", lambda *a, **k: pytest.fail("measured twice"))
+    assert card.measure_for_choice(model, tok, cfg, verify.DEFAULT_MODEL)[2] == drafts
