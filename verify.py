@@ -14,53 +14,64 @@ step:
 Only step 1 differs between methods, so steps 2-4 live here. To use a method elsewhere, copy its
 file and this one; torch, transformers and numpy are all they import.
 
-The public names, section by section, in the order a reader needs them:
+The public names, section by section, in the order a reader needs them, and the method files that
+use each (a method file and this whole file are what you copy; the map is for reading):
 
     the spine every method uses
      1  the draft tree                  UserError, Tree
+                                        used by: ngram_predictor.py, cacheback.py, card.py, fafo.py
      2  tree attention                  ancestor_matrix, tree_attention_mask, additive_mask,
                                         tree_position_ids
+                                        used by: ngram_predictor.py, cacheback.py, card.py (inside
+                                        tree_forward); card.py's draft and fafo.py (additive_mask)
      3  verification: one forward       forward_parameters, cache_keyword, model_forward, prefill,
                                         tree_forward
+                                        used by: ngram_predictor.py, cacheback.py, card.py, fafo.py
+                                        (model_forward, with its own rows and mask)
      4  acceptance: the walk            accepted_path
+                                        used by: ngram_predictor.py, cacheback.py, card.py (through
+                                        accept), tools/offline.py; not fafo.py, whose Find Out step
+                                        verifies
      5  rollback and compaction         rollback, compact_kv
+                                        used by: ngram_predictor.py (rollback), cacheback.py
+                                        (compact_kv), card.py (both), fafo.py (compact_kv)
      6  sampling that stays lossless    Sampling, accept, first_token
+                                        used by: ngram_predictor.py, cacheback.py, card.py, fafo.py
+                                        (Sampling and first_token)
      7  the KV cache; which models can be rolled back
                                         check_supported, check_filled, last_logits_only,
                                         PreallocatedLayer, PreallocatedKVCache, new_cache, cache_len
+                                        used by: ngram_predictor.py, cacheback.py, card.py, fafo.py
      8  bookkeeping and the baselines   Generation, vanilla_generate, hf_generate
+                                        used by: ngram_predictor.py, cacheback.py, card.py, fafo.py
      9  what a forward costs here       sync, measure_step_times, measure_cost_curve, kept on
                                         disk per machine: costs_path, machine_key, cpu_name,
                                         measured_costs, read_costs; and what a run holds:
                                         tensor_bytes, kv_cache_bytes
+                                        used by: ngram_predictor.py (its gate), cacheback.py (its
+                                        pruning), card.py (r, and the configuration it chooses),
+                                        fafo.py (tensor_bytes)
     FAFO's flex and split back-ends only
     10  compacted blocks, FlexAttention flex_mode, CompactedKVCache, CompactedLayer, attention_function
+                                        used by: fafo.py
     running a method file as a script
     11  loading a model                 cache_root, converted_dir, resolve_model, pick_device,
                                         pick_dtype, load_model, eos_ids_of, encode_prompt,
                                         context_length
+                                        used by: every script; card.py (a named draft: load_model,
+                                        pick_dtype), fafo.py (context_length)
     12  the command line                common_parser, Printer, make_tracer, config_from_args,
                                         defaults_help, run_cli, run_method, seed_everything,
                                         streaming_hooks, print_statistics, print_comparison,
                                         rounding_tolerance, first_difference
+                                        used by: ngram_predictor.py, cacheback.py, card.py, fafo.py
+                                        (their main), tools/replay.py (run_method)
     a method called by model.generate(custom_generate=...) (each file's custom_generate)
     13  reading transformers' call      GenerateCall, check_generate_call, read_logits_processors,
                                         read_stopping_criteria, generate_argument, once_per_model,
                                         forget_per_model, prepare_once, prepared_key, model_name_of,
                                         tokenizer_of
-
-What each method reads (a method file and this whole file are what you copy; the map is for reading):
-    ngram_predictor.py  1, 3-9 (prefill, tree_forward, accept, rollback, Sampling, the cache,
-                        Generation, measure_cost_curve for its gate), 13
-    cacheback.py        the same, compact_kv instead of rollback (tree attention, 2, inside
-                        tree_forward), 13
-    card.py             the same, rollback and compact_kv (its draft's KV), its draft's own forwards
-                        (additive_mask, model_forward, last_logits_only, measure_step_times for r),
-                        and for a named draft 11 (load_model, pick_dtype); 13
-    fafo.py             1 (a Tree for the bookkeeping), 2's additive_mask, 3's model_forward, 5's
-                        compact_kv, 6 without accept (its Find Out verifies), 7-9, 10 (the split
-                        back-end's attention_function, the flex back-end's compacted blocks),
-                        11's context_length; 13
+                                        used by: ngram_predictor.py, cacheback.py, card.py, fafo.py
 Sections 11-12 serve `python FILE.py`, section 13 `model.generate(..., custom_generate=FILE.custom_generate)`.
 
 Greedy speculative decoding is *lossless*: a token is only emitted if it is the target's argmax
@@ -833,9 +844,9 @@ def read_costs(path: str) -> dict:
 
 # What a run holds: the memory a method needs beyond the target's weights. FAFO's Table 1 and §3.1
 # rest on memory (one KV cache for FAFO, two or more for methods with a draft model). On a GPU
-# bench.py reads torch.cuda.max_memory_allocated; on a CPU each generate() counts what it holds in
-# gen.extra["held_bytes"]: its tensors (KV caches, a draft model), each storage once, and its Python
-# tables and pools as a C++ engine would store them, TOKEN_BYTES per token id.
+# bench/side_by_side.py reads torch.cuda.max_memory_allocated; on a CPU each generate() counts what it
+# holds in gen.extra["held_bytes"]: its tensors (KV caches, a draft model), each storage once, and its
+# Python tables and pools as a C++ engine would store them, TOKEN_BYTES per token id.
 
 TOKEN_BYTES = 4  # a token id as uint32
 
@@ -900,7 +911,7 @@ def _packed_bytes(module) -> int:
 
 def kv_cache_bytes(config, length: int, dtype: torch.dtype) -> int:
     """What a model's KV cache of `length` positions takes, from its config (HF's own caches, whose
-    tensors bench.py does not see): keys and values, every layer, every KV head."""
+    tensors bench/side_by_side.py does not see): keys and values, every layer, every KV head."""
     heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     element = torch.empty((), dtype=dtype).element_size()

@@ -24,8 +24,10 @@ import sys
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
+if __name__ == "__main__":  # run as a script: the repository's root on the path, as `python -m` has it
+    sys.path.insert(0, ROOT)
 
+import prompts  # noqa: E402
 from tools.methods import METHODS  # noqa: E402
 
 # one fresh process: load, then one timed call; prints {"first_token_s": ..., "wall_s": ..., "tokens": [...]}
@@ -161,11 +163,9 @@ def main(argv=None) -> int:
         print(f"error: --methods: unknown {', '.join(unknown)} (known: {', '.join(METHODS)})", file=sys.stderr)
         return 2
     modules = [METHODS[m].module for m in names]
-    with open(os.path.join(ROOT, "bench", "prompts.jsonl"), encoding="utf-8") as f:
-        questions = [json.loads(line) for line in f if line.strip()]
-    prompts = [q["turns"][0] for q in questions if q["question_id"] % 2 == 0][: args.prompts]  # reporting half
-    rows = later_calls(modules, prompts, args.max_new_tokens)
-    rows += new_processes(modules, prompts[0], args.max_new_tokens, args.repeats)
+    texts = [q["prompt"] for q in prompts.load_prompts(prompts.SHORT, None, "report")][: args.prompts]
+    rows = later_calls(modules, texts, args.max_new_tokens)
+    rows += new_processes(modules, texts[0], args.max_new_tokens, args.repeats)
     text = table(rows)
     print("\n" + text)
     if args.out:

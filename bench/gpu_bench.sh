@@ -20,7 +20,7 @@ py=${PYTHON:-.venv/bin/python}
 [ -x "$py" ] || py=python3
 gpu=$("$py" -c 'import torch; print(torch.cuda.get_device_name(0) if torch.cuda.is_available() else "")')
 if [ -z "$gpu" ]; then
-  echo "error: gpu_bench: torch sees no CUDA GPU (this run is for a GPU machine; bench.py runs on a CPU)" >&2
+  echo "error: gpu_bench: torch sees no CUDA GPU (this run is for a GPU machine; bench/side_by_side.py runs on a CPU)" >&2
   exit 2
 fi
 slug=$(printf '%s' "$gpu" | tr 'A-Z' 'a-z' | sed -e 's/^nvidia //' -e 's/[^a-z0-9]\{1,\}/-/g' -e 's/^-//' -e 's/-$//')
@@ -29,23 +29,26 @@ mkdir -p "$out"
 parts=("$@")
 [ ${#parts[@]} -gt 0 ] || parts=(report card long steps)
 "$py" tools/convert_gguf.py  # the default model's one-time set-up (prints "(up to date)" when done)
+# the methods, from tools/methods.py (CARD has a part of its own: its draft process)
+ours=$("$py" -m tools.methods --without card)
 commit=$(git rev-parse --short HEAD 2>/dev/null || echo unknown)
 echo "gpu_bench: $gpu, commit $commit, parts: ${parts[*]} -> $out"
 for part in "${parts[@]}"; do
   start=$SECONDS
   case "$part" in
     report)
-      "$py" bench.py --split report --max-new-tokens 128 --dtype float32 \
-        --methods hf-greedy,hf-pld,hf-assisted,vanilla,ngram,cacheback,fafo,lookahead --out "$out/report.jsonl" ;;
+      "$py" bench/side_by_side.py --split report --max-new-tokens 128 --dtype float32 \
+        --methods "hf-greedy,hf-pld,hf-assisted,vanilla,$ours,lookahead" --out "$out/report.jsonl" ;;
     card)
-      "$py" bench.py --split report --max-new-tokens 128 --dtype float32 \
+      "$py" bench/side_by_side.py --split report --max-new-tokens 128 --dtype float32 \
         --methods hf-greedy,card,card-lockstep --out "$out/card.jsonl" ;;
     long)
-      "$py" bench.py --prompts bench/long_prompts.jsonl --split report --max-new-tokens 128 --dtype float32 \
-        --methods hf-greedy,vanilla,ngram,cacheback,fafo@attn=dense,lookahead@attn=dense,fafo@attn=split,lookahead@attn=split \
+      # FAFO and Lookahead on two attention back-ends each; the other methods as they come
+      "$py" bench/side_by_side.py --prompts prompts/long_prompts.jsonl --split report --max-new-tokens 128 --dtype float32 \
+        --methods "hf-greedy,vanilla,$("$py" -m tools.methods --without card,fafo),fafo@attn=dense,lookahead@attn=dense,fafo@attn=split,lookahead@attn=split" \
         --out "$out/long.jsonl" ;;
     steps)
-      "$py" bench.py --fafo-steps 1024,2048,4096,7168 --fafo-backends dense,split,flex-compiled --dtype float32 \
+      "$py" bench/side_by_side.py --fafo-steps 1024,2048,4096,7168 --fafo-backends dense,split,flex-compiled --dtype float32 \
         --out "$out/steps.jsonl" ;;
     tier)
       "$py" -m pytest -q -m cuda tests 2>&1 | tee "$out/tier.txt" ;;

@@ -3,7 +3,7 @@
 become Cacheback's natural-language frozen table (`python tools/build_frozen.py --corpus selfchat`).
 
 Written for this project (templates x topics below, no outside text), deterministic, and disjoint from the
-benchmark prompts in bench/prompts.jsonl (tests/test_cacheback.py checks that no instruction is a bench
+benchmark prompts in prompts/prompts.jsonl (tests/test_cacheback.py checks that no instruction is a bench
 prompt). Every combination of a template with the topics it fits, in a fixed order.
 
     python corpus/make_instructions.py        # rewrites corpus/instructions.jsonl

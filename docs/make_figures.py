@@ -6,7 +6,7 @@ Each figure is drawn from the repository's own code: the masks from the function
 (verify.tree_attention_mask, card.draft_mask, fafo.combined_mask), the tree from cacheback.grow_tree on the
 default model, the compacted layout from a real verify.CompactedKVCache, the cost curve from a fresh
 measurement (verify.measure_step_times), and the benchmark figures from the committed bench rows named in
-BENCH_ROWS below (python bench.py ... --out <that file> regenerates them).
+BENCH_ROWS below (python bench/side_by_side.py ... --out <that file> regenerates them).
 
     python docs/make_figures.py                 # all figures
     python docs/make_figures.py mask_tree fafo  # only those whose name contains one of these words
@@ -22,7 +22,8 @@ import numpy as np
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
-sys.path.insert(0, ROOT)
+if __name__ == "__main__":  # run as a script: the repository's root on the path, as `python -m` has it
+    sys.path.insert(0, ROOT)
 OUT = os.path.join(HERE, "figures")
 
 import matplotlib  # noqa: E402
@@ -33,10 +34,12 @@ import torch  # noqa: E402
 
 import verify  # noqa: E402
 
-# The benchmark figures read these committed rows (the reporting half of the shipped prompts; see bench.py).
+# The benchmark figures read these committed rows (the reporting half of the shipped prompts; see
+# bench/side_by_side.py).
 BENCH_ROWS = {
     "report": os.path.join(ROOT, "bench", "results", "figures-report-cpu.jsonl"),
     "long": os.path.join(ROOT, "bench", "results", "fafo-long-steps-cpu.jsonl"),
+    "serve": os.path.join(ROOT, "bench", "results", "serve-gate.jsonl"),
 }
 ALLOWED, DENIED = "#2b6cb0", "#f2f2f2"  # one colour pair for every mask figure
 
@@ -320,13 +323,13 @@ def _rows(kind: str):
 
 
 def speedup_bars() -> None:
-    import bench
+    from bench import side_by_side
 
     rows = _rows("report")
     if rows is None:
         return
     methods = list(dict.fromkeys(r["method"] for r in rows))
-    summary = bench.summarize(rows, methods)
+    summary = side_by_side.summarize(rows, methods)
     cats = [c for c in summary if c != "overall"] + ["overall"]
     shown = [m for m in methods if m not in ("hf-greedy", "vanilla")]
     x = np.arange(len(cats))
@@ -347,16 +350,16 @@ def speedup_bars() -> None:
 
 
 def per_position() -> None:
-    import bench
+    from bench import side_by_side
 
     rows = _rows("report")
     if rows is None:
         return
     methods = [m for m in dict.fromkeys(r["method"] for r in rows) if all("per_position" in r for r in rows if r["method"] == m)]
     fig, ax = plt.subplots(figsize=(5.8, 3.4))
-    js = np.arange(1, bench.POSITIONS + 1)
+    js = np.arange(1, side_by_side.POSITIONS + 1)
     for m in methods:
-        rates = bench.position_rates([r for r in rows if r["method"] == m])
+        rates = side_by_side.position_rates([r for r in rows if r["method"] == m])
         ax.plot([j for j, r in zip(js, rates) if r is not None], [r for r in rates if r is not None], "o-", label=m)
     ax.set_xlabel("draft position j")
     ax.set_ylabel("accepted / reached")
@@ -456,9 +459,36 @@ def replay_fafo() -> None:
                   height=1700)  # the streams' and the candidates' tables below
 
 
+def serve_batches() -> None:
+    """RESULTS.md, "Serving under load": each drafter's speedup over vLLM without speculation against the batch
+    size (total tokens over total time; the median of the runs, bench/serve_bench.py)."""
+    from bench import serve_bench
+
+    rows = _rows("serve")
+    if rows is None:
+        return
+    summary = serve_bench.summary(rows)
+    drafters = list(dict.fromkeys(e["config"] for e in summary if e["config"] != "none"))
+    fig, ax = plt.subplots(figsize=(8, 4.2))
+    for name in drafters:
+        points = sorted((e["batch"], e["over_none"]) for e in summary if e["config"] == name)
+        style = "--" if name.endswith("ungated") else ("-" if not name.startswith("vllm") else ":")
+        ax.plot([b for b, _ in points], [x for _, x in points], style, marker="o", label=name)
+    ax.axhline(1.0, color="black", lw=0.8)
+    ax.axhline(0.97, color="grey", lw=0.6, ls=":")
+    batches = sorted({e["batch"] for e in summary})
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(batches, [str(b) for b in batches])
+    ax.set_xlabel("batch size (max_num_seqs; all prompts submitted)")
+    ax.set_ylabel("tokens/s over no speculation")
+    ax.set_title("§7.5 vLLM on two CPU cores: speedup over no speculation by batch size (reporting half)", fontsize=9)
+    ax.legend(fontsize=7, ncol=2)
+    save(fig, "serve_batches")
+
+
 FIGURES = ["cost_curve", "mask_tree", "compaction", "cacheback_tree", "card_mask", "fafo_mask", "compacted_layout",
            "speedup_bars", "per_position", "fafo_steps", "replay_ngram", "replay_cacheback", "replay_card",
-           "replay_fafo"]
+           "replay_fafo", "serve_batches"]
 
 
 def main(argv=None) -> int:

@@ -9,6 +9,7 @@ prompt for the whole session.
 """
 
 import copy
+import json
 import logging
 import os
 import re
@@ -24,7 +25,7 @@ sys.path.insert(0, ROOT)
 import verify  # noqa: E402
 
 # The suite's measured costs (verify.measured_costs) in a file of their own, kept between runs: measured under
-# the suite's load, they must not become the costs a user's own runs and bench.py read. Subprocesses inherit it.
+# the suite's load, they must not become the costs a user's own runs and bench/side_by_side.py read. Subprocesses inherit it.
 os.environ.setdefault("SPECDEC_COSTS", os.path.join(verify.cache_root(), "measured-costs-tests.json"))
 
 # At most 2 threads (CI's machines have 2 cores), fewer where this process may use fewer: torch's default
@@ -281,3 +282,12 @@ def no_deprecation_from_our_calls():
             library_logger.setLevel(level)
     if log.ours:
         pytest.fail("a deprecation from our own call:\n" + "\n".join(sorted(set(log.ours))), pytrace=False)
+
+
+@pytest.fixture(scope="session")
+def byte_streams():
+    """Eight of the default model's own answers (corpus/), as byte streams: token ids < 256 with the repeats of
+    real text, of different lengths. The first 40 bytes are the prompt."""
+    with open(os.path.join(ROOT, "corpus", "selfchat-SmolLM2-135M-Instruct.jsonl"), encoding="utf-8") as f:
+        answers = [json.loads(line)["answer"].encode() for line in f][:8]
+    return [(list(a[:40]), list(a[40:40 + 120 + 37 * i])) for i, a in enumerate(answers)]

@@ -447,7 +447,7 @@ def test_selfchat_instructions_are_disjoint_from_the_bench_prompts():
     import os
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    with open(os.path.join(root, "bench", "prompts.jsonl")) as f:
+    with open(os.path.join(root, "prompts", "prompts.jsonl")) as f:
         bench = {t.strip().lower() for line in f for t in json.loads(line)["turns"]}
     with open(os.path.join(cb.CORPUS_DIR, "instructions.jsonl")) as f:
         instructions = [json.loads(line)["instruction"] for line in f]

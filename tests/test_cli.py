@@ -111,7 +111,8 @@ def test_a_default_model_not_set_up_names_the_set_up_commands(tmp_path):
 @pytest.mark.parametrize("script,args", [
     ("ngram_predictor.py", ["--compare"]),  # README's demo (make demo), shorter
     # the draft process's forwards print here too; and its output, through the script's own entry point
-    ("card.py", ["--mode", "parallel", "--draft", "self", "--compare"]),
+    # (an explicit r: the configuration is not chosen, so no prediction can say CARD will not win here)
+    ("card.py", ["--mode", "parallel", "--draft", "self", "--ratio", "4", "--compare"]),
 ])
 def test_a_clean_run_prints_no_warning(script, args):
     """A user's first screen: the answer and the method's lines on stdout, nothing at all on stderr (no
@@ -143,7 +144,7 @@ def test_method_help_names_the_papers_parameters(script):
     ("cacheback.py", ["--tdl", "4", "--crt", "4"], "0 <= CRT < TDL"),
     ("cacheback.py", ["--fl", "0"], "--fl must be at least 1"),
     ("card.py", ["--ratio", "0", "--mode", "lockstep"], "--ratio must be at least 1"),
-    ("card.py", ["--ratio", "fast"], "--ratio must be a whole number or 'auto'"),
+    ("card.py", ["--ratio", "fast"], "--ratio must be a whole number, 'auto' or 'best'"),
     ("cacheback.py", ["--frozen", "wiki"], "--frozen wiki"),
     ("card.py", ["--draft", "./no/such/model"], "--draft ./no/such/model: no such model"),
     ("card.py", ["--draft", "/nonexistent"], "--draft /nonexistent: no such model"),
@@ -159,8 +160,7 @@ def test_method_bad_input_gives_one_line_error(script, args, message):
 
 @pytest.mark.parametrize("script,args", [  # (card.py: test_a_clean_run_prints_no_warning, in a process)
     ("cacheback.py", []),
-    ("fafo.py", ["--compress", "quest"]),
-    ("fafo.py", ["--attn", "flex"]),
+    ("fafo.py", ["--compress", "quest"]),  # (--attn flex on the real model: test_fafo.py, in process)
 ])
 def test_method_json_run_is_identical_to_hf_greedy(script, args):
     r = run("--prompt", "Name three colors.", "--max-new-tokens", "12", "--json", "--compare", *args, script=script)
@@ -242,7 +242,7 @@ def start_card_parallel():
     ignored, every child inherits that, and Python then installs no KeyboardInterrupt handler: the CLI ran
     to the end and exited 0. So the child gets SIGINT's default disposition back before it starts."""
     p = subprocess.Popen([sys.executable, "card.py", "--prompt", "Write a long story about a dragon who learns to bake bread.",
-                          "--mode", "parallel", "--draft", "self", "--max-new-tokens", "1000"], cwd=ROOT,
+                          "--mode", "parallel", "--draft", "self", "--ratio", "4", "--max-new-tokens", "1000"], cwd=ROOT,
                          stdout=subprocess.PIPE,
                          stderr=subprocess.PIPE, text=True, start_new_session=True, env=QUIET_LIBRARIES,
                          preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))

@@ -22,10 +22,7 @@ import sys
 import pytest
 import torch
 
-import cacheback
 import card
-import fafo
-import ngram_predictor
 import tools.methods
 import verify
 from conftest import REAL_PROMPTS
@@ -36,9 +33,8 @@ pytestmark = [pytest.mark.cuda,
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 N_NEW = 64  # new tokens per run: long enough for every method to draft and accept, short enough for the tier
 PROMPTS = REAL_PROMPTS[:2]
-METHODS = {name: sys.modules[method.module] for name, method in tools.methods.METHODS.items()}  # imported above
-CONFIGS = {"ngram": ngram_predictor.NgramConfig, "cacheback": cacheback.CachebackConfig, "card": card.CardConfig,
-           "fafo": fafo.FafoConfig}
+METHODS = {name: tools.methods.module_of(name) for name in tools.methods.METHODS}
+CONFIGS = {name: tools.methods.config_of(name) for name in tools.methods.METHODS}
 
 
 @pytest.fixture(scope="module")

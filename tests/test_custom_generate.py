@@ -27,26 +27,26 @@ import verify
 from conftest import CARD_REAL, REAL_PROMPTS, ROOT, encode
 from test_architectures import ARCHS, EOS, NEW, PROMPT, _testable, tiny_model
 
-METHODS = {name: sys.modules[method.module] for name, method in tools.methods.METHODS.items()}  # imported above
+METHODS = {name: tools.methods.module_of(name) for name in tools.methods.METHODS}
+
+# each method's own keywords for a tiny model: small settings, so drafts are short (as in test_architectures);
+# CARD in lockstep with a float32 copy of the target as its draft (tests/test_layout.py: one per method)
+TINY_OPTIONS = {
+    "ngram": lambda draft: dict(ngram_config=ngram_predictor.NgramConfig.paper()),
+    "cacheback": lambda draft: dict(cacheback_config=cacheback.CachebackConfig(ll=1, tdl=16, crt=4)),
+    "card": lambda draft: dict(card_config=card.CardConfig(mode="lockstep", K=4, k=2, ratio=3), draft_model=draft),
+    "fafo": lambda draft: dict(fafo_config=fafo.FafoConfig(n_guess=3, k=3, m=2, sink=2, recent=8, prompt_pool=True)),
+}
 
 
 def tiny_options(name: str, draft) -> dict:
-    """Each method's own keywords for a tiny model: small settings, so drafts are short (as in
-    test_architectures); CARD in lockstep with a float32 copy of the target as its draft."""
-    if name == "ngram":
-        return dict(ngram_config=ngram_predictor.NgramConfig.paper())
-    if name == "cacheback":
-        return dict(cacheback_config=cacheback.CachebackConfig(ll=1, tdl=16, crt=4))
-    if name == "card":
-        return dict(card_config=card.CardConfig(mode="lockstep", K=4, k=2, ratio=3), draft_model=draft)
-    return dict(fafo_config=fafo.FafoConfig(n_guess=3, k=3, m=2, sink=2, recent=8, prompt_pool=True))
+    return TINY_OPTIONS[name](draft)
 
 
 @pytest.fixture(scope="session")
 def exported(tmp_path_factory):
     """{method: the folder tools/export_generate.py wrote for it}."""
-    sys.path.insert(0, os.path.join(ROOT, "tools"))
-    import export_generate
+    from tools import export_generate
 
     out = tmp_path_factory.mktemp("exported")
     folders = {}
@@ -147,19 +147,26 @@ class FailAfter(StoppingCriteria):
 
 
 @pytest.mark.compat
-def test_card_with_no_options_keeps_one_draft_process_for_the_model(real):
-    """No keywords: CARD's CPU default (an int8 draft in a process of its own) is built at the model's first
-    call and serves its later calls, a call that raises included, with the same tokens as model.generate;
-    the process ends when the model is let go."""
+def test_card_with_no_options_keeps_one_draft_process_for_the_model(real, monkeypatch):
+    """No keywords: CARD's CPU default (the draft and mode predicted fastest: card.py section 5b) is set up at
+    the model's first call and serves its later calls, a call that raises included, with the same tokens as
+    model.generate; in parallel mode its draft process is kept, and ends when the model is let go. The
+    machine's step times are injected (a fast int8 draft): measuring both drafts on the real model costs a
+    minute here, and test_card.py measures the int8 one."""
     import gc
 
+    from test_card import RIGHT_7_OF_8, injected
+
+    monkeypatch.setattr(card, "measure_for_choice", lambda *args: injected(11.0, RIGHT_7_OF_8))
     model = copy.deepcopy(real[0])  # a model of this test's own, to let go at the end
     ids = torch.tensor([encode(real, REAL_PROMPTS[2])[0]])
+    chosen = card.choose_configuration(real[0], real[1], card.CardConfig.cpu(), verify.DEFAULT_MODEL)
+    assert chosen.draft == "int8"
     before = card_drafts()  # the session's own draft process lives on
     out = model.generate(ids, custom_generate=card.custom_generate, max_new_tokens=24)
     assert torch.equal(out, plain(real[0], ids, 24))
     kept = card_drafts() - before
-    assert len(kept) == 1, "one draft process, kept for the model"
+    assert len(kept) == (chosen.mode == "parallel"), "one draft process, kept for the model, in parallel mode"
     with pytest.raises(RuntimeError, match="a criterion failed"):
         model.generate(ids, custom_generate=card.custom_generate, max_new_tokens=24,
                        stopping_criteria=StoppingCriteriaList([FailAfter(5)]))
@@ -398,13 +405,13 @@ def test_return_dict_in_generate(llama):
 def test_a_text_streamer_prints_what_model_generate_prints(real, exported, capsys, name):
     model, tok = real
     ids = torch.tensor([encode(real, REAL_PROMPTS[1])[0]])
-    model.generate(ids, max_new_tokens=40, do_sample=False, streamer=TextStreamer(tok, skip_prompt=True))
+    model.generate(ids, max_new_tokens=24, do_sample=False, streamer=TextStreamer(tok, skip_prompt=True))
     want = capsys.readouterr().out
-    assert len(want) > 40
-    model.generate(ids, custom_generate=METHODS[name].custom_generate, max_new_tokens=40,
+    assert len(want) > 24
+    model.generate(ids, custom_generate=METHODS[name].custom_generate, max_new_tokens=24,
                    streamer=TextStreamer(tok, skip_prompt=True))
     assert capsys.readouterr().out == want, "the callable form"
-    model.generate(ids, custom_generate=exported[name], trust_remote_code=True, max_new_tokens=40,
+    model.generate(ids, custom_generate=exported[name], trust_remote_code=True, max_new_tokens=24,
                    streamer=TextStreamer(tok, skip_prompt=True))
     assert capsys.readouterr().out == want, "the folder form"
 

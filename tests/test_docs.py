@@ -9,15 +9,15 @@ import re
 
 import pytest
 
-import bench
-import cacheback
-import card
-import fafo
-import ngram_predictor
+import prompts
 import verify
-from serve import vllm_proposers
+from bench import side_by_side
+from serve import gate, vllm_proposers
+from tools import methods
 
-MODULES = [verify, ngram_predictor, cacheback, card, fafo, vllm_proposers, bench]
+# the files a reader studies: verify.py, every method of tools/methods.py, the serving code, the prompts' reader
+READER_MODULES = [verify, *(methods.module_of(name) for name in methods.METHODS), vllm_proposers, gate, prompts]
+MODULES = READER_MODULES + [side_by_side]
 
 
 @pytest.mark.parametrize("module", MODULES, ids=lambda m: m.__name__)
@@ -38,27 +38,22 @@ def test_verify_docstring_lists_its_public_names():
     assert described >= defined and all(hasattr(verify, n) for n in described)
 
 
-@pytest.mark.parametrize("config,bad", [
-    (cacheback.CachebackConfig, dict(tdl=4, crt=4)),
-    (card.CardConfig, dict(ratio="fast")),
-    (fafo.FafoConfig, dict(k=0)),
-    (ngram_predictor.NgramConfig, dict(max_order=1)),
-])
-def test_a_bad_configuration_is_an_ordinary_value_error(config, bad):
+# one impossible value per method (tests/test_layout.py: every method of tools/methods.py has one)
+BAD_CONFIGS = {"cacheback": dict(tdl=4, crt=4), "card": dict(ratio="fast"), "fafo": dict(k=0),
+               "ngram": dict(max_order=1)}
+
+
+@pytest.mark.parametrize("name", list(BAD_CONFIGS))
+def test_a_bad_configuration_is_an_ordinary_value_error(name):
     """Someone who copied one method file and verify.py gets normal exceptions, not a CLI-only type."""
     with pytest.raises(ValueError):
-        config(**bad).check()
+        methods.config_of(name)(**BAD_CONFIGS[name]).check()
 
 
 def _figures_module():
-    import importlib.util
-    import os
+    from docs import make_figures
 
-    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs", "make_figures.py")
-    spec = importlib.util.spec_from_file_location("make_figures", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return make_figures
 
 
 def test_every_tutorial_figure_is_made_by_make_figures_and_committed():
@@ -73,10 +68,10 @@ def test_every_tutorial_figure_is_made_by_make_figures_and_committed():
         assert os.path.getsize(os.path.join(figs.OUT, name + ".png")) > 5000, name
 
 
-def test_mask_figures_draw_from_the_code(tmp_path):
+def test_mask_figures_draw_from_the_code(tmp_path, monkeypatch):
     """The figures that need no model, drawn into a scratch folder: they run and write a real PNG."""
     figs = _figures_module()
-    figs.OUT = str(tmp_path)
+    monkeypatch.setattr(figs, "OUT", str(tmp_path))
     for name in ("mask_tree", "compaction", "card_mask", "fafo_mask"):
         getattr(figs, name)()
         with open(tmp_path / f"{name}.png", "rb") as f:
@@ -89,7 +84,7 @@ def test_tutorial_code_references_name_real_functions():
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     text = open(os.path.join(root, "TUTORIAL.md"), encoding="utf-8").read()
-    modules = {os.path.basename(m.__file__): m for m in MODULES}  # serve/vllm_proposers.py too
+    modules = {os.path.basename(m.__file__): m for m in MODULES}  # serve/vllm_proposers.py, serve/gate.py too
     refs = re.findall(r"`(\w+\.py):([\w.]+)`", text)
     assert len(refs) > 40
     for file, name in refs:
@@ -112,7 +107,7 @@ def packed_assignments(path: str) -> list[int]:
             and isinstance(node.value, ast.Tuple) and any(isinstance(e, COMPUTING) for e in node.value.elts)]
 
 
-@pytest.mark.parametrize("module", MODULES[:-1], ids=lambda m: m.__name__)
+@pytest.mark.parametrize("module", READER_MODULES, ids=lambda m: m.__name__)
 def test_one_computed_value_a_line(module):
     assert packed_assignments(module.__file__) == [], f"{module.__name__}: packed assignments"
 

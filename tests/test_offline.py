@@ -4,18 +4,15 @@ gives: the same accepted length at every step, the same target forwards (so the 
 The oracle is each method's own generate() on the real default model, and for prompt lookup transformers' own
 assisted generation, its target forwards counted by a hook."""
 
-import os
-import sys
 
 import pytest
 
 import cacheback
 import ngram_predictor
 import verify
-from conftest import REAL_PROMPTS, ROOT, encode, run_main
+from conftest import REAL_PROMPTS, encode, run_main
 
-sys.path.insert(0, os.path.join(ROOT, "tools"))
-import offline  # noqa: E402
+from tools import offline  # noqa: E402
 
 
 def online_against_offline(gen, ids, drafter) -> None:

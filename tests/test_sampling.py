@@ -160,7 +160,7 @@ def test_tiny_model_every_method_and_mode_sampled(tiny):
     prompt = [1] + [5, 6, 7, 8, 9] * 6
     parallel = card.CardConfig(K=4, k=2, ratio=3, mode="parallel")
     with card.DraftProcess(tiny, parallel) as proc:  # one draft process for every seed
-        for seed in range(4):
+        for seed in range(2):
             s = verify.Sampling(0.8, top_k=20, top_p=0.95, seed=seed)
             want = verify.vanilla_generate(tiny, prompt, 30, [95], s).tokens
             for name, run in methods(tiny).items():

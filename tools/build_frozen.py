@@ -35,7 +35,8 @@ import time
 from collections import Counter, defaultdict
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
+if __name__ == "__main__":  # run as a script: the repository's root on the path, as `python -m` has it
+    sys.path.insert(0, ROOT)
 
 import torch  # noqa: E402
 from tqdm import tqdm  # noqa: E402
@@ -146,7 +147,7 @@ def build_corpus_table(tok, corpus: str, ll: int, fl: int, lc: int, fc: int, mod
 
 def ensure_table(tok, cfg: cb.CachebackConfig, model=None, model_name: str = verify.DEFAULT_MODEL) -> str:
     """The path of the table `cfg.frozen` names (a corpus), built into the cache folder if neither shipped
-    nor built before (bench.py calls this before cacheback.prepare)."""
+    nor built before (bench/side_by_side.py calls this before cacheback.prepare)."""
     path = cb.frozen_path(tok, cfg, model_name)
     if path is None:
         table, meta = build_corpus_table(tok, cfg.frozen, cfg.ll, cfg.fl, cfg.lc, cfg.fc, model, model_name)

@@ -1,8 +1,8 @@
 # SPDX-License-Identifier: MIT
-"""Two or more bench.py row files side by side: per method, whether every prompt's output was identical
+"""Two or more bench/side_by_side.py row files side by side: per method, whether every prompt's output was identical
 to HF greedy's in every file (each file's rows compare with the hf-greedy run beside them; greedy HF is
 deterministic, so identical there means identical to each other), and each file's speedup over hf-greedy
-(SpecBench's, as bench.py's tables: the mean of per-prompt tokens/s over hf-greedy's mean of per-prompt
+(SpecBench's, as bench/side_by_side.py's tables: the mean of per-prompt tokens/s over hf-greedy's mean of per-prompt
 tokens/s in that file, a ratio of means) and mean accepted length. Used to show that a change kept identity and speed (RESULTS.md).
 
     python tools/compare_runs.py before=bench/a.jsonl after=bench/b.jsonl
@@ -24,7 +24,7 @@ def mean(values: list[float]) -> float:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("runs", nargs="+", metavar="NAME=ROWS.jsonl", help="a label and a bench.py --out file")
+    parser.add_argument("runs", nargs="+", metavar="NAME=ROWS.jsonl", help="a label and a bench/side_by_side.py --out file")
     args = parser.parse_args(argv)
     runs = {}
     for spec in args.runs:

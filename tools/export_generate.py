@@ -28,7 +28,8 @@ import re
 import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
+if __name__ == "__main__":  # run as a script: the repository's root on the path, as `python -m` has it
+    sys.path.insert(0, ROOT)
 
 import verify  # noqa: E402  (REFUSED: what a call refuses, the README's list)
 from tools.methods import METHODS  # noqa: E402  (name -> the method's file, config class, title)

@@ -6,7 +6,7 @@ run offline over a stream (prompt ids, the model's greedy output ids), with no m
 proposes its chain or tree from its state; the accepted length is the longest root path whose tokens are the
 stream's next tokens, the bonus token is the one after it; then the drafter learns the emitted tokens, as its
 generate() makes it learn them. Mean accepted tokens (MAT: new tokens over target forwards, the prefill
-counted, as bench.py counts), draft tokens per step and acceptance by position come out as an online run
+counted, as bench/side_by_side.py counts), draft tokens per step and acceptance by position come out as an online run
 gives them: tests/test_offline.py checks the n-gram predictor and Cacheback against generate() step by step,
 and prompt lookup's target forwards against transformers' own run (after an EOS see `replay`).
 
@@ -40,10 +40,12 @@ from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
+if __name__ == "__main__":  # run as a script: the repository's root on the path, as `python -m` has it
+    sys.path.insert(0, ROOT)
 
 import cacheback  # noqa: E402
 import ngram_predictor  # noqa: E402
+import prompts  # noqa: E402
 import verify  # noqa: E402
 from verify import Tree  # noqa: E402
 
@@ -210,17 +212,14 @@ def prompt_lookup_drafter(budget: int, max_matching_ngram_size: int = 2, eos_ids
 
 
 # Cacheback's presets, as its file defines them (the budget then sets TDL, and CRT in proportion)
-CACHEBACK_PRESETS = {
-    "cacheback-cpu": cacheback.CachebackConfig.cpu(),
-    "cacheback-paper": cacheback.CachebackConfig.paper(),
-}
+CACHEBACK_PRESETS = {f"cacheback-{name}": getattr(cacheback.CachebackConfig, name)() for name in cacheback.PRESETS}
 
 
 def make_drafter(name: str, budget: int, frozen_table=None, eos_ids=(), max_matching_ngram_size: int = 2,
                  chain: int | None = None, **fields):
     """(start, propose, learn) of the drafter `name` at budget B; `fields` fix Cacheback's config (ll, fl,
     frozen_order, dynamic_table, ...). chain = k: each tree's first branch, at most k tokens, as the vLLM
-    proposer drafts it (serve/vllm_proposers.py: first_branch); an n-gram chain is cut to k."""
+    proposer drafts it (cacheback.first_branch); an n-gram chain is cut to k."""
     if name == "ngram":
         drafter = ngram_drafter(budget)
     elif name == "prompt-lookup":
@@ -236,13 +235,11 @@ def make_drafter(name: str, budget: int, frozen_table=None, eos_ids=(), max_matc
         raise ValueError(f"unknown drafter {name!r}")
     if chain is None:
         return drafter
-    from serve.vllm_proposers import first_branch
-
     start, propose_tree, learn = drafter
 
     def propose(state, room):
         tree = propose_tree(state, room)
-        return Tree.chain(tree.tokens[0], first_branch(tree)[:chain])
+        return Tree.chain(tree.tokens[0], cacheback.first_branch(tree)[:chain])
 
     return start, propose, learn
 
@@ -277,21 +274,16 @@ def make_streams(name: str, n: int = 128) -> list[dict]:
     eos = verify.eos_ids_of(model, tok)
     rows = []
     if name == "selfchat":
-        sys.path.insert(0, os.path.join(ROOT, "tools"))
-        import build_frozen
+        from tools import build_frozen
 
         for r in build_frozen.selfchat_answers(model, tok, verify.DEFAULT_MODEL, progress=False):
             answer = tok(r["answer"], add_special_tokens=False).input_ids + eos[:1]
             rows.append({"id": r["id"], "prompt": verify.encode_prompt(tok, r["instruction"]),
                          "output": answer[:n], "greedy": False})
     else:
-        import bench
-
-        with open(os.path.join(ROOT, "bench", "prompts.jsonl"), encoding="utf-8") as f:
-            questions = [json.loads(line) for line in f]
-        questions = [q for q in questions if bench.split_of(q["question_id"]) == name]
+        questions = prompts.load_prompts(prompts.SHORT, None, name)
         for q in tqdm(questions, desc=f"streams: HF greedy, {name} half", unit="prompt", file=sys.stderr):
-            ids = verify.encode_prompt(tok, q["turns"][0])
+            ids = verify.encode_prompt(tok, q["prompt"])
             rows.append({"id": q["question_id"], "prompt": ids, "output": verify.hf_generate(model, ids, n, eos),
                          "greedy": True})
     with open(path, "w", encoding="utf-8") as f:
@@ -314,7 +306,7 @@ def figure4(streams: list[dict], tok, budget: int = 95, limit: int | None = None
             fls=(1, 2, 3, 4, 5)) -> str:
     """MAT over LL x FL at the paper's other settings (TDL = budget + 1, CRT scaled, LC 2^20, FC 128), the
     selfchat frozen table built for each (LL, FL) from the shipped answers (seconds each)."""
-    import build_frozen
+    from tools import build_frozen
 
     lines = ["| LL \\ FL | " + " | ".join(map(str, fls)) + " |", "|" + " --- |" * (len(fls) + 1)]
     for ll in lls:
@@ -397,7 +389,6 @@ def main(argv=None) -> int:
     if "cacheback-paper" in names or args.figure4 or args.table1:
         frozen = cacheback.frozen_table_for(tok, CACHEBACK_PRESETS["cacheback-paper"])
     if args.figure4 or args.table1:
-        sys.path.insert(0, os.path.join(ROOT, "tools"))
         if args.table1:
             print(table1(streams, frozen, budgets, limit))
         if args.figure4:

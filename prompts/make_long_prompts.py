@@ -1,5 +1,5 @@
 # SPDX-License-Identifier: MIT
-"""Writes bench/long_prompts.jsonl: long-context prompts (about 1k, 2k, 4k and 7k tokens of the default model's
+"""Writes prompts/long_prompts.jsonl: long-context prompts (about 1k, 2k, 4k and 7k tokens of the default model's
 tokenizer) in SpecBench's question.jsonl format, for FAFO at long context (TUTORIAL.md §5.7).
 
 Each prompt is documentation followed by a question about it (summarization / retrieval over a long passage).
@@ -7,14 +7,14 @@ The passages are the plain-text help pages (`pydoc`) of Python standard-library 
 3.11: text from CPython, distributed under the Python Software Foundation License Version 2, which allows
 copying and redistribution with the licence notice kept (https://docs.python.org/3/license.html). The file
 paths pydoc prints are removed. No module is used twice, so the prompts share no passage, and none of this
-text is in bench/prompts.jsonl (the set every other default was tuned on).
+text is in prompts/prompts.jsonl (the set every other default was tuned on).
 
 Categories are the context lengths ("1k" ... "7k"), four prompts each, and eight more at 4k (ids 17-24, added
 later without changing ids 1-16): the 4k length is where FAFO's target against Lookahead is judged, and two
-prompts per half were too few to judge it (TUTORIAL.md §5.7). bench.py's fixed split applies as for the main
+prompts per half were too few to judge it (TUTORIAL.md §5.7). bench/side_by_side.py's fixed split applies as for the main
 set (odd question ids: the tuning half, even ids: the reporting half).
 
-    python bench/make_long_prompts.py          # needs the default model's tokenizer (make install)
+    python prompts/make_long_prompts.py          # needs the default model's tokenizer (make install)
 """
 
 import importlib
@@ -24,7 +24,8 @@ import pydoc
 import re
 import sys
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+if __name__ == "__main__":  # run as a script: the repository's root on the path, as `python -m` has it
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import verify  # noqa: E402
 
 LENGTHS = {"1k": 1024, "2k": 2048, "4k": 4096, "7k": 7168}  # prompt tokens, chat template included (about)

@@ -1,7 +1,7 @@
 # SPDX-License-Identifier: MIT
-"""Writes bench/prompts.jsonl: the project's own prompt set, in SpecBench's question.jsonl format
+"""Writes prompts/prompts.jsonl: the project's own prompt set, in SpecBench's question.jsonl format
 (question_id, category, turns). All texts were written for this project (public domain / CC0).
-Run `python bench/make_prompts.py` after editing the lists below."""
+Run `python prompts/make_prompts.py` after editing the lists below."""
 
 import json
 import os

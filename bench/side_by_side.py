@@ -1,8 +1,9 @@
 # SPDX-License-Identifier: MIT
 """
-bench.py -- run decoding methods side by side on a prompt set and report SpecBench-style numbers.
+bench/side_by_side.py -- the benchmark harness: run decoding methods side by side on a prompt set and
+report SpecBench-style numbers. Every speed claim of the methods' own (RESULTS.md) comes from it.
 
-    python bench.py --methods vanilla,hf-greedy,hf-pld --max-new-tokens 128 --out bench/results/run.jsonl
+    python bench/side_by_side.py --methods vanilla,hf-greedy,hf-pld --max-new-tokens 128 --out bench/results/run.jsonl
 
 How the measurement is made fair (the same rules as SpecBench, Xia et al. 2024):
   * one model, loaded once, shared by all methods;
@@ -12,7 +13,8 @@ How the measurement is made fair (the same rules as SpecBench, Xia et al. 2024):
   * every run starts from scratch (stateful drafters get a fresh state per prompt);
   * speedup = the method's mean of per-prompt tokens/s over hf-greedy's mean of per-prompt tokens/s (a ratio
     of means, not a mean of per-prompt ratios): SpecBench's definition, as RESULTS.md states it; the tables also give total tokens over total time, which weighs slow prompts more;
-  * the prompt set is split in two fixed halves (`split_of`): defaults are tuned on one, reported on the other;
+  * the prompt set is split in two fixed halves (`prompts.split_of`): defaults are tuned on one, reported on
+    the other;
   * mean accepted tokens = new tokens / target forwards, bonus token included; target forwards are counted
     by a forward hook on the target model, so HF's own methods are counted the same way as ours;
   * our methods also report their acceptance rate (accepted / drafted tokens) and the share of the time spent
@@ -21,17 +23,17 @@ How the measurement is made fair (the same rules as SpecBench, Xia et al. 2024):
     those of the plain sampler (vanilla) with the same seed, and hf-sample is the speed baseline;
 
 The prompt file uses SpecBench's question.jsonl format: {"question_id", "category", "turns"}; the first turn
-is the prompt. bench/prompts.jsonl is the project's own set (see bench/make_prompts.py).
+is the prompt. prompts/prompts.jsonl is the project's own set (see prompts/make_prompts.py).
 
 Methods: vanilla, hf-greedy, hf-pld (transformers' prompt lookup decoding), and the PROJECT_METHODS below
 (each method file's variants, plus hf-assisted). A method may fix fields of its config for a tuning sweep:
 `--methods cacheback@ll=1@tdl=32,ngram@draft_count=6 --split tune`.
 
-    python bench.py --fafo-steps 1024,2048,4096,7168 --out bench/results/fafo-steps.jsonl
+    python bench/side_by_side.py --fafo-steps 1024,2048,4096,7168 --out bench/results/fafo-steps.jsonl
 
 times one FAFO step and one Lookahead step instead, on each attention back-end (dense mask, split SDPA,
 FlexAttention compacted blocks; FAFO §4.4), after each context length. The long-context prompt set
-(`--prompts bench/long_prompts.jsonl`, categories 1k/2k/4k/7k) measures the same at the level of tokens/s.
+(`--prompts prompts/long_prompts.jsonl`, categories 1k/2k/4k/7k) measures the same at the level of tokens/s.
 
 `--repeats N` runs the whole interleaved pass N times and reports mean ± std between passes.
 """
@@ -52,28 +54,29 @@ from typing import Sequence
 import numpy as np
 import torch
 
-import verify
-from tools.methods import METHODS
+if __name__ == "__main__":  # run as a script: the repository's root on the path (python -m bench.side_by_side)
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import prompts  # noqa: E402
+import verify  # noqa: E402
+from tools.methods import METHODS  # noqa: E402
 
 # name -> (the method, as tools/methods.py names it, and fields of its config to fix). Modules are imported
 # only when asked for. Each method file has the same interface: <X>Config.for_device(device),
 # prepare(model, tok, cfg, name) -> (cfg, extra), generate(model, ids, n, eos, cfg, **extra).
 PROJECT_METHODS = {
-    "ngram": ("ngram", {}),
+    **{name: (name, {}) for name in METHODS},  # every method of tools/methods.py under its own name
     "ngram-nogate": ("ngram", {"draft_cost": 1.0}),  # the chapter exactly: every draft verified
-    "cacheback": ("cacheback", {}),
     # the paper's Table 1 (on CPU the default is already "no frozen"; on CUDA "dual")
     "cacheback-dual": ("cacheback", {"frozen": "stdlib"}),
     "cacheback-dual-selfchat": ("cacheback", {"frozen": "selfchat"}),
     "cacheback-nofrozen": ("cacheback", {"frozen": "none"}),
     "cacheback-onlyfrozen": ("cacheback", {"frozen": "stdlib", "dynamic_table": False}),
     "cacheback-onlyfrozen-selfchat": ("cacheback", {"frozen": "selfchat", "dynamic_table": False}),
-    "card": ("card", {"mode": "parallel"}),
     "card-lockstep": ("card", {"mode": "lockstep"}),
     # Table 2's ablation needs a cache with branches: K = 4, k = 2, with and without correction
     "card-k4": ("card", {"mode": "lockstep", "K": 4, "k": 2}),
     "card-nocorrect": ("card", {"mode": "lockstep", "K": 4, "k": 2, "correct": False}),
-    "fafo": ("fafo", {}),  # StreamingLLM guesses
     "fafo-quest": ("fafo", {"compress": "quest"}),
     "fafo-snapkv": ("fafo", {"compress": "snapkv"}),  # SnapKV's prompt selection + the recent positions
     "fafo-promptpool": ("fafo", {"prompt_pool": True}),  # the pool seeded with the prompt's k-grams
@@ -178,7 +181,9 @@ def make_runner(spec: str, model, tok, args, sampled: bool = False):
                                                                  prompt_lookup_num_tokens=args.pld_tokens), None)
     if name == "hf-assisted":
         card = _import("card", name)
-        draft = card.load_draft(model, tok, card.CardConfig.for_device(model.device), args.model)
+        # the draft card.py derives from the target: int8 on a CPU (torch's int8 has no GPU kernels), else self
+        spec = "int8" if model.device.type == "cpu" else "self"
+        draft = card.load_draft(model, tok, card.CardConfig(draft=spec), args.model)
 
         def run_assisted(ids, n, eos, s, first):
             return verify.hf_generate(model, ids, n, eos, streamer=first, assistant_model=draft), None
@@ -206,9 +211,15 @@ def make_runner(spec: str, model, tok, args, sampled: bool = False):
         def run(ids, n, eos, s, first):
             return module.generate(model, ids, n, eos, cfg, sampling=s, on_emit=first, **extra)
 
-        if module_name == "card":  # its cost model's prediction beside each measurement
-            costs = card_costs(model, getattr(extra["draft"], "model", extra["draft"]), cfg)
-            return lambda *a: _gen(card_predict(run(*a), costs, cfg))
+        if module_name == "card":  # its cost model's predictions beside each measurement
+            draft = extra["draft"]  # a model (lockstep) or a card.DraftProcess, whose .model is the draft's
+            costs = card_costs(model, draft.model if isinstance(draft, module.DraftProcess) else draft, cfg)
+            setup = None
+            if cfg.draft in ("int8", "self"):  # what the set-up predicted for this configuration (card.choose)
+                measured = module.measure_for_choice(model, tok, cfg, args.model)
+                setup = module.choose(cfg, *measured, can_split=cfg.mode == "parallel",
+                                      threads=torch.get_num_threads()).speedup
+            return lambda *a: _gen(card_predict(module, run(*a), costs, cfg, setup))
         return lambda *a: _gen(run(*a))
     raise verify.UserError(f"--methods: unknown method {name!r} (known: {', '.join(HF_METHODS + list(PROJECT_METHODS))})")
 
@@ -234,7 +245,7 @@ def memory_table(rows, methods) -> str:
     """The memory each method held beyond the target's weights: the mean and the largest over its rows
     (MB); on CUDA also torch's peak allocation during the run, beyond what was allocated before it."""
     cuda = any("peak_cuda_bytes" in r for r in rows)
-    lines = ["", "Memory held beyond the target's weights (MB; bench.py held_bytes: counted from the run's tensors, "
+    lines = ["", "Memory held beyond the target's weights (MB; held_bytes: counted from the run's tensors, "
              "tables as token ids" + ("; peak CUDA: torch.cuda.max_memory_allocated over the run" if cuda else "")
              + "):", "", "| method | mean | largest |" + (" peak CUDA, mean |" if cuda else ""),
              "|---|---|---|" + ("---|" if cuda else "")]
@@ -250,36 +261,9 @@ def memory_table(rows, methods) -> str:
     return "\n".join(lines)
 
 
-# ---- CARD's cost model: the speedup that the measured step times, acceptance and hit rate predict ----------
-#
-# Per target step CARD emits `mat` tokens (mean accepted length, bonus included) for the cost of one step T:
-#   lockstep  T = r * t_draft + t_verify                          the two models take turns
-#   parallel  T = h * max(t_verify, c * t_draft)                  a hit: the draft drafted while the target
-#                                                                 verified, and must replace the c layers
-#                                                                 the step consumed (c: tokens a hit emits)
-#               + (1 - h) * (t_verify + w * t_draft)              a miss: the target waits for w new layers
-#   speedup = mat * t_target / T
-# t_target: a one-token target step; t_verify: a target forward over r + 1 rows; t_draft: one draft layer of K
-# rows; h: the hit rate; w: cfg.wait. Each time is measured ONE SIDE AT A TIME with that side's cores, so the
-# model leaves out what the two processes cost each other (memory bandwidth, caches): it overestimates a
-# little. A CPU figure belongs to its CPU; this is how a reader predicts theirs (RESULTS.md, "CARD on a CPU").
-
-def card_predicted_speedup(costs: dict, mode: str, r: int, wait: int, mat: float, hit_rate: float,
-                           hit_len: float | None = None) -> float:
-    """The cost model above; costs = {"t_target", "t_verify", "t_draft"} in seconds; hit_len = c (default mat).
-
-    >>> paper = dict(t_target=1.0, t_verify=1.0, t_draft=1 / 7)
-    >>> round(card_predicted_speedup(paper, "parallel", 7, 7, mat=5.0, hit_rate=0.97), 2)
-    4.85
-    >>> round(card_predicted_speedup(paper, "lockstep", 7, 7, mat=5.0, hit_rate=0.97), 2)
-    2.5
-    """
-    t_t, t_v, t_d = costs["t_target"], costs["t_verify"], costs["t_draft"]
-    if mode == "lockstep":
-        return mat * t_t / (r * t_d + t_v)
-    c = mat if hit_len is None else hit_len
-    return mat * t_t / (hit_rate * max(t_v, c * t_d) + (1 - hit_rate) * (t_v + wait * t_d))
-
+# ---- CARD's cost model (card.py, section 5b) beside each run: the speedup that the step times measured here,
+# with the run's own acceptance and hit rate, predict (card.choose predicts it before the run, from the draft's
+# agreement). Each side is timed alone with its threads: the model errs on the fast side.
 
 def card_costs(model, draft, cfg) -> dict:
     """The cost model's step times after 256 cached tokens: t_verify and t_draft each on the threads its side
@@ -299,12 +283,14 @@ def card_costs(model, draft, cfg) -> dict:
     return {"t_target": t_target, "t_verify": t_verify, "t_draft": t_draft}
 
 
-def card_predict(gen, costs: dict, cfg):
-    """gen.extra["predicted_speedup"]: the cost model with this run's acceptance and hit rate."""
+def card_predict(card, gen, costs: dict, cfg, setup: float | None = None):
+    """gen.extra["predicted_speedup"]: the cost model (of the card module) with this run's acceptance and hit
+    rate; gen.extra["predicted_at_setup"]: what card.choose predicted before any run (setup)."""
+    gen.extra["predicted_at_setup"] = setup
     if gen.steps:
         hits = gen.extra["hits"]
-        wait = cfg.ratio if cfg.wait is None else cfg.wait
-        gen.extra["predicted_speedup"] = card_predicted_speedup(
+        wait = cfg.ratio if cfg.wait is None else min(cfg.wait, cfg.ratio)
+        gen.extra["predicted_speedup"] = card.predicted_speedup(
             costs, cfg.mode, cfg.ratio, wait, len(gen.tokens) / gen.target_forwards, gen.extra["hit_rate"],
             gen.extra["hit_tokens"] / hits if hits else None)
     return gen
@@ -360,41 +346,6 @@ def fafo_step_times(fafo, model, context: int, backends: Sequence[str] = ("dense
         kv.select(range(context))  # Lookahead: the guess rows see every cached position
         out[f"lookahead_{backend}_ms"] = timed(on_dynamic_cache(kv))
     return out
-
-
-def split_of(question_id: int) -> str:
-    """The fixed split of the shipped prompt set: odd question ids are the TUNING half (every default was
-    chosen on them), even ids the REPORTING half (every table in README and TUTORIAL is measured on them).
-    bench/prompts.jsonl holds four consecutive ids per category, so each category is in both halves."""
-    return "tune" if int(question_id) % 2 else "report"
-
-
-def load_prompts(path: str, limit: int | None, split: str = "all", categories: Sequence[str] | None = None):
-    """SpecBench question.jsonl rows -> [{question_id, category, prompt}], the first turn as the prompt,
-    only those of `split` (tune / report / all) and of `categories` (None: all), at most `limit` per
-    category (in file order). A malformed line is a one-line error, not a traceback."""
-    if not os.path.isfile(path):
-        raise verify.UserError(f"--prompts {path}: no such file")
-    rows, per_cat = [], defaultdict(int)
-    with open(path, encoding="utf-8") as f:
-        for line_no, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-                q = {"question_id": row["question_id"], "category": row["category"], "prompt": row["turns"][0]}
-            except (ValueError, KeyError, IndexError, TypeError):
-                raise verify.UserError(f"{path}:{line_no}: not a SpecBench question (question_id, category, turns)") from None
-            if split != "all" and split_of(q["question_id"]) != split:
-                continue
-            if categories is not None and q["category"] not in categories:
-                continue
-            if limit is None or per_cat[q["category"]] < limit:
-                per_cat[q["category"]] += 1
-                rows.append(q)
-    if not rows:
-        raise verify.UserError(f"{path}: no prompts" + (f" of category {', '.join(categories)}" if categories else ""))
-    return rows
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -504,8 +455,9 @@ def _summarize_pass(rows, methods, baseline: str):
                                 if all("draft_s" in r for r in rs) else None),
                 "per_position": position_rates(rs) if all("per_position" in r for r in rs) else None,
                 "identical": sum(bool(r["identical"]) for r in rs) / len(rs),
-                # CARD only: its cost model's prediction (card_predicted_speedup) and its cache hit rate, per-prompt means
+                # CARD only: its cost model's prediction (card.predicted_speedup) and its cache hit rate, per-prompt means
                 "predicted": mean(rs, "predicted_speedup"),
+                "predicted_at_setup": mean(rs, "predicted_at_setup"),
                 "hit_rate": mean(rs, "hit_rate"),
                 "n": len({r["question_id"] for r in rs}),  # prompts (a prompt run in several passes counts once)
             }
@@ -550,14 +502,16 @@ def markdown(summary, methods, baseline: str = "hf-greedy") -> str:
     # CARD's cost model beside the measurement: a large gap means a cost the model leaves out (or noise)
     predicted = [m for m in methods if summary["overall"].get(m, {}).get("predicted") is not None]
     if predicted:
-        lines += ["", "CARD's cost model (bench.py, card_predicted_speedup): the speedup predicted from the measured step times, mean "
+        lines += ["", "CARD's cost model (card.predicted_speedup): the speedup predicted from the measured step times, mean "
                   "accepted length and hit rate (over a plain one-token target step), beside the measured one "
                   "(SpecBench's, over " + baseline + "), all prompts:", "",
-                  "| method | predicted | measured | mean accepted | hit rate |", "|---" * 5 + "|"]
+                  "(predicted at set-up: card.choose's, from the draft's agreement instead, before any run)", "",
+                  "| method | predicted at set-up | predicted | measured | mean accepted | hit rate |", "|---" * 6 + "|"]
         for m in predicted:
             s = summary["overall"][m]
-            lines.append(f"| {m} | {s['predicted']:.2f}x | {_pm(s, 'speedup', 'x')} | {s['mean_accepted']:.2f} | "
-                         f"{s['hit_rate']:.2f} |")
+            setup = "-" if s["predicted_at_setup"] is None else f"{s['predicted_at_setup']:.2f}x"
+            lines.append(f"| {m} | {setup} | {s['predicted']:.2f}x | {_pm(s, 'speedup', 'x')} | "
+                         f"{s['mean_accepted']:.2f} | {s['hit_rate']:.2f} |")
     # the detailed tables: both speedup definitions side by side (they disagree when prompts differ in length:
     # total tokens over total time weighs the slow prompts more), then the decode rate after the first token
     # (on long prompts the prefill is most of the wall time and is the same for every method)
@@ -617,8 +571,8 @@ def bar_chart(summary, methods, path: str, title: str, baseline: str = "hf-greed
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--methods", default="vanilla,hf-greedy,hf-pld", help="comma list (hf-greedy is always run: it is the reference)")
-    p.add_argument("--prompts", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "bench", "prompts.jsonl"),
-                   help="SpecBench question.jsonl-style file (default: bench/prompts.jsonl)")
+    p.add_argument("--prompts", default=prompts.SHORT,
+                   help="SpecBench question.jsonl-style file (default: prompts/prompts.jsonl)")
     p.add_argument("--max-new-tokens", type=int, default=128, help="per prompt (default: 128)")
     p.add_argument("--model", default=verify.DEFAULT_MODEL, help="as in every method script")
     p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N")
@@ -628,7 +582,7 @@ def main(argv=None) -> int:
     p.add_argument("--no-chat", action="store_true", help="feed the raw prompt, no chat template")
     p.add_argument("--limit", type=int, default=None, help="at most this many prompts per category")
     p.add_argument("--categories", default=None,
-                   help="comma list: only the prompts of these categories (e.g. 4k in bench/long_prompts.jsonl)")
+                   help="comma list: only the prompts of these categories (e.g. 4k in prompts/long_prompts.jsonl)")
     p.add_argument("--split", default="report", choices=["report", "tune", "all"],
                    help="which half of the prompt set: report (even question ids: what README and TUTORIAL report), "
                         "tune (odd ids: what the defaults were chosen on) or all (default: report)")
@@ -723,7 +677,7 @@ def run_fafo_steps(args) -> int:
     text = f"{device_name(model)}, {model.dtype}, median of 10 steps\n\n" + "\n".join(lines)
     print(text)
     with open(os.path.splitext(args.out)[0] + ".md", "w", encoding="utf-8") as f:
-        f.write(f"`python bench.py {' '.join(sys.argv[1:])}`\n\n{text}\n")
+        f.write(f"`python bench/side_by_side.py {' '.join(sys.argv[1:])}`\n\n{text}\n")
     return 0
 
 
@@ -777,8 +731,8 @@ def run(args) -> int:
         raise verify.UserError("--repeats must be at least 1")
     if args.limit is not None and args.limit <= 0:
         raise verify.UserError("--limit must be positive")
-    prompts = load_prompts(args.prompts, args.limit, args.split,
-                           args.categories.split(",") if args.categories else None)
+    questions = prompts.load_prompts(args.prompts, args.limit, args.split,
+                                     args.categories.split(",") if args.categories else None)
     random.seed(0), np.random.seed(0), torch.manual_seed(0)
     model, tok = verify.load_model(args.model, args.device, args.dtype)
     eos = verify.eos_ids_of(model, tok)
@@ -790,7 +744,7 @@ def run(args) -> int:
     forwards = [0]
     model.register_forward_hook(lambda *a: forwards.__setitem__(0, forwards[0] + 1))
 
-    encoded = [verify.encode_prompt(tok, q["prompt"], chat=not args.no_chat) for q in prompts]
+    encoded = [verify.encode_prompt(tok, q["prompt"], chat=not args.no_chat) for q in questions]
     # One untimed warm-up per method: the first call of anything pays for allocations, lazy imports and
     # kernel selection, which must not be charged to whichever method happens to run first.
     for m in methods:
@@ -798,11 +752,11 @@ def run(args) -> int:
 
     rows = []
     # one bar for the whole run, redrawn in place (at most a few times a second): never a line per prompt
-    bar = tqdm(total=args.repeats * len(prompts) * len(methods), desc="bench", unit="run", file=sys.stderr,
+    bar = tqdm(total=args.repeats * len(questions) * len(methods), desc="bench", unit="run", file=sys.stderr,
                mininterval=0.5, dynamic_ncols=True)
     # --repeats N: the whole interleaved pass N times (SpecBench's leaderboard averages 3 runs); the tables
     # give the mean over passes and the standard deviation between them
-    for rep, (q, ids) in ((r, x) for r in range(args.repeats) for x in zip(prompts, encoded)):
+    for rep, (q, ids) in ((r, x) for r in range(args.repeats) for x in zip(questions, encoded)):
         reference = None
         s = dataclasses.replace(sampling, seed=int(q["question_id"]))  # one seed per prompt
         # the reference runs first on every prompt: the tokens "identical" compares with
@@ -849,7 +803,7 @@ def run(args) -> int:
 
     summary = summarize(rows, methods, baseline)
     table = markdown(summary, methods, baseline) + "\n" + memory_table(rows, methods)
-    header = run_header(args, model, len(prompts), sampling)
+    header = run_header(args, model, len(questions), sampling)
     print(header + "\n\n" + table)
 
     if args.out:
@@ -859,7 +813,7 @@ def run(args) -> int:
                 f.write(json.dumps(r) + "\n")
         stem = os.path.splitext(args.out)[0]
         with open(stem + ".md", "w", encoding="utf-8") as f:
-            f.write(f"`python bench.py {' '.join(sys.argv[1:])}`\n\n{header}\n\n{table}\n")
+            f.write(f"`python bench/side_by_side.py {' '.join(sys.argv[1:])}`\n\n{header}\n\n{table}\n")
         bar_chart(summary, methods, stem + ".png", f"{args.model} on {model.device}", baseline)
         print(f"\nrows: {args.out}  table: {stem}.md  chart: {stem}.png", file=sys.stderr)
     return 0
