@@ -6,6 +6,7 @@ and accepted tokens, and a SIGTERM stops the server with no process of it left. 
 where vLLM is not installed."""
 
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -159,4 +160,23 @@ def test_the_server_answers_as_without_speculation_and_stops_cleanly(model_path,
     assert left == [], f"processes left after the server stopped: {left}"
     with open(tmp_path / "ngram.log", encoding="utf-8") as f:
         log = f.read()
-    assert "serve.vllm_proposers.NgramProposer" in log and "Traceback" not in log
+    assert "serve.vllm_proposers.NgramProposer" in log, f"the server did not load our proposer: {log[-2000:]}"
+    ours = os.path.join(ROOT, "serve") + os.sep
+    ours_raised = [block for block in tracebacks(log) if ours in block]
+    assert not ours_raised, f"our proposer raised in the server:\n{ours_raised[0]}"
+
+
+def tracebacks(log: str) -> list[str]:
+    """Each Python traceback in a server's log, from its "Traceback" line to its exception's line, without
+    vLLM's prefixes. Only one through our files is a failure: on SIGTERM vLLM kills its engine process at once
+    (mode=abort) and may log its own output handler's EngineDeadError, with or without speculation."""
+    blocks = []
+    prefix = r"^(\(\w+ pid=\d+\) )?((DEBUG|INFO|WARNING|ERROR) \d\d-\d\d [\d:]+ \[[^\]]*\] )?"
+    lines = [re.sub(prefix, "", line) for line in log.splitlines()]
+    for i, line in enumerate(lines):
+        if "Traceback (most recent call last)" in line:
+            end = i + 1
+            while end < len(lines) and (lines[end].startswith((" ", "\t")) or lines[end].strip() == ""):
+                end += 1
+            blocks.append("\n".join(lines[i: end + 1]))
+    return blocks
