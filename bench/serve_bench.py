@@ -12,10 +12,12 @@ at first).
 
 How the comparison is kept fair on a noisy machine (here a run's speed moved by a third from one ten minutes to
 the next): each drafter runs beside its own engine without speculation, both alive side by side (an idle engine
-costs memory, not time). At batch 1 every prompt runs on both in turn, as bench/side_by_side.py interleaves
-methods per prompt; at a batch B > 1 the whole batch runs on both in turn, --reps times, each repetition in fresh
-engines (suffix keeps every response and would draft the next repetition's from the last). Each ratio is over
-the no speculation of its own pair and repetition.
+costs memory, not time), each first warmed up on a batch of the other half's prompts, with no prefix caching
+(every run prefills its prompts, as a server does for prompts it sees once). At batch 1 every prompt runs on both in turn, as bench/side_by_side.py
+interleaves methods per prompt; at a batch B > 1 the whole batch runs without speculation, with the drafter, and
+without speculation again (a steady drift cancels; no speculation's tokens/s is over both its runs), --reps
+times, each repetition in fresh engines (suffix keeps every response and would draft the next repetition's from
+the last). Each ratio is over the no speculation of its own pair and repetition.
 
 Reported per configuration and batch: tokens/s (total new tokens over total wall time) and its ratio over no
 speculation (the speedup at batch sizes above 1; the median of the repetitions, each beside it); at batch 1 also
@@ -89,33 +91,50 @@ def timed(llm, vllm, encoded: list[list[int]], max_tokens: int) -> tuple[list[li
 
 
 def run_group(group: list[str], known: dict, batch: int, rep: int, encoded, warm_up, args, vllm) -> list[dict]:
-    """The group's engines side by side; batch 1: each prompt on each engine in turn; else the whole batch on
-    each engine in turn. One row per configuration."""
+    """The group's engines side by side, each warmed up on `batch` prompts outside the set (warm_up) submitted
+    together; batch 1: each prompt on each engine in turn; else the whole batch on the baseline, the drafter,
+    the baseline. One row per configuration."""
     engines = {}
     for name in group:
+        # subtle: no prefix caching: the baseline's second run of the same prompts would skip their prefills
+        # (here 16.1 s against 17.8 s for the first, at batch 8)
         engines[name] = vllm.LLM(model=args.model, dtype="float32", max_model_len=2048, max_num_seqs=batch, seed=0,
-                                 enforce_eager=not args.compile, disable_log_stats=False, **known[name])
-        timed(engines[name], vllm, [warm_up], 16)  # a prompt outside the set
+                                 enforce_eager=not args.compile, disable_log_stats=False, enable_prefix_caching=False,
+                                 **known[name])
+        timed(engines[name], vllm, warm_up[:batch], 16)  # the batch's shapes, on prompts outside the set
     rows = {name: {"config": name, "batch": batch, "rep": rep, "group": group[1], "base": group[0], "k": args.k,
-                   "outputs": [],
-                   "seconds": [], **{c.split("num_")[-1]: 0 for c in COUNTERS}} for name in group}
+                   "outputs": [], "seconds": [], "tokens_timed": 0, "same_again": True,
+                   **{c.split("num_")[-1]: 0 for c in COUNTERS}} for name in group}
     work = [[p] for p in encoded] if batch == 1 else [encoded]
     for i, part in enumerate(work):
-        for name in group[i % len(group):] + group[: i % len(group)]:  # each engine first in turn
+        if batch == 1:
+            order = group[i % len(group):] + group[: i % len(group)]  # each engine first in turn
+        else:
+            # subtle: the machine's speed drifts by a third over minutes (RESULTS.md), and a whole batch takes
+            # 15-30 s: the baseline runs before and after the drafter, so that a steady drift cancels
+            order = [group[0], *group[1:], group[0]]
+        ran = set()
+        for name in order:
             outputs, seconds, grown = timed(engines[name], vllm, part, args.max_new_tokens)
-            rows[name]["outputs"] += outputs
+            if name in ran:  # the baseline's second run: timed, its outputs checked against its first
+                rows[name]["same_again"] &= outputs == rows[name]["outputs"][-len(outputs):]
+            else:
+                rows[name]["outputs"] += outputs
+            ran.add(name)
             rows[name]["seconds"].append(seconds)
+            rows[name]["tokens_timed"] += sum(len(o) for o in outputs)
             for counter, value in grown.items():
                 rows[name][counter] += value
     for name in group:
         row = rows[name]
         tokens = [len(o) for o in row["outputs"]]
         row["tokens"] = sum(tokens)
-        row["tokens_per_s"] = sum(tokens) / sum(row["seconds"])
+        row["tokens_per_s"] = row["tokens_timed"] / sum(row["seconds"])
         if batch == 1:
             row["per_prompt_tokens_per_s"] = [n / s for n, s in zip(tokens, row["seconds"])]
         print(f"rep {rep} {name:24s} batch {batch:2d}: {row['tokens_per_s']:6.1f} tokens/s, drafts {row['drafts']}, "
-              f"accepted {row['accepted_tokens']} of {row['draft_tokens']}", file=sys.stderr, flush=True)
+              f"accepted {row['accepted_tokens']} of {row['draft_tokens']}"
+              + ("" if row["same_again"] else " (its two runs' outputs differ)"), file=sys.stderr, flush=True)
     engines.clear()
     gc.collect()
     return list(rows.values())
@@ -205,7 +224,9 @@ def main(argv=None) -> int:
     tok = AutoTokenizer.from_pretrained(args.model)
     questions = prompts.load_prompts(prompts.SHORT, None, args.split)
     encoded = [verify.encode_prompt(tok, q["prompt"]) for q in questions]
-    warm_up = verify.encode_prompt(tok, "Say hello.")
+    other = {"report": "tune", "tune": "report"}.get(args.split)  # the warm-up's prompts: the other half's
+    warm_up = [verify.encode_prompt(tok, q["prompt"]) for q in prompts.load_prompts(prompts.SHORT, None, other)] \
+        if other else [verify.encode_prompt(tok, "Say hello.")] * max(args.batches)
     os.environ.update(proposers.serve_environment())
     rows = []
     for batch in args.batches:
