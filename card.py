@@ -1094,23 +1094,31 @@ def prepare_without_waiting(model, tok, cfg: CardConfig, name: str = verify.DEFA
 # step on every thread; t_verify(n): the target's forward over n tokens; t_draft: one K-node layer):
 #
 #     lockstep   r layers, then a chain of q = r verified         t = r·t_draft + c + t_verify(r + 1)
-#     parallel   a hit: the draft drafted the next chain while   t = max(t_verify(q + 1), (q + 1)·t_draft)
-#                the target verified this one
+#     parallel   a hit: the draft drafted the next chain while   t = max(t_verify(q + 1) + d·t_draft,
+#                the target verified this one                            (q + 1)·t_draft)
 #                a miss: the cache restarts, w layers waited      t = t_verify(q + 1) + w·t_draft + c
 #     per step:  speedup = mat · t_target / t,   t over hits and misses by the hit rate h
 #     per call:  n·t_target / (n·t_target / speedup + t_prefill)    (n = TYPICAL_NEW_TOKENS)
 #
 # c is what the catch-up costs beyond a layer: after a miss (every lockstep step is one, K = 1) the
 # draft's first forward feeds the last accepted token and the bonus token together (Drafter.step),
-# t_draft(2) - t_draft. t_prefill is the draft's prefill of the prompt, which comes after the
-# target's and before the first chain, in either mode: per call, not per step, it is charged for a
-# typical call (TYPICAL_PROMPT_TOKENS, TYPICAL_NEW_TOKENS). subtle: on a CPU without fast bfloat16
+# t_draft(2) - t_draft. d is what a hit still waits for when the draft is fast: the draft process
+# stops drafting once the cache leads the verified text by max_lead layers (2r by default); a hit
+# moves the verified text q + 1 layers down (the chain and the bonus token), so the cache then leads
+# by max_lead - (q + 1), and the query waits until it leads by w again: d = max(0, w + q + 1 -
+# max_lead) layers, drafted while the target waits. (A slow draft never reaches max_lead: its hit
+# costs (q + 1)·t_draft, the other term.) subtle: the model without d predicted 1.54x where CARD ran
+# at 1.13x on an AVX-512 CPU (w = 3, r = 3: d = 1 layer a hit; RESULTS.md, "CARD's choice at
+# set-up"). t_prefill is the draft's prefill of the prompt, which comes after the target's and
+# before the first chain, in either mode: per call, not per step, it is charged for a typical call
+# (TYPICAL_PROMPT_TOKENS, TYPICAL_NEW_TOKENS). subtle: on a CPU without fast bfloat16
 # (AVX2) the bfloat16 self-draft steps almost as fast as the target but prefills several times
 # slower (RESULTS.md, "CARD's choice at set-up"): a model per step alone chose it, and lost.
 #
-# Three quantities come from the draft's agreement with the target, counted token by token on two
-# short greedy answers of the target's own (the draft stepped through them one token at a time, as
-# CARD steps it): from each position, how many of the next tokens the draft gets right in a row.
+# Three quantities come from the draft's agreement with the target, counted token by token on seven
+# short greedy answers of the target's own (CALIBRATION; the draft stepped through them one token at
+# a time, as CARD steps it): from each position, how many of the next tokens the draft gets right in
+# a row.
 #
 #   q    the chain the target verifies. Lockstep: r. Parallel: a query answers once the cache leads
 #        by w layers (cfg.wait, at most max_lead = 2r by default), with what it holds, at most r; the
@@ -1122,28 +1130,65 @@ def prepare_without_waiting(model, tok, cfg: CardConfig, name: str = verify.DEFA
 #        the draft's next guess too, the share of runs longer than q.
 #
 # The model assumes K = 1 (a wider cache hits more) and the step times at 256 cached tokens, and
-# leaves out what the two processes cost each other (memory bandwidth, caches) and the messages:
-# RESULTS.md compares it with measurements.
+# leaves out what the two processes cost each other (memory bandwidth, caches), the messages, and a
+# chain cut short after a hit (where max_lead - (q + 1) < r, the next query may answer with fewer
+# than r tokens): RESULTS.md compares it with measurements.
 
 BEST_RATIOS = range(1, 9)  # the r the choice tries
-CALIBRATION = ("Explain how a hash map stores and finds a key.", "Write a Python function that merges two "
-               "sorted lists, and explain it.")
-CALIBRATION_TOKENS = 48  # the target's greedy answer to each, the text the agreement is counted on
+# the calibration prompts: one per category of the tuning half of the shipped prompts (prompts/,
+# question ids 1, 5, 9, 13, 17, 21, 25), so that the agreement is that of mixed use. subtle: two
+# explanation and code prompts, the calibration before these, had the int8 draft agree more than on
+# the reporting half (mean accepted 3.24 against 2.83 with r = 3): the prediction ran 14% high
+PASSAGE = ('The lighthouse on Karsk Point was built in 1871 after three ships were lost on '
+           'the reef in a single winter. Its first keeper, Ingrid Holm, kept a logbook for '
+           'thirty-two years, recording the weather every four hours, the ships that passed, '
+           'and the birds that struck the lantern glass during the autumn migration. The '
+           'original light burned whale oil and was visible for fourteen nautical miles. In '
+           '1904 it was converted to kerosene, which gave a brighter and steadier flame, and '
+           'the range grew to nineteen miles. Electricity reached the point only in 1952, '
+           "when a cable was laid along the causeway; the same year the keeper's cottage was "
+           'enlarged to house a radio operator. The light was automated in 1987 and the last '
+           'keeper, Tomas Brekke, moved to the mainland town of Solvik, where he opened a '
+           "small museum with the logbooks, a brass fog horn, and the lantern's first Fresnel"
+           ' lens. Today the tower is owned by the Karsk Heritage Trust. Visitors can climb '
+           'its 113 steps from May to September, but the tower is closed on Mondays and '
+           'whenever the wind exceeds 60 kilometres per hour. The trust funds repairs from '
+           'ticket sales and from an annual swim across the bay, held on the first Saturday '
+           'of August, in which about two hundred people take part.')
+CALIBRATION = (
+    "Write a short, friendly email to a neighbour inviting them to a garden barbecue on Saturday.",
+    'Translate the following German sentence into English: "Der Zug nach Berlin hat heute wegen eines '
+    'Sturms zwei Stunden Verspätung."',
+    "Summarize the following text in three sentences.\n\n" + PASSAGE,
+    "What is the difference between weather and climate?",
+    "A shop sells pencils at 3 for 45 cents. How much do 12 pencils cost? Explain step by step.",
+    "Answer the question using only the passage.\n\nPassage: " + PASSAGE + "\n\nQuestion: When can visitors "
+    "climb the Karsk Point lighthouse, and what did the last keeper do after it was automated?",
+    "Write a Python function is_palindrome(s) that ignores case and spaces, with a docstring and two "
+    "example calls.",
+)
+CALIBRATION_TOKENS = 48  # the agreement is counted on the target's greedy answer to each, cut here
 # the call the choice is made for: about the shipped prompts' mean length and bench/'s answer length
 TYPICAL_PROMPT_TOKENS = 128
 TYPICAL_NEW_TOKENS = 128
 
 def predicted_speedup(costs: dict, mode: str, r: int, wait: int, mat: float, hit_rate: float,
-                      hit_len: float | None = None) -> float:
+                      hit_len: float | None = None, max_lead: int | None = None) -> float:
     """The model above, per step; costs = {"t_target", "t_verify", "t_draft"} in seconds (t_verify of
     the verified chain), and "t_catch_up" where known (the draft's two-token forward; else t_draft);
-    hit_len = the layers a hit consumes (default mat).
+    hit_len = the layers a hit consumes (default mat); max_lead = the most layers the cache leads by
+    (default: no bound, so d = 0).
 
     >>> paper = dict(t_target=1.0, t_verify=1.0, t_draft=1 / 7)      # §3.1: a 7x cheaper draft, a GPU
     >>> round(predicted_speedup(paper, "parallel", 7, 7, mat=5.0, hit_rate=0.97), 2)
     4.85
     >>> round(predicted_speedup(paper, "lockstep", 7, 7, mat=5.0, hit_rate=0.97), 2)
     2.5
+    >>> cpu = dict(t_target=60, t_verify=87, t_draft=24)     # in ms (only ratios count); all hits
+    >>> round(predicted_speedup(cpu, "parallel", 3, 3, mat=4.0, hit_rate=1.0, hit_len=4), 2)
+    2.5
+    >>> round(predicted_speedup(cpu, "parallel", 3, 3, mat=4.0, hit_rate=1.0, hit_len=4, max_lead=6), 2)
+    2.16
     """
     t_t = costs["t_target"]
     t_v = costs["t_verify"]
@@ -1151,9 +1196,12 @@ def predicted_speedup(costs: dict, mode: str, r: int, wait: int, mat: float, hit
     catch_up = costs.get("t_catch_up", t_d) - t_d  # c: the catch-up beyond one layer
     if mode == "lockstep":
         return mat * t_t / (r * t_d + catch_up + t_v)
-    c = mat if hit_len is None else hit_len
+    hit_layers = mat if hit_len is None else hit_len
+    # d: the layers a hit still waits for, the cache having stopped max_lead layers ahead
+    d = 0.0 if max_lead is None else max(0.0, wait + hit_layers - max_lead)
+    hit = max(t_v + d * t_d, hit_layers * t_d)
     miss = t_v + wait * t_d + catch_up
-    return mat * t_t / (hit_rate * max(t_v, c * t_d) + (1 - hit_rate) * miss)
+    return mat * t_t / (hit_rate * hit + (1 - hit_rate) * miss)
 
 def per_call(speedup: float, t_target: float, t_prefill: float) -> float:
     """A step's speedup over a typical call, the draft's prefill included (the model above).
@@ -1277,7 +1325,8 @@ def choose(cfg: CardConfig, t_target: float, t_verify: dict, drafts: dict[str, D
                 mat, hit_rate = chain_acceptance(runs, q)
                 costs = {"t_target": t_target, "t_verify": verify_time(times, q + 1), "t_draft": t_draft,
                          "t_catch_up": t_draft if catch_up is None else catch_up}
-                per_step = predicted_speedup(costs, mode, r, wait, mat, hit_rate, hit_len=q + 1)
+                per_step = predicted_speedup(costs, mode, r, wait, mat, hit_rate, hit_len=q + 1,
+                                             max_lead=lead)
                 speed = per_call(per_step, t_target, t_prefill)
                 if best is None or speed > best.speedup + 1e-9:
                     best = Prediction(name, mode, r, speed, t_target, t_draft, share if split else threads,

@@ -289,10 +289,11 @@ def card_predict(card, gen, costs: dict, cfg, setup: float | None = None):
     gen.extra["predicted_at_setup"] = setup
     if gen.steps:
         hits = gen.extra["hits"]
-        wait = cfg.ratio if cfg.wait is None else min(cfg.wait, cfg.ratio)
+        max_lead = 2 * cfg.ratio if cfg.max_lead is None else cfg.max_lead
+        wait = min(cfg.ratio if cfg.wait is None else cfg.wait, max_lead)  # as card.choose and the process
         gen.extra["predicted_speedup"] = card.predicted_speedup(
             costs, cfg.mode, cfg.ratio, wait, len(gen.tokens) / gen.target_forwards, gen.extra["hit_rate"],
-            gen.extra["hit_tokens"] / hits if hits else None)
+            hit_len=gen.extra["hit_tokens"] / hits if hits else None, max_lead=max_lead)
     return gen
 
 

@@ -426,6 +426,13 @@ def test_cost_model_by_hand():
     caught = dict(costs, t_catch_up=0.020)
     assert card.predicted_speedup(caught, "lockstep", 4, 4, mat=3.6, hit_rate=0.5) == pytest.approx(144 / 116)
     assert card.predicted_speedup(caught, "parallel", 4, 4, mat=3.6, hit_rate=0.5) == pytest.approx(144 / 88)
+    # d: a fast draft stops max_lead = 6 layers ahead; a hit takes 5 of them and the query waits for 4,
+    # so 3 more layers are drafted after each hit: max(60 + 3 * 12, 5 * 12) = 96 ms
+    assert card.predicted_speedup(costs, "parallel", 4, 4, mat=3.6, hit_rate=1.0, hit_len=5,
+                                  max_lead=6) == pytest.approx(144 / 96)
+    # ... and none where the cache may lead by w + 5 = 9 layers
+    assert card.predicted_speedup(costs, "parallel", 4, 4, mat=3.6, hit_rate=1.0, hit_len=5,
+                                  max_lead=9) == pytest.approx(144 / 60)
     # per call: 128 tokens at 40 ms = 5.12 s greedy; at 1.5x 3.41 s, plus a 2 s draft prefill -> 5.41 s
     assert card.per_call(1.5, 0.040, 2.0) == pytest.approx(5.12 / (5.12 / 1.5 + 2.0))
 
@@ -579,8 +586,10 @@ def test_the_choice_is_measured_on_the_real_model_once_per_machine(real, monkeyp
     assert all(t > 0 for t in (drafts["int8"].on_all, drafts["int8"].catch_up_share, drafts["int8"].prefill_all))
 
     def share(d):
+        assert len(d.agreement) == len(card.CALIBRATION)
+        assert all(1 <= len(answer) <= card.CALIBRATION_TOKENS for answer in d.agreement)  # EOS may end one
         flat = [x for answer in d.agreement for x in answer]
-        assert set(flat) <= {0, 1} and len(flat) == len(card.CALIBRATION) * card.CALIBRATION_TOKENS
+        assert set(flat) <= {0, 1}
         return sum(flat) / len(flat)
 
     assert 0.5 < share(drafts["int8"]) <= 1.0
