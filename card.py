@@ -123,8 +123,8 @@ class CardConfig:
     def cpu(cls) -> "CardConfig":
         """A one-node-wide cache (CARD's loop, not its width) whose query waits 3 layers, chosen on
         the tuning half of the shipped prompts (RESULTS.md, "CARD on a CPU"); the draft, the mode
-        and r chosen at set-up by their predicted speed on this machine (section 5b: on the CPU the
-        defaults were tuned on, the int8 draft in its own process, r = 5)."""
+        and r chosen at set-up by their predicted speed on this machine (section 5b: on the AVX-512
+        CPU of RESULTS.md, the int8 draft in its own process, r = 3)."""
         return cls(K=1, k=1, ratio=BEST, mode=BEST, wait=3, draft=BEST)
 
     @classmethod
@@ -1117,17 +1117,24 @@ def prepare_without_waiting(model, tok, cfg: CardConfig, name: str = verify.DEFA
 #
 # Three quantities come from the draft's agreement with the target, counted token by token on seven
 # short greedy answers of the target's own (CALIBRATION; the draft stepped through them one token at
-# a time, as CARD steps it): from each position, how many of the next tokens the draft gets right in
-# a row.
+# a time, as CARD steps it: a 1 where its guess of the next token was the target's), walked as CARD
+# walks a text (walk_chains): a chain from where the last step ended, accepted up to its first wrong
+# guess, then the bonus token.
 #
 #   q    the chain the target verifies. Lockstep: r. Parallel: a query answers once the cache leads
 #        by w layers (cfg.wait, at most max_lead = 2r by default), with what it holds, at most r; the
-#        draft drafts about t_verify / t_draft layers during one verification, so q = min(r,
-#        max(w, t_verify(r + 1) / t_draft)).
-#   mat  tokens a step emits: a chain of q accepts min(run, q) tokens, so mat = 1 + their mean.
+#        draft drafts about t_verify / t_draft layers during one verification, so after a hit q =
+#        min(r, max(w, t_verify(r + 1) / t_draft)), and after a miss (the cache restarted) min(w, r).
+#   mat  tokens a step emits: the accepted part of its chain and the bonus token.
 #   h    how often the cache still holds the text after a step (a "hit", §2.4: the next chain is
 #        already drafted): with K = 1 only when the whole chain was accepted and the bonus token is
-#        the draft's next guess too, the share of runs longer than q.
+#        the draft's next guess too.
+#
+# subtle: walked, not averaged over every position of the answers. A chain starts right after the
+# step before it ended, which after a miss is right after a wrong guess, where the draft is wrong
+# more often than on average: averaged over every position, the int8 draft's mean accepted length
+# was 3.65 at q = 4 where walked it is 3.24 and CARD measured 2.92 (RESULTS.md, "CARD's choice at
+# set-up").
 #
 # The model assumes K = 1 (a wider cache hits more) and the step times at 256 cached tokens, and
 # leaves out what the two processes cost each other (memory bandwidth, caches), the messages, and a
@@ -1212,31 +1219,34 @@ def per_call(speedup: float, t_target: float, t_prefill: float) -> float:
     greedy = TYPICAL_NEW_TOKENS * t_target
     return greedy / (greedy / speedup + t_prefill)
 
-def runs_of(agreement: Sequence[Sequence[int]]) -> list[int]:
-    """From each position of each answer, how many tokens in a row the draft guessed right.
+def walk_chains(agreement: Sequence[Sequence[int]], q_hit: int, q_miss: int) -> tuple[float, float]:
+    """(mat, h): CARD's K = 1 chains walked over each answer's guesses (1: the draft's guess of that
+    token was right). Each step verifies a chain of q_hit tokens after a hit, q_miss after a miss
+    (and at the start), accepts up to its first wrong guess, and emits one more, the bonus token;
+    a hit when the whole chain and the bonus were guessed.
 
-    >>> runs_of([[1, 1, 0, 1], [0]])
-    [2, 1, 0, 1, 0]
+    >>> walk_chains([[1, 1, 0, 1, 1, 1, 1]], q_hit=3, q_miss=2)
+    (2.3333333333333335, 0.3333333333333333)
+
+    (a chain of 2 at 0: both right, the bonus at 2 wrong: a miss, 3 tokens; a chain of 2 at 3: both
+    right and the bonus at 5: a hit, 3 tokens; a chain of 3 at 6: one token left, 1 token)
     """
-    runs = []
+    steps = emitted = hits = 0
     for answer in agreement:
-        run = 0
-        backwards = []
-        for right in reversed(answer):
-            run = run + 1 if right else 0
-            backwards.append(run)
-        runs += backwards[::-1]
-    return runs
-
-def chain_acceptance(runs: Sequence[int], q: int) -> tuple[float, float]:
-    """(mat, h) of a K = 1 chain of q tokens: 1 + the mean of min(run, q), and the share of runs
-    longer than q (the chain accepted whole, and the bonus the draft's next guess).
-
-    >>> chain_acceptance([2, 1, 0, 1, 0], 1)
-    (1.6, 0.2)
-    """
-    mat = 1 + sum(min(run, q) for run in runs) / max(len(runs), 1)
-    return mat, sum(run > q for run in runs) / max(len(runs), 1)
+        pos = 0
+        q = q_miss
+        while pos < len(answer):
+            accepted = 0
+            while accepted < q and pos + accepted < len(answer) and answer[pos + accepted]:
+                accepted += 1
+            bonus = pos + accepted  # the token the target emits itself
+            hit = accepted == q and bonus < len(answer) and answer[bonus] == 1
+            steps += 1
+            emitted += min(accepted + 1, len(answer) - pos)
+            hits += hit
+            pos = bonus + 1
+            q = q_hit if hit else q_miss
+    return emitted / max(steps, 1), hits / max(steps, 1)
 
 @dataclass
 class DraftMeasure:
@@ -1284,12 +1294,12 @@ def choose(cfg: CardConfig, t_target: float, t_verify: dict, drafts: dict[str, D
     can_split: whether a draft process can run beside the target (two cores, a spawnable program).
     Ties go to the smaller r.
 
-    >>> right_7_of_8 = [[1, 1, 1, 1, 1, 1, 1, 0]] * 12      # the draft's guesses on 12 answers
-    >>> fast = {"int8": DraftMeasure(on_all=0.01, on_share=0.012, agreement=right_7_of_8)}
+    >>> guessed = [1, 1, 1, 1, 1, 1, 0, 1, 1, 1, 0, 1, 1, 1, 1, 1, 1, 1, 1, 0, 1, 1, 0]  # 19 of 23 right
+    >>> fast = {"int8": DraftMeasure(on_all=0.01, on_share=0.012, agreement=[guessed * 3] * 4)}
     >>> verify_times = {share: {n: 0.04 + 0.01 * n for n in range(1, 10)} for share in ("all", "share")}
     >>> best = choose(CardConfig.cpu(), 0.045, verify_times, fast, can_split=True, threads=2)
     >>> best.draft, best.mode, best.ratio, round(best.speedup, 2)
-    ('int8', 'parallel', 4, 1.5)
+    ('int8', 'parallel', 4, 1.51)
     """
     share = max(1, threads // 2)
     names = list(drafts) if cfg.draft == BEST else [cfg.draft]
@@ -1302,7 +1312,6 @@ def choose(cfg: CardConfig, t_target: float, t_verify: dict, drafts: dict[str, D
     best = None
     for name in names:
         measured = drafts[name]
-        runs = runs_of(measured.agreement)
         for mode in modes:
             split = mode == "parallel" and can_split
             t_draft = measured.on_share if split else measured.on_all
@@ -1318,11 +1327,13 @@ def choose(cfg: CardConfig, t_target: float, t_verify: dict, drafts: dict[str, D
             for r in ratios:
                 lead = 2 * r if cfg.max_lead is None else cfg.max_lead  # the draft process waits at most so
                 wait = min(r if cfg.wait is None else cfg.wait, lead)
-                if mode == "lockstep":
+                if mode == "lockstep":  # every step drafts r layers from a restarted cache
                     q = r
+                    after_miss = r
                 else:
                     q = min(r, max(wait, math.floor(verify_time(times, r + 1) / t_draft)))
-                mat, hit_rate = chain_acceptance(runs, q)
+                    after_miss = min(wait, r)  # the query answers once the restarted cache leads by w
+                mat, hit_rate = walk_chains(measured.agreement, q, after_miss)
                 costs = {"t_target": t_target, "t_verify": verify_time(times, q + 1), "t_draft": t_draft,
                          "t_catch_up": t_draft if catch_up is None else catch_up}
                 per_step = predicted_speedup(costs, mode, r, wait, mat, hit_rate, hit_len=q + 1,

@@ -549,27 +549,38 @@ def test_explicit_fields_are_kept_and_only_best_ones_chosen(fresh_warning_state)
                                      can_split=True, threads=2).ratio == 12
 
 
-def test_chain_acceptance_against_the_chain_walked_token_by_token():
-    """mat and the hit rate of a K = 1 chain of q from the run lengths, against the chain itself walked over
-    the same guesses: from every position, accept until the first wrong guess or q tokens; a hit when all q
-    were accepted and the guess after them is right too."""
-    import random
+def test_walked_chains_by_hand():
+    """walk_chains against steps worked by hand: where each chain starts, how much it accepts, hit or miss."""
+    # q = 3 everywhere: [1 1 1 1] at 0: 3 accepted + the bonus (right: a hit) -> 4 tokens; at 4: [0] -> 1 token
+    assert card.walk_chains([[1, 1, 1, 1, 0]], 3, 3) == (2.5, 0.5)
+    # a miss shortens the next chain: q_miss = 1 at 0 accepts 1, bonus wrong (miss); at 2 a chain of 1 accepts 1,
+    # bonus right (hit); at 4 a chain of 4 accepts the last 2 -> 2, 2, 2 tokens over 3 steps, 1 hit
+    assert card.walk_chains([[1, 0, 1, 1, 1, 1]], 4, 1) == (2.0, 1 / 3)
+    # every guess wrong: one token a step, never a hit; every guess right: q + 1 a step, every step a hit
+    assert card.walk_chains([[0] * 6], 3, 3) == (1.0, 0.0)
+    assert card.walk_chains([[1] * 12], 3, 3) == (4.0, 1.0)
 
-    rng = random.Random(0)
-    agreement = [[int(rng.random() < 0.8) for _ in range(48)] for _ in range(4)]
-    for q in (1, 3, 5):
+
+def test_walked_chains_start_after_a_miss_where_the_average_does_not():
+    """Wrong guesses come in clusters in real text, and a cluster costs the walk a step per token (each chain
+    starts right after the wrong guess before it), where the mean over every start position counts it once a
+    token. Clustered guesses: the walk is well below the average; wrong guesses spread evenly: the two agree
+    to within a token."""
+    clustered = [[1] * 10 + [0, 0, 0] + [1] * 10 + [0, 0, 0]] * 4
+
+    def averaged(agreement, q):  # the mean over every start position, the estimate the walk replaced
         accepted = []
-        hits = []
         for answer in agreement:
             for i in range(len(answer)):
                 a = 0
                 while a < q and i + a < len(answer) and answer[i + a]:
                     a += 1
                 accepted.append(a)
-                hits.append(a == q and i + q < len(answer) and answer[i + q] == 1)
-        mat, hit = card.chain_acceptance(card.runs_of(agreement), q)
-        assert mat == pytest.approx(1 + sum(accepted) / len(accepted))
-        assert hit == pytest.approx(sum(hits) / len(hits))
+        return 1 + sum(accepted) / len(accepted)
+
+    assert card.walk_chains(clustered, 4, 4)[0] < averaged(clustered, 4) - 0.5  # 2.6 against 3.62
+    spread = [[1, 1, 1, 1, 1, 1, 1, 0] * 4] * 4
+    assert abs(card.walk_chains(spread, 4, 4)[0] - averaged(spread, 4)) < 1.0  # 4.0 against 3.75
 
 
 def test_the_choice_is_measured_on_the_real_model_once_per_machine(real, monkeypatch, tmp_path):
