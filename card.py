@@ -1121,20 +1121,21 @@ def prepare_without_waiting(model, tok, cfg: CardConfig, name: str = verify.DEFA
 # walks a text (walk_chains): a chain from where the last step ended, accepted up to its first wrong
 # guess, then the bonus token.
 #
-#   q    the chain the target verifies. Lockstep: r. Parallel: a query answers once the cache leads
-#        by w layers (cfg.wait, at most max_lead = 2r by default), with what it holds, at most r; the
-#        draft drafts about t_verify / t_draft layers during one verification, so after a hit q =
-#        min(r, max(w, t_verify(r + 1) / t_draft)), and after a miss (the cache restarted) min(w, r).
+#   q    the chain the target verifies after a hit. Lockstep: r. Parallel: a query answers once the
+#        cache leads by w layers (cfg.wait, at most max_lead = 2r by default), with what it holds, at
+#        most r; the draft drafts about t_verify / t_draft layers during one verification, so q =
+#        min(r, max(w, t_verify(r + 1) / t_draft)). After a miss the cache restarted: the chain is
+#        min(w, r) (walk_chains's q_miss; the step times charge t_verify(q + 1) all the same).
 #   mat  tokens a step emits: the accepted part of its chain and the bonus token.
 #   h    how often the cache still holds the text after a step (a "hit", §2.4: the next chain is
 #        already drafted): with K = 1 only when the whole chain was accepted and the bonus token is
 #        the draft's next guess too.
 #
-# subtle: walked, not averaged over every position of the answers. A chain starts right after the
-# step before it ended, which after a miss is right after a wrong guess, where the draft is wrong
-# more often than on average: averaged over every position, the int8 draft's mean accepted length
-# was 3.65 at q = 4 where walked it is 3.24 and CARD measured 2.92 (RESULTS.md, "CARD's choice at
-# set-up").
+# subtle: walked, not averaged over every position of the answers. Where r > w, a chain after a
+# miss is shorter than q; and a chain starts where the step before it ended (after a miss: right
+# after a wrong guess). For the int8 draft at r = 4 (q = 4, chains of 3 after a miss) the average
+# over every position said 3.71 tokens a step, the walk says 3.36, and CARD ran 2.94 (RESULTS.md,
+# "CARD's choice at set-up"); at r = 3 the two agree (3.20 and 3.16).
 #
 # The model assumes K = 1 (a wider cache hits more) and the step times at 256 cached tokens, and
 # leaves out what the two processes cost each other (memory bandwidth, caches), the messages, and a
@@ -1221,19 +1222,22 @@ def per_call(speedup: float, t_target: float, t_prefill: float) -> float:
 
 def walk_chains(agreement: Sequence[Sequence[int]], q_hit: int, q_miss: int) -> tuple[float, float]:
     """(mat, h): CARD's K = 1 chains walked over each answer's guesses (1: the draft's guess of that
-    token was right). Each step verifies a chain of q_hit tokens after a hit, q_miss after a miss
-    (and at the start), accepts up to its first wrong guess, and emits one more, the bonus token;
-    a hit when the whole chain and the bonus were guessed.
+    token was right). An answer's first token is the target's own, from its prefill: the walk starts
+    after it. Each step verifies a chain of q_hit tokens after a hit, q_miss after a miss (and at
+    the start), accepts up to the draft's first wrong guess, and emits one more, the bonus token
+    (the target's); a hit when the draft guessed the whole chain and the bonus. (It assumes the
+    cache has drafted the bonus's layer by the time of the correction.)
 
-    >>> walk_chains([[1, 1, 0, 1, 1, 1, 1]], q_hit=3, q_miss=2)
+    >>> walk_chains([[1, 1, 1, 0, 1, 1, 1, 1]], q_hit=3, q_miss=2)
     (2.3333333333333335, 0.3333333333333333)
 
-    (a chain of 2 at 0: both right, the bonus at 2 wrong: a miss, 3 tokens; a chain of 2 at 3: both
-    right and the bonus at 5: a hit, 3 tokens; a chain of 3 at 6: one token left, 1 token)
+    (after the first token: a chain of 2 at 1, both right, the draft's guess at 3 wrong: a miss, 3
+    tokens; a chain of 2 at 4, both right and the guess at 6 right: a hit, 3 tokens; a chain of 3 at
+    7: one token left, 1 token)
     """
     steps = emitted = hits = 0
     for answer in agreement:
-        pos = 0
+        pos = 1  # answer[0] came from the target's prefill
         q = q_miss
         while pos < len(answer):
             accepted = 0
@@ -1299,7 +1303,7 @@ def choose(cfg: CardConfig, t_target: float, t_verify: dict, drafts: dict[str, D
     >>> verify_times = {share: {n: 0.04 + 0.01 * n for n in range(1, 10)} for share in ("all", "share")}
     >>> best = choose(CardConfig.cpu(), 0.045, verify_times, fast, can_split=True, threads=2)
     >>> best.draft, best.mode, best.ratio, round(best.speedup, 2)
-    ('int8', 'parallel', 4, 1.51)
+    ('int8', 'parallel', 4, 1.49)
     """
     share = max(1, threads // 2)
     names = list(drafts) if cfg.draft == BEST else [cfg.draft]

@@ -550,28 +550,29 @@ def test_explicit_fields_are_kept_and_only_best_ones_chosen(fresh_warning_state)
 
 
 def test_walked_chains_by_hand():
-    """walk_chains against steps worked by hand: where each chain starts, how much it accepts, hit or miss."""
-    # q = 3 everywhere: [1 1 1 1] at 0: 3 accepted + the bonus (right: a hit) -> 4 tokens; at 4: [0] -> 1 token
-    assert card.walk_chains([[1, 1, 1, 1, 0]], 3, 3) == (2.5, 0.5)
-    # a miss shortens the next chain: q_miss = 1 at 0 accepts 1, bonus wrong (miss); at 2 a chain of 1 accepts 1,
-    # bonus right (hit); at 4 a chain of 4 accepts the last 2 -> 2, 2, 2 tokens over 3 steps, 1 hit
-    assert card.walk_chains([[1, 0, 1, 1, 1, 1]], 4, 1) == (2.0, 1 / 3)
+    """walk_chains against steps worked by hand: where each chain starts, how much it accepts, hit or miss. Each
+    answer's first token is the target's (its prefill), never drafted: the walk starts after it."""
+    # q = 3: [1 1 1 1] at 1: 3 accepted + the bonus, guessed too (a hit) -> 4 tokens; at 5: [0] -> 1 token
+    assert card.walk_chains([[1, 1, 1, 1, 1, 0]], 3, 3) == (2.5, 0.5)
+    # a miss shortens the next chain: q_miss = 1 at 1 accepts 1, the guess after it wrong (a miss); at 3 a chain
+    # of 1 accepts 1, the guess after it right (a hit); at 5 a chain of 4 accepts the last 2: 2, 2, 2 tokens
+    assert card.walk_chains([[1, 1, 0, 1, 1, 1, 1]], 4, 1) == (2.0, 1 / 3)
     # every guess wrong: one token a step, never a hit; every guess right: q + 1 a step, every step a hit
-    assert card.walk_chains([[0] * 6], 3, 3) == (1.0, 0.0)
-    assert card.walk_chains([[1] * 12], 3, 3) == (4.0, 1.0)
+    assert card.walk_chains([[1] + [0] * 6], 3, 3) == (1.0, 0.0)
+    assert card.walk_chains([[1] * 13], 3, 3) == (4.0, 1.0)
 
 
 def test_walked_chains_start_after_a_miss_where_the_average_does_not():
-    """Wrong guesses come in clusters in real text, and a cluster costs the walk a step per token (each chain
-    starts right after the wrong guess before it), where the mean over every start position counts it once a
-    token. Clustered guesses: the walk is well below the average; wrong guesses spread evenly: the two agree
-    to within a token."""
-    clustered = [[1] * 10 + [0, 0, 0] + [1] * 10 + [0, 0, 0]] * 4
+    """The mean over every start position gives each position inside a long run of right guesses a chain of
+    its own; CARD's walk crosses such a run in one step per q + 1 tokens, and spends a step on each token of a
+    cluster of wrong guesses, where the next chain starts. Clustered guesses: the walk is well below the
+    average; wrong guesses spread evenly: the two agree to within a token."""
+    clustered = [[1] + [1] * 10 + [0, 0, 0] + [1] * 10 + [0, 0, 0]] * 4
 
     def averaged(agreement, q):  # the mean over every start position, the estimate the walk replaced
         accepted = []
         for answer in agreement:
-            for i in range(len(answer)):
+            for i in range(1, len(answer)):
                 a = 0
                 while a < q and i + a < len(answer) and answer[i + a]:
                     a += 1
@@ -579,7 +580,7 @@ def test_walked_chains_start_after_a_miss_where_the_average_does_not():
         return 1 + sum(accepted) / len(accepted)
 
     assert card.walk_chains(clustered, 4, 4)[0] < averaged(clustered, 4) - 0.5  # 2.6 against 3.62
-    spread = [[1, 1, 1, 1, 1, 1, 1, 0] * 4] * 4
+    spread = [[1] + [1, 1, 1, 1, 1, 1, 1, 0] * 4] * 4
     assert abs(card.walk_chains(spread, 4, 4)[0] - averaged(spread, 4)) < 1.0  # 4.0 against 3.75
 
 
