@@ -1107,12 +1107,12 @@ def prepare_without_waiting(model, tok, cfg: CardConfig, name: str = verify.DEFA
 # moves the verified text q + 1 layers down (the chain and the bonus token), so the cache then leads
 # by max_lead - (q + 1), and the query waits until it leads by w again: d = max(0, w + q + 1 -
 # max_lead) layers, drafted while the target waits. (A slow draft never reaches max_lead: its hit
-# costs (q + 1)·t_draft, the other term.) subtle: the model without d predicted 1.54x where CARD ran
-# at 1.13x on an AVX-512 CPU (w = 3, r = 3: d = 1 layer a hit; RESULTS.md, "CARD's choice at
-# set-up"). t_prefill is the draft's prefill of the prompt, which comes after the target's and
-# before the first chain, in either mode: per call, not per step, it is charged for a typical call
-# (TYPICAL_PROMPT_TOKENS, TYPICAL_NEW_TOKENS). subtle: on a CPU without fast bfloat16
-# (AVX2) the bfloat16 self-draft steps almost as fast as the target but prefills several times
+# costs (q + 1)·t_draft, the other term.) subtle: with the CPU default's w = 3 and r = 3, d is one
+# layer a hit; the model's first version, without d, predicted well above what CARD ran at
+# (RESULTS.md, "CARD's choice at set-up"). t_prefill is the draft's prefill of the prompt, which
+# comes after the target's and before the first chain, in either mode: per call, not per step, it is
+# charged for a typical call (TYPICAL_PROMPT_TOKENS, TYPICAL_NEW_TOKENS). subtle: on a CPU without
+# fast bfloat16 (AVX2) the bfloat16 self-draft steps almost as fast as the target but prefills several times
 # slower (RESULTS.md, "CARD's choice at set-up"): a model per step alone chose it, and lost.
 #
 # Three quantities come from the draft's agreement with the target, counted token by token on seven
@@ -1132,10 +1132,9 @@ def prepare_without_waiting(model, tok, cfg: CardConfig, name: str = verify.DEFA
 #        the draft's next guess too.
 #
 # subtle: walked, not averaged over every position of the answers. Where r > w, a chain after a
-# miss is shorter than q; and a chain starts where the step before it ended (after a miss: right
-# after a wrong guess). For the int8 draft at r = 4 (q = 4, chains of 3 after a miss) the average
-# over every position said 3.71 tokens a step, the walk says 3.36, and CARD ran 2.94 (RESULTS.md,
-# "CARD's choice at set-up"); at r = 3 the two agree (3.20 and 3.16).
+# miss is shorter than q, and a chain starts where the step before it ended (after a miss: right
+# after a wrong guess): the average over every position says more tokens a step than the walk
+# does (RESULTS.md, "CARD's choice at set-up", has both beside what CARD ran).
 #
 # The model assumes K = 1 (a wider cache hits more) and the step times at 256 cached tokens, and
 # leaves out what the two processes cost each other (memory bandwidth, caches), the messages, and a
@@ -1146,7 +1145,7 @@ BEST_RATIOS = range(1, 9)  # the r the choice tries
 # the calibration prompts: one per category of the tuning half of the shipped prompts (prompts/,
 # question ids 1, 5, 9, 13, 17, 21, 25), so that the agreement is that of mixed use. subtle: two
 # explanation and code prompts, the calibration before these, had the int8 draft agree more than on
-# the reporting half (mean accepted 3.24 against 2.83 with r = 3): the prediction ran 14% high
+# the reporting half, and the prediction ran high (RESULTS.md, "CARD's choice at set-up")
 PASSAGE = ('The lighthouse on Karsk Point was built in 1871 after three ships were lost on '
            'the reef in a single winter. Its first keeper, Ingrid Holm, kept a logbook for '
            'thirty-two years, recording the weather every four hours, the ships that passed, '

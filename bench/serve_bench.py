@@ -13,8 +13,8 @@ at first).
 How the comparison is kept fair on a noisy machine (here a run's speed moved by a third from one ten minutes to
 the next): each drafter runs beside its own engine without speculation, both alive side by side (an idle engine
 costs memory, not time), each first warmed up on a batch of the other half's prompts, with no prefix caching
-(every run prefills its prompts, as a server does for prompts it sees once). At batch 1 every prompt runs on both in turn, as bench/side_by_side.py
-interleaves methods per prompt; at a batch B > 1 the whole batch runs without speculation, with the drafter, and
+(every run prefills its prompts, as a server does for prompts it sees once). At batch 1 every prompt runs on
+both in turn, as bench/side_by_side.py interleaves methods per prompt; at a batch B > 1 the whole batch runs without speculation, with the drafter, and
 without speculation again (a steady drift cancels; no speculation's tokens/s is over both its runs), --reps
 times, each repetition in fresh engines (suffix keeps every response and would draft the next repetition's from
 the last). Each ratio is over the no speculation of its own pair and repetition.
