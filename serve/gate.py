@@ -240,8 +240,9 @@ class DraftRecord:
 # ---- 3. The rule -------------------------------------------------------------------------------------------
 #
 # Every draft token of every row is a candidate with its P. Sorted from the surest down, each is
-# sent while it pays (P > b·S / t, S and t growing as tokens are added); the first that does not
-# ends the step's choice, since every later one is less sure still. A chain's P never rises along
+# sent while it pays (P > b·S / t, S and t growing as tokens are added; with free slots a token
+# counts for less, below); the first that does not ends the step's choice, since every later one
+# is less sure still. A chain's P never rises along
 # it, so what a row is sent is always a prefix of its draft. subtle: the bar b·S / t only rises as
 # tokens are sent (a token is sent only when it lifts S / t). Worked, one row, a = 46 ms, b = 6 ms
 # (the prior's numbers):
@@ -249,21 +250,46 @@ class DraftRecord:
 #     P = 0.8, 0.5, 0.2     S, t = 1, 52 ms   0.8 > 6·1/52 = 0.12    send   S, t = 1.8, 58 ms
 #                                             0.5 > 6·1.8/58 = 0.19  send   S, t = 2.3, 64 ms
 #                                             0.2 < 6·2.3/64 = 0.22  stop: two tokens sent
+#
+# When nobody waits. P > b·S / t counts an accepted token as worth t / S, a row's share of the
+# step: right while requests wait (the row ends sooner and the next request takes its place), and
+# for each request's own latency. With fewer rows than the engine's slots (max_num_seqs) nobody
+# waits: the scheduler would have let them in. subtle: there, a token accepted on a row that is
+# not the last to finish saves only that row's cost in a later step (b), not its share of one:
+# the step's fixed cost a is paid until the last row ends. And the rows whose drafts pass are the
+# ones racing ahead, the least likely to be last. A closed batch (14 requests at 16 slots, all
+# submitted at once) lost 6-8% to drafts that paid by t / S (RESULTS.md, "Serving under load on
+# the AVX-512 EPYC"). Which row ends last cannot be known (the proposer sees no request's
+# max_tokens), so with more than one row and free slots an accepted token counts for IDLE_VALUE of
+# one, in S as in the rule: IDLE_VALUE·P > b·S / t. One row is always the last: it counts whole.
+# IDLE_VALUE was chosen on the tuning half by bench/serve_sim.py (the proposers in a simulated
+# engine with the step costs measured in vLLM): closed batches of 16 went from 0.90x to 0.99x, batches
+# of 4 and 8 (full, requests waiting) kept their gains, and with requests arriving at random into
+# 16 slots the mean latency rose by at most 2% and the 90th percentile fell (RESULTS.md).
+
+IDLE_VALUE = 0.5  # what an accepted token counts for while nobody waits
 
 
 @dataclass
 class BatchGate:
-    """gate = 'on': the draft tokens worth their share of the forward, batch-wide. clock: the time
-    source (tests inject one).
+    """gate = 'on': the draft tokens worth their share of the forward, batch-wide. slots: the
+    engine's max_num_seqs (None: unknown, requests taken to wait). clock: the time source (tests
+    inject one).
 
-    >>> gate = BatchGate()
+    >>> gate = BatchGate(slots=8)
     >>> for n in (1, 2, 3, 4, 1, 5):                  # a forward of n tokens: 46 ms + 6 ms a token
     ...     gate.times.add(n, 0.046 + 0.006 * n)
     >>> gate.choose({0: [0.8, 0.5, 0.2]})             # one row, its draft's P_j
     {0: 2}
+    >>> gate.choose({0: [0.8], 1: [0.3]}, batch=8)    # all 8 slots full: 0.3 > 6·2.8/64 = 0.26
+    {0: 1, 1: 1}
+    >>> gate.choose({0: [0.8], 1: [0.3]})             # two rows, 6 free slots: 0.5·0.3 < 0.21
+    {0: 1, 1: 0}
     """
 
     clock: Callable[[], float] = time.perf_counter
+    slots: int | None = None  # the engine's max_num_seqs
+    idle_value: float = IDLE_VALUE  # an accepted token's worth while nobody waits (bench/serve_sim.py)
     times: StepTimes = field(default_factory=StepTimes)
     acceptance: Acceptance = field(default_factory=Acceptance)
     last_start: float | None = None
@@ -283,9 +309,13 @@ class BatchGate:
         """The step in progress is not to be timed (the drafting failed)."""
         self.last_start = None
 
-    def choose(self, rows: dict[int, list[float]]) -> dict[int, int]:
-        """{row: its draft's P_j, non-increasing} -> {row: how many of its draft tokens to send}."""
+    def choose(self, rows: dict[int, list[float]], batch: int | None = None) -> dict[int, int]:
+        """{row: its draft's P_j, non-increasing} -> {row: how many of its draft tokens to send}.
+        batch: the rows the engine is running, drafted or not (default: len(rows))."""
         a, b = self.times.fit()
+        batch = len(rows) if batch is None else batch
+        nobody_waits = self.slots is not None and 1 < batch < self.slots
+        value = self.idle_value if nobody_waits else 1.0  # what an accepted token counts for
         emitted = float(len(rows))  # S: each row's bonus token (a row without a draft included)
         seconds = a + b * len(rows)  # t: one token a row
         candidates = sorted((-p, j, row) for row, probs in rows.items() for j, p in enumerate(probs))
@@ -294,10 +324,10 @@ class BatchGate:
         # in chain order and what it is sent is a prefix of its draft
         for minus_p, _j, row in candidates:
             p = -minus_p
-            if p * seconds <= b * emitted:  # P <= b·S / t: it would not pay for its share
+            if value * p * seconds <= b * emitted:  # P <= b·S / t: it would not pay for its share
                 break
             lengths[row] += 1
-            emitted += p
+            emitted += value * p
             seconds += b
         self.tokens_sent += sum(lengths.values())
         self.tokens_held += sum(len(probs) for probs in rows.values()) - sum(lengths.values())
@@ -308,7 +338,7 @@ class BatchGate:
 class AllDrafts(BatchGate):
     """gate = 'off': every row is sent its whole draft (the proposers as they were before the gate)."""
 
-    def choose(self, rows: dict[int, list[float]]) -> dict[int, int]:
+    def choose(self, rows: dict[int, list[float]], batch: int | None = None) -> dict[int, int]:
         lengths = {row: len(probs) for row, probs in rows.items()}
         self.tokens_sent += sum(lengths.values())
         return lengths

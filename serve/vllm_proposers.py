@@ -392,7 +392,8 @@ class ChainProposer:
         self.vocab_size = vllm_config.model_config.get_vocab_size()
         # a user's schedule of k by batch size, which vLLM does not apply to custom_class: a cap here
         self.schedule = getattr(vllm_config.speculative_config, "num_speculative_tokens_per_batch_size", None)
-        self.gate = BatchGate() if self.options.gate == "on" else AllDrafts()
+        slots = vllm_config.scheduler_config.max_num_seqs
+        self.gate = BatchGate(slots=slots) if self.options.gate == "on" else AllDrafts()
         # gone requests remembered: two batches' worth (a request paused for a step comes back)
         self.rows = Rows(self.new_request, keep=2 * vllm_config.scheduler_config.max_num_seqs)
         self.calls = 0
@@ -454,7 +455,7 @@ class ChainProposer:
             room = self.max_model_len - len(texts[row])
             drafts[row] = state.draft(min(cap, room))
         lengths = self.gate.choose({row: self.gate.acceptance.chain(draft.keys, states[row].own)
-                                    for row, draft in drafts.items()})
+                                    for row, draft in drafts.items()}, batch=len(sampled_token_ids))
         chains = [[] for _ in sampled_token_ids]
         for row, draft in drafts.items():
             chains[row] = draft.tokens[: lengths[row]]

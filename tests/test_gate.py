@@ -66,6 +66,33 @@ def test_the_rule_sends_a_token_only_while_it_pays():
     assert 0 < sum(chosen.values()) < sum(map(len, rows.values()))
 
 
+def test_with_free_slots_an_accepted_token_counts_for_less():
+    """Nobody waits (fewer rows than slots): the choice maximizes (B + IDLE_VALUE·ΣP) / t, by brute force; with
+    every slot full it is the rule's usual choice, and one row alone counts its tokens whole."""
+    gate = batch_gate.BatchGate(slots=8)
+    for n in (2, 4, 6, 8, 3, 10):
+        gate.times.add(n, 0.046 + 0.006 * n)
+    a, b = gate.times.fit()
+    rows = {0: [0.9, 0.7, 0.4, 0.1], 1: [0.3, 0.05], 2: [], 3: [0.6, 0.55, 0.5, 0.45]}
+
+    def best(value):
+        import itertools
+
+        def rate(lengths):
+            emitted = len(rows) + value * sum(sum(rows[r][:n]) for r, n in zip(rows, lengths))
+            return emitted / (a + b * (len(rows) + sum(lengths)))
+        top = max(itertools.product(*[range(len(rows[r]) + 1) for r in rows]), key=rate)
+        return dict(zip(rows, top))
+
+    idle = gate.choose(rows)  # 4 rows, 8 slots
+    full = gate.choose(rows, batch=8)  # the same 4 drafted rows among 8 running: nobody is let in
+    assert idle == best(batch_gate.IDLE_VALUE) and full == best(1.0)
+    assert sum(idle.values()) < sum(full.values())
+    assert batch_gate.BatchGate(slots=None, times=gate.times).choose(rows) == full  # slots unknown: requests wait
+    alone = gate.choose({0: rows[0]})
+    assert alone == batch_gate.BatchGate(slots=1, times=gate.times).choose({0: rows[0]}) == {0: 3}
+
+
 def run_gated(streams, step_cost, tmp_path, method="ngram", max_num_seqs=3, **options):
     log = str(tmp_path / f"{method}-{len(streams)}.jsonl")
     make = getattr(proposers, proposers.PROPOSERS[method])
