@@ -1,24 +1,26 @@
 # SPDX-License-Identifier: MIT
-"""The vLLM proposers' gate in a simulated engine: how much an accepted token should count for while nobody waits
-(serve/gate.py's IDLE_VALUE), chosen here on the tuning half without running vLLM, then checked in vLLM by
-bench/serve_bench.py on the reporting half.
+"""The vLLM proposers' gate in a simulated engine: what an accepted token should count for
+while nobody waits (serve/gate.py's IDLE_VALUE), chosen here on the tuning half without vLLM;
+bench/serve_bench.py then measures the choice in vLLM on the reporting half.
 
-The engine is a stand-in for vLLM's continuous batching (one forward a step over every running request; a request
-takes a free slot when one opens; its first step prefills its prompt). The proposers are the real ones
-(serve/vllm_proposers.py), gate and all, fed each step what vLLM would feed them; a step's time comes from a cost
-model, which the gate measures through an injected clock as it measures vLLM's steps:
+The engine is a stand-in for vLLM's continuous batching: one forward a step over every running
+request; a request takes a free slot when one opens, and its first step prefills its prompt. The
+proposers are the real ones (serve/vllm_proposers.py), gate and all, fed each step what vLLM feeds
+them. A step's time comes from a cost model, read by the gate through an injected clock as it
+reads vLLM's steps:
 
     step = A + ROW · rows + TOKEN · (draft tokens sent + prompt tokens prefilled)
 
-with the AVX-512 EPYC's costs measured in vLLM at 14 rows (RESULTS.md, "Serving under load on the AVX-512 EPYC":
-83 ms with no drafts, about 2.3 ms a row and 4 ms a draft token). The streams are the default model's greedy answers
-(tools/offline.py's, 128 tokens at most), so the drafts accepted are what vLLM's greedy verification accepts.
+with the costs measured in vLLM on the AVX-512 EPYC at 14 rows (RESULTS.md, "Serving under load
+on the AVX-512 EPYC": 83 ms a step with no drafts, about 2.3 ms a row, 3-5 ms a draft token). The
+streams are the default model's greedy answers (tools/offline.py's, 128 tokens at most), so the
+tokens accepted are those vLLM's greedy verification accepts.
 
 Two loads, each against the same engine without drafts:
-- closed: every request submitted at once to max_num_seqs = B slots, as serve_bench.py runs them (total tokens over
-  total time: at B = 16 the 14 requests never fill the slots, nobody ever waits);
-- open: requests arriving at random (exponential gaps), three passes over the streams, into 16 slots (mean and 90th
-  percentile of each request's time from arrival to its last token).
+- closed: every request submitted at once into B slots (max_num_seqs), as serve_bench.py runs
+  them; total time. At B = 16 the 14 requests never fill the slots: nobody ever waits.
+- open: three passes over the streams arriving at random (exponential gaps) into 16 slots; the
+  mean and 90th percentile of each request's time from its arrival to its last token.
 
     .venv/bin/python bench/serve_sim.py --split tune --idle-values 1,0.75,0.5,0.25
 """
@@ -41,7 +43,7 @@ from tools import offline  # noqa: E402
 
 A = 0.051  # seconds: a step's fixed cost
 ROW = 0.0023  # seconds a running request adds
-TOKEN = 0.004  # seconds a draft token (or a prompt token) adds
+TOKEN = 0.004  # seconds a draft token (or a prompt token) adds: 3-5 ms measured, flat here
 DRAFTERS = {"ngram": {}, "cacheback": {}, "cacheback-paper": {"preset": "paper"}}
 
 
@@ -61,15 +63,18 @@ def engine_config(method: str, slots: int, **options):
 
     model = verify.converted_dir()
     return SimpleNamespace(
-        speculative_config=SimpleNamespace(num_speculative_tokens=4, num_speculative_tokens_per_batch_size=None),
+        speculative_config=SimpleNamespace(num_speculative_tokens=4,
+                                           num_speculative_tokens_per_batch_size=None),
         additional_config={"specdec": options},
-        model_config=SimpleNamespace(max_model_len=4096, tokenizer=model, model=model, get_vocab_size=lambda: 49152),
+        model_config=SimpleNamespace(max_model_len=4096, tokenizer=model, model=model,
+                                     get_vocab_size=lambda: 49152),
         scheduler_config=SimpleNamespace(max_num_seqs=slots))
 
 
-def simulate(proposer, streams: list[tuple[list[int], list[int]]], slots: int, arrivals: list[float]) -> dict:
-    """Serve streams[i] (prompt, greedy output) arriving at arrivals[i] through `proposer` (None: no drafts).
-    Returns the total time and each request's time from arrival to its last token."""
+def simulate(proposer, streams: list[tuple[list[int], list[int]]], slots: int,
+             arrivals: list[float]) -> dict:
+    """Serve streams[i] (prompt, greedy output), arriving at arrivals[i], through `proposer`
+    (None: no drafts). Returns the total time and each request's time from arrival to last token."""
     clock = Clock()
     if proposer is not None:
         proposer.gate.clock = clock
@@ -82,6 +87,7 @@ def simulate(proposer, streams: list[tuple[list[int], list[int]]], slots: int, a
     emitted = {}  # request -> output tokens it has (0: its prefill is next)
     before = {}  # request -> output tokens it had before its last step
     sent = {}  # request -> the chain it was last sent
+    owing = set()  # requests whose last tokens came from a chain not yet paid for: one more step
     finished = {}
     while len(finished) < len(streams):
         while arrived < len(streams) and arrivals[arrived] <= clock.now:
@@ -100,6 +106,10 @@ def simulate(proposer, streams: list[tuple[list[int], list[int]]], slots: int, a
         for row in range(live):
             request = rows[row]
             prompt, output = streams[request]
+            if request in owing:  # the step that verifies its last chain: paid for, then it leaves
+                cost += ROW + TOKEN * len(sent[request])
+                sampled.append([])
+                continue
             if emitted[request] == 0:  # its prefill: nothing sampled yet
                 cost += TOKEN * len(prompt)
                 token_ids[row, : len(prompt)] = prompt
@@ -113,26 +123,41 @@ def simulate(proposer, streams: list[tuple[list[int], list[int]]], slots: int, a
             num_tokens[row] = len(text)
             sampled.append(output[before.get(request, 0): emitted[request]])
         clock.now += cost
-        chains = proposer.propose(sampled, num_tokens, token_ids) if proposer else [[] for _ in sampled]
+        if proposer is None:
+            chains = [[] for _ in sampled]
+        else:
+            chains = proposer.propose(sampled, num_tokens, token_ids)
         for row in range(live):
             if not sampled[row]:
                 continue
             request = rows[row]
             output = streams[request][1]
+            # subtle: a chain's tokens are counted here, when it is drafted; the engine emits them
+            # in the next step, charged at the top of the loop: a request ending on them owes it
             done = emitted[request]
             chain = chains[row]
-            accepted = 0  # greedy verification: the longest prefix of the chain the output continues with
-            while accepted < len(chain) and done + accepted < len(output) and chain[accepted] == output[done + accepted]:
+            # greedy verification: the longest prefix of the chain that the output continues with
+            accepted = 0
+            while accepted < min(len(chain), len(output) - done):
+                if chain[accepted] != output[done + accepted]:
+                    break
                 accepted += 1
             sent[request] = chain
             before[request] = done
             emitted[request] = min(len(output), done + accepted + 1)
+            if emitted[request] >= len(output) and accepted:
+                owing.add(request)
         for row in range(live):
             request = rows[row]
-            if request is not None and emitted[request] >= len(streams[request][1]):
-                finished[request] = clock.now
-                rows[row] = None
-        while None in rows[: sum(r is not None for r in rows)]:  # vLLM condenses: the last row into the lowest hole
+            if request is None or emitted[request] < len(streams[request][1]):
+                continue
+            if request in owing and sampled[row]:  # it ends after the step that pays for its chain
+                continue
+            owing.discard(request)
+            finished[request] = clock.now
+            rows[row] = None
+        # vLLM condenses the batch: the last row moves into the lowest hole
+        while None in rows[: sum(r is not None for r in rows)]:
             last = max(i for i, r in enumerate(rows) if r is not None)
             hole = rows.index(None)
             rows[hole], rows[last] = rows[last], None
@@ -146,7 +171,8 @@ def proposer_for(name: str, slots: int, idle_value: float | None):
     """The proposer `name`, gated with this idle value (None: ungated)."""
     method = name.split("-")[0]
     options = dict(DRAFTERS[name], **({"gate": "off"} if idle_value is None else {}))
-    proposer = getattr(proposers, proposers.PROPOSERS[method])(engine_config(method, slots, **options))
+    make = getattr(proposers, proposers.PROPOSERS[method])
+    proposer = make(engine_config(method, slots, **options))
     if idle_value is not None:
         proposer.gate.idle_value = idle_value
     return proposer
@@ -155,26 +181,31 @@ def proposer_for(name: str, slots: int, idle_value: float | None):
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--split", default="tune", choices=["tune", "report"], help="which half's streams (default: tune)")
+    p.add_argument("--split", default="tune", choices=["tune", "report"],
+                   help="which half's streams (default: tune)")
     p.add_argument("--idle-values", default="1,0.75,0.5,0.25",
-                   help="what an accepted token counts for while nobody waits (1: as while requests wait)")
+                   help="what an accepted token counts for while nobody waits (1: as when some wait)")
     p.add_argument("--gaps", default="4,2,1,0.5", help="open load: the mean seconds between arrivals")
     args = p.parse_args(argv)
     values = [float(v) for v in args.idle_values.split(",")]
     streams = [(s["prompt"], s["output"]) for s in offline.make_streams(args.split)]
-    print(f"{len(streams)} streams ({args.split} half), step = {A * 1e3:.0f} ms + {ROW * 1e3:.1f} ms a row + "
-          f"{TOKEN * 1e3:.0f} ms a draft or prompt token\n")
-    print("closed: every request at once into B slots; total time of no drafts over each (above 1: faster)\n")
+    print(f"{len(streams)} streams ({args.split} half), step = {A * 1e3:.0f} ms + {ROW * 1e3:.1f} ms "
+          f"a row + {TOKEN * 1e3:.0f} ms a draft or prompt token\n")
+    print("closed: every request at once into B slots; no drafts' total time over each's "
+          "(above 1: faster)\n")
     print("| drafter | B | ungated | " + " | ".join(f"idle value {v:g}" for v in values) + " |")
     print("| --- | --- |" + " --- |" * (len(values) + 1))
+    at_once = [0.0] * len(streams)
     for batch in (1, 4, 8, 16):
-        base = simulate(None, streams, batch, [0.0] * len(streams))["seconds"]
+        base = simulate(None, streams, batch, at_once)["seconds"]
         for name in DRAFTERS:
-            cells = [base / simulate(proposer_for(name, batch, v), streams, batch, [0.0] * len(streams))["seconds"]
-                     for v in (None, *values)]
+            cells = []
+            for v in (None, *values):
+                drafted = simulate(proposer_for(name, batch, v), streams, batch, at_once)
+                cells.append(base / drafted["seconds"])
             print(f"| {name} | {batch} | " + " | ".join(f"{c:.3f}x" for c in cells) + " |", flush=True)
-    print("\nopen: three passes over the streams arriving at random into 16 slots; mean / 90th percentile latency "
-          "of each over no drafts' (below 1: faster)\n")
+    print("\nopen: three passes over the streams arriving at random into 16 slots; each's mean / 90th "
+          "percentile latency over no drafts' (below 1: faster)\n")
     print("| drafter | mean gap | " + " | ".join(f"idle value {v:g}" for v in values) + " |")
     print("| --- | --- |" + " --- |" * len(values))
     three = streams * 3

@@ -59,8 +59,10 @@ from typing import Callable, Hashable, Sequence
 # device where a longer forward costs little, the first drafts that pass show it, and the fit lets
 # the rest through. subtle: N varies only once some draft clears the prior's bar (at eight rows
 # 0.51, above the 0.5 an unmeasured signal starts at: a signal measured surer, in hindsight, does)
-# or the batch size changes. Where N never varies, any prior weight gives the same fit: the line
-# through the steps' mean with the prior's slope. note: a row costs more than a draft token (the
+# or the batch size changes; while nobody waits the bar is doubled (IDLE_VALUE, section 3), and
+# from about eight rows under the prior nothing clears it until the batch size moves, as it does
+# in a server while requests come and go. Where N never varies, any prior weight gives the same
+# fit: the line through the steps' mean with the prior's slope. note: a row costs more than a draft token (the
 # sampling and the engine's bookkeeping of a request come with it: about 7 ms against 5 on the AVX2
 # CPU), so while the batch size moves, b lies between the two: the gate then errs on the side of
 # sending less.
@@ -251,21 +253,24 @@ class DraftRecord:
 #                                             0.5 > 6·1.8/58 = 0.19  send   S, t = 2.3, 64 ms
 #                                             0.2 < 6·2.3/64 = 0.22  stop: two tokens sent
 #
-# When nobody waits. P > b·S / t counts an accepted token as worth t / S, a row's share of the
-# step: right while requests wait (the row ends sooner and the next request takes its place), and
-# for each request's own latency. With fewer rows than the engine's slots (max_num_seqs) nobody
-# waits: the scheduler would have let them in. subtle: there, a token accepted on a row that is
-# not the last to finish saves only that row's cost in a later step (b), not its share of one:
-# the step's fixed cost a is paid until the last row ends. And the rows whose drafts pass are the
-# ones racing ahead, the least likely to be last. A closed batch (14 requests at 16 slots, all
-# submitted at once) lost 6-8% to drafts that paid by t / S (RESULTS.md, "Serving under load on
-# the AVX-512 EPYC"). Which row ends last cannot be known (the proposer sees no request's
-# max_tokens), so with more than one row and free slots an accepted token counts for IDLE_VALUE of
-# one, in S as in the rule: IDLE_VALUE·P > b·S / t. One row is always the last: it counts whole.
-# IDLE_VALUE was chosen on the tuning half by bench/serve_sim.py (the proposers in a simulated
-# engine with the step costs measured in vLLM): closed batches of 16 went from 0.90x to 0.99x, batches
-# of 4 and 8 (full, requests waiting) kept their gains, and with requests arriving at random into
-# 16 slots the mean latency rose by at most 2% and the 90th percentile fell (RESULTS.md).
+# When nobody waits. The rule counts an accepted token as worth t / S, a row's share of the step.
+# That is right while requests wait for a slot (the row ends sooner and the next request takes its
+# place), and for the requests' mean latency. With fewer rows than the engine's slots
+# (max_num_seqs) nobody waits: the scheduler would have let them in. subtle: there, a token
+# accepted on a row that is not the last to finish only lets that row end a step earlier, which
+# saves its row's cost in a later step (about 2.3 ms of an 83 ms step at 14 rows on the AVX-512
+# CPU, less than the 3-5 ms a draft token costs); only the last row's tokens save a whole step. A
+# closed batch (14 requests submitted at once to 16 slots) lost 6-8% to drafts that paid by t / S
+# (RESULTS.md, "Serving under load on the AVX-512 EPYC"). The proposer cannot tell which row ends
+# last (it sees no request's max_tokens), so while nobody waits and more than one row runs, an
+# accepted token counts for IDLE_VALUE of one: the gate maximizes (B + IDLE_VALUE·ΣP) / t instead
+# of (B + ΣP) / t, and its rule reads IDLE_VALUE·P > b·S / t, with S = B + IDLE_VALUE·ΣP. One row
+# alone is the last: its tokens count whole. IDLE_VALUE is a compromise, chosen on the tuning half
+# with bench/serve_sim.py (the proposers in a simulated engine, at the step costs measured in
+# vLLM; RESULTS.md, "The gate when nobody waits"): at 1 the closed batch of 16 loses, at 0.25
+# requests arriving at random wait longer than at 1; 0.5 keeps both. Where the KV cache, not
+# max_num_seqs, holds requests back, the gate takes it that nobody waits: it errs toward sending
+# less.
 
 IDLE_VALUE = 0.5  # what an accepted token counts for while nobody waits
 
@@ -283,7 +288,7 @@ class BatchGate:
     {0: 2}
     >>> gate.choose({0: [0.8], 1: [0.3]}, batch=8)    # all 8 slots full: 0.3 > 6·2.8/64 = 0.26
     {0: 1, 1: 1}
-    >>> gate.choose({0: [0.8], 1: [0.3]})             # two rows, 6 free slots: 0.5·0.3 < 0.21
+    >>> gate.choose({0: [0.8], 1: [0.3]})             # two rows, 6 free slots: 0.5·0.3 < 0.225
     {0: 1, 1: 0}
     """
 
