@@ -7,20 +7,21 @@ chance of being accepted. It knows nothing of vLLM: serve/vllm_proposers.py feed
 A step of the engine is one forward over every running request: one token per row, plus the drafts
 sent. On a GPU at small batch that forward is memory-bound, and a draft token costs almost nothing;
 on a CPU, or on any device once the batch is large, the forward grows with its tokens, and a rejected
-draft token costs nearly what an accepted one brings. Model a step as t(N) = a + b·N over N tokens.
-A step with B rows, S expected tokens emitted (B bonus tokens plus the accepted drafts) and time t
-gains from one more draft token of acceptance chance P when
+draft token costs nearly what an accepted one brings. Model a step as t = a + c·B + b·D over B
+rows and D draft tokens (c a row's cost, b a draft token's). A step with B rows, S expected tokens
+emitted (B bonus tokens plus the accepted drafts) and time t gains from one more draft token of
+acceptance chance P when
 
     (S + P) / (t + b)  >  S / t        <=>        P  >  b·S / t
 
 so a token is sent only when its expected gain pays for its share of the forward. With no drafts,
-S / t = B / (a + b·B): the bar is ρ(B) = b·B / (a + b·B), which rises with the batch. Worked with the
-2-core AVX2 CPU's vLLM steps (RESULTS.md, "Serving under load": 67.7 ms at one row, 117.6 ms at
+S / t = B / (a + c·B): the bar is ρ(B) = b·B / (a + c·B), which rises with the batch. Worked with
+the 2-core AVX2 CPU's vLLM steps (RESULTS.md, "Serving under load": 67.7 ms at one row, 117.6 ms at
 eight, about 5 ms more for each draft token), the bar b·B / t(B) is 0.07 at one row, 0.34 at eight.
 
 The file, section by section:
 
-    step times        StepTimes: t(N) = a + b·N, fitted online to the engine's steps      [1]
+    step times        StepTimes: t = a + c·B + b·D, fitted online to the engine's steps   [1]
     acceptance        Acceptance: P(token accepted | the ones before it were), per signal [2]
                       DraftRecord: a draft scored in hindsight, sent or not
     the rule          BatchGate.choose: the draft tokens worth their forward, batch-wide   [3]
@@ -39,6 +40,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, Hashable, Sequence
 
+import numpy as np
+
 # ---- 1. Step times -----------------------------------------------------------------------------------------
 #
 # The engine calls the proposer once per step, synchronously: the time from one point in a call to the
@@ -49,26 +52,32 @@ from typing import Callable, Hashable, Sequence
 # costs.
 #
 # Fitted by least squares with exponential forgetting (the context grows, the load changes), so
-# recent steps count most. subtle: while the batch size holds and the gate sends nothing, every step
-# has the same N and the slope b cannot be seen. A prior gives it until N varies: b = PRIOR_SLOPE·a,
-# the 2-core AVX-512 CPU's cost of a row over its fixed cost (no speculation ran 19.2 tokens/s at
-# one row and 85.4 at eight: 52 and 94 ms a step, throughput with its prefills, so 6 ms a row over
-# 46 ms; RESULTS.md, "Serving with vLLM"). A CPU is where a longer forward costs most, so the prior
-# errs toward sending less. It fades with a half-life of PRIOR_HALF_LIFE steps (never below
-# PRIOR_FLOOR of its weight), so that the steps' own slope takes over as soon as they show one: on a
-# device where a longer forward costs little, the first drafts that pass show it, and the fit lets
-# the rest through. subtle: N varies only once some draft clears the prior's bar (at eight rows
-# 0.51, above the 0.5 an unmeasured signal starts at: a signal measured surer, in hindsight, does)
-# or the batch size changes; while nobody waits the bar is doubled (IDLE_VALUE, section 3), and
-# from about eight rows under the prior nothing clears it until the batch size moves, as it does
-# in a server while requests come and go. Where N never varies, any prior weight gives the same
-# fit: the line through the steps' mean with the prior's slope. note: a row costs more than a draft token (the
-# sampling and the engine's bookkeeping of a request come with it: about 7 ms against 5 on the AVX2
-# CPU), so while the batch size moves, b lies between the two: the gate then errs on the side of
-# sending less.
+# recent steps count most, as t = a + c·B + b·D: a the step's fixed cost, c a row's, b a draft
+# token's. subtle: two slopes, not one. A row costs more than a draft token on the AVX2 CPU (its
+# sampling and the engine's bookkeeping of a request: about 7 ms against 5) and less on the AVX-512
+# one at 14 rows (2.3 ms against 3-5; RESULTS.md, "Serving under load on the AVX-512 EPYC"). One
+# slope over N = B + D tokens, fitted while the batch size moves, takes a row's cost for a draft
+# token's: there it let drafts through that cost more than it thought (a closed batch of 16, one
+# run in six with Cacheback: 435 draft tokens sent, 0.92x; RESULTS.md, "The gate when nobody
+# waits").
+#
+# While the batch size holds and the gate sends nothing, the slopes cannot be seen. Priors give
+# them until the steps do: c = PRIOR_SLOPE·a, the 2-core AVX-512 CPU's cost of a row over its fixed
+# cost (no speculation ran 19.2 tokens/s at one row and 85.4 at eight: 52 and 94 ms a step,
+# throughput with its prefills, so 6 ms a row over 46 ms; RESULTS.md, "Serving with vLLM"), and
+# b = c, a draft token costing what a row does. A CPU is where a longer forward costs most, so the
+# priors err toward sending less. They fade with a half-life of PRIOR_HALF_LIFE steps (never below
+# PRIOR_FLOOR of their weight), so that the steps' own slopes take over as soon as they show them:
+# on a device where a longer forward costs little, the first drafts that pass show it, and the fit
+# lets the rest through. subtle: D varies only once some draft clears the prior's bar (at eight
+# rows 0.51, above the 0.5 an unmeasured signal starts at: a signal measured surer, in hindsight,
+# does); while nobody waits the bar is doubled (IDLE_VALUE, section 3), and from about eight rows
+# under the priors nothing clears it until the batch size moves and c with it. Where nothing
+# varies, any prior weight gives the same fit: the plane through the steps' mean with the priors'
+# slopes.
 
-PRIOR_SLOPE = 0.13  # b / a before the steps show otherwise
-PRIOR_WEIGHT = 1 / 16  # the prior's weight, times the mean N squared (StepTimes.fit)
+PRIOR_SLOPE = 0.13  # c / a before the steps show otherwise (and b = c)
+PRIOR_WEIGHT = 1 / 16  # each prior's weight, times the mean tokens a step squared (StepTimes.fit)
 PRIOR_HALF_LIFE = 32  # steps
 PRIOR_FLOOR = 1e-3
 HALF_LIFE = 256  # steps: a step's weight halves after this many more
@@ -76,68 +85,66 @@ SLOWEST = 3.0  # a step over 3x its predicted time (a pause, a page fault) is co
 
 
 class StepTimes:
-    """t(N) = a + b·N seconds for a forward of N tokens, fitted online.
+    """t = a + c·B + b·D seconds for a forward over B rows and D draft tokens, fitted online.
 
     >>> times = StepTimes()
-    >>> for n in (8, 8, 12, 16, 8, 20):
-    ...     times.add(n, 0.046 + 0.006 * n)
-    >>> a, b = times.fit()
-    >>> round(a * 1000, 1), round(b * 1000, 2)       # ms, ms per token
-    (46.0, 6.0)
+    >>> for rows, drafts in ((8, 0), (8, 4), (12, 0), (12, 8), (14, 2), (14, 6)) * 20:
+    ...     times.add(rows, drafts, 0.051 + 0.0023 * rows + 0.004 * drafts)
+    >>> [round(1000 * x, 1) for x in times.fit()]      # ms: a, a row (c), a draft token (b)
+    [50.8, 2.3, 4.0]
+
+    (51, 2.3 and 4 ms made the steps; the 0.2 ms is what is left of the priors' pull.)
     """
 
     def __init__(self, prior_slope: float = PRIOR_SLOPE, half_life: float = HALF_LIFE):
         self.prior_slope = prior_slope
         self.decay = 0.5 ** (1 / half_life)
-        self.prior_left = 1.0  # what is left of the prior's weight
-        # the weighted sums of the least squares fit: weights, N, N², t, N·t
-        self.w = 0.0
-        self.wn = 0.0
-        self.wnn = 0.0
-        self.wt = 0.0
-        self.wnt = 0.0
+        self.prior_left = 1.0  # what is left of the priors' weight
+        # the weighted sums of the least squares fit over x = (1, B, D): Σ w·x·xᵀ and Σ w·x·t
+        self.xx = np.zeros((3, 3))
+        self.xt = np.zeros(3)
         self.steps = 0  # steps measured, all told
 
-    def add(self, tokens: int, seconds: float) -> None:
-        """One decode step of `tokens` tokens took `seconds`."""
+    def predict(self, rows: int, drafts: int) -> float:
+        a, c, b = self.fit()
+        return a + c * rows + b * drafts
+
+    def add(self, rows: int, drafts: int, seconds: float) -> None:
+        """One decode step over `rows` rows and `drafts` draft tokens took `seconds`."""
         if self.steps >= 8:  # once the fit means something, a stray slow step is held to 3x
-            a, b = self.fit()
-            seconds = min(seconds, SLOWEST * (a + b * tokens))
-        for name in ("w", "wn", "wnn", "wt", "wnt"):
-            setattr(self, name, getattr(self, name) * self.decay)
-        self.w += 1
-        self.wn += tokens
-        self.wnn += tokens * tokens
-        self.wt += seconds
-        self.wnt += tokens * seconds
+            seconds = min(seconds, SLOWEST * self.predict(rows, drafts))
+        x = np.array([1.0, rows, drafts])
+        self.xx = self.decay * self.xx + np.outer(x, x)
+        self.xt = self.decay * self.xt + x * seconds
         self.steps += 1
         self.prior_left = max(PRIOR_FLOOR, self.prior_left * 0.5 ** (1 / PRIOR_HALF_LIFE))
 
-    def fit(self) -> tuple[float, float]:
-        """(a, b) in seconds and seconds per token. Before any step: (1, PRIOR_SLOPE), in units of a.
+    def fit(self) -> tuple[float, float, float]:
+        """(a, c, b): seconds, seconds a row, seconds a draft token. Before any step: (1,
+        PRIOR_SLOPE, PRIOR_SLOPE), in units of a.
 
-        The normal equations of  sum w (a + b·N - t)²  +  λ N̄² (b - r·a)²  (r = the prior slope, λ
-        its weight: PRIOR_WEIGHT, fading), so that it speaks for the slope only while the steps do
-        not."""
-        if self.w == 0:
-            return 1.0, self.prior_slope
+        The normal equations of  Σ w (a + c·B + b·D - t)²  +  λ N̄² ((c - r·a)² + (b - c)²)  (r =
+        the prior slope, N̄ the mean tokens a step, λ the priors' weight: PRIOR_WEIGHT, fading), so
+        that the priors speak for the slopes only while the steps do not. A cost never below 0: a
+        fit that gives one is redone with it held at 0."""
         r = self.prior_slope
-        mean_n = self.wn / self.w
-        prior = PRIOR_WEIGHT * self.prior_left * mean_n * mean_n
-        # [[s_aa, s_ab], [s_ab, s_bb]] @ [a, b] = [y_a, y_b]
-        s_aa = self.w + prior * r * r
-        s_ab = self.wn - prior * r
-        s_bb = self.wnn + prior
-        y_a = self.wt
-        y_b = self.wnt
-        det = s_aa * s_bb - s_ab * s_ab
-        a = (y_a * s_bb - y_b * s_ab) / det
-        b = (s_aa * y_b - s_ab * y_a) / det
-        if b < 0:  # a forward never gets cheaper with more tokens: the best fit with b = 0
-            return self.wt / self.w, 0.0
-        if a < 0:  # nor costs nothing at all: the best fit through the origin
-            return 0.0, self.wnt / self.wnn
-        return a, b
+        if self.steps == 0:
+            return 1.0, r, r
+        mean_n = (self.xx[0, 1] + self.xx[0, 2]) / self.xx[0, 0]
+        weight = PRIOR_WEIGHT * self.prior_left * mean_n * mean_n
+        row_prior = np.array([-r, 1.0, 0.0])  # c - r·a
+        draft_prior = np.array([0.0, -1.0, 1.0])  # b - c
+        normal = self.xx + weight * (np.outer(row_prior, row_prior) + np.outer(draft_prior, draft_prior))
+        free = [0, 1, 2]  # the unknowns not held at 0
+        while free:
+            solution = np.zeros(3)
+            solution[free] = np.linalg.solve(normal[np.ix_(free, free)], self.xt[free])
+            negative = [i for i in free if solution[i] < 0]
+            if not negative:
+                break
+            free.remove(negative[0])
+        a, c, b = (float(x) for x in solution)
+        return a, c, b
 
 # ---- 2. Acceptance -----------------------------------------------------------------------------------------
 #
@@ -242,12 +249,12 @@ class DraftRecord:
 # ---- 3. The rule -------------------------------------------------------------------------------------------
 #
 # Every draft token of every row is a candidate with its P. Sorted from the surest down, each is
-# sent while it pays (P > b·S / t, S and t growing as tokens are added; with free slots a token
-# counts for less, below); the first that does not ends the step's choice, since every later one
-# is less sure still. A chain's P never rises along
-# it, so what a row is sent is always a prefix of its draft. subtle: the bar b·S / t only rises as
-# tokens are sent (a token is sent only when it lifts S / t). Worked, one row, a = 46 ms, b = 6 ms
-# (the prior's numbers):
+# sent while it pays (P > b·S / t, b a draft token's cost, S and t growing as tokens are added;
+# with free slots a token counts for less, below); the first that does not ends the step's choice,
+# since every later one is less sure still. A chain's P never rises along it, so what a row is
+# sent is always a prefix of its draft. subtle: the bar b·S / t only rises as tokens are sent (a
+# token is sent only when it lifts S / t). Worked, one row, a = 46 ms, b = c = 6 ms (the priors'
+# numbers):
 #
 #     P = 0.8, 0.5, 0.2     S, t = 1, 52 ms   0.8 > 6·1/52 = 0.12    send   S, t = 1.8, 58 ms
 #                                             0.5 > 6·1.8/58 = 0.19  send   S, t = 2.3, 64 ms
@@ -267,8 +274,9 @@ class DraftRecord:
 # of (B + ΣP) / t, and its rule reads IDLE_VALUE·P > b·S / t, with S = B + IDLE_VALUE·ΣP. One row
 # alone is the last: its tokens count whole. IDLE_VALUE is a compromise, chosen on the tuning half
 # with bench/serve_sim.py (the proposers in a simulated engine, at the step costs measured in
-# vLLM; RESULTS.md, "The gate when nobody waits"): at 1 the closed batch of 16 loses, at 0.25
-# requests arriving at random wait longer than at 1; 0.5 keeps both. Where the KV cache, not
+# vLLM; RESULTS.md, "The gate when nobody waits"): at 1 the closed batch of 16 loses (0.94x), at
+# 0.5 it holds (1.00x) and requests arriving at random into 16 slots keep most of their gain (mean
+# latency at most 3.5 points above 1's), at 0.25 they lose up to 13 points. Where the KV cache, not
 # max_num_seqs, holds requests back, the gate takes it that nobody waits: it errs toward sending
 # less.
 
@@ -282,8 +290,8 @@ class BatchGate:
     inject one).
 
     >>> gate = BatchGate(slots=8)
-    >>> for n in (1, 2, 3, 4, 1, 5):                  # a forward of n tokens: 46 ms + 6 ms a token
-    ...     gate.times.add(n, 0.046 + 0.006 * n)
+    >>> for rows, drafts in ((1, 0), (2, 1), (3, 0), (1, 3), (1, 1), (4, 1)):  # 46 ms + 6 ms each
+    ...     gate.times.add(rows, drafts, 0.046 + 0.006 * (rows + drafts))
     >>> gate.choose({0: [0.8, 0.5, 0.2]})             # one row, its draft's P_j
     {0: 2}
     >>> gate.choose({0: [0.8], 1: [0.3]}, batch=8)    # all 8 slots full: 0.3 > 6·2.8/64 = 0.26
@@ -301,13 +309,13 @@ class BatchGate:
     tokens_sent: int = 0  # draft tokens sent, all steps
     tokens_held: int = 0  # draft tokens held back, all steps
 
-    def step_ended(self, last_forward_size: int | None) -> None:
+    def step_ended(self, last_forward: tuple[int, int] | None) -> None:
         """The engine called the proposer again: the step since its last call (the proposer's own
-        drafting, then the engine's forward) has ended; that forward held last_forward_size tokens
-        (None: not a plain decode step, so its time says nothing of t(N))."""
+        drafting, then the engine's forward) has ended; that forward held last_forward = (rows,
+        draft tokens) (None: not a plain decode step, so its time says nothing of t)."""
         now = self.clock()
-        if self.last_start is not None and last_forward_size is not None:
-            self.times.add(last_forward_size, now - self.last_start)
+        if self.last_start is not None and last_forward is not None:
+            self.times.add(*last_forward, now - self.last_start)
         self.last_start = now
 
     def forget_step(self) -> None:
@@ -317,12 +325,12 @@ class BatchGate:
     def choose(self, rows: dict[int, list[float]], batch: int | None = None) -> dict[int, int]:
         """{row: its draft's P_j, non-increasing} -> {row: how many of its draft tokens to send}.
         batch: the rows the engine is running, drafted or not (default: len(rows))."""
-        a, b = self.times.fit()
+        a, c, b = self.times.fit()  # a step's fixed cost, a row's, a draft token's
         batch = len(rows) if batch is None else batch
         nobody_waits = self.slots is not None and 1 < batch < self.slots
         value = self.idle_value if nobody_waits else 1.0  # what an accepted token counts for
         emitted = float(len(rows))  # S: each row's bonus token (a row without a draft included)
-        seconds = a + b * len(rows)  # t: one token a row
+        seconds = a + c * len(rows)  # t: one token a row
         candidates = sorted((-p, j, row) for row, probs in rows.items() for j, p in enumerate(probs))
         lengths = {row: 0 for row in rows}
         # subtle: a row's P_j never rises along its chain and ties sort by j, so each row's tokens come

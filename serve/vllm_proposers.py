@@ -432,7 +432,7 @@ class ChainProposer:
     def draft_batch(self, sampled_token_ids, num_tokens_no_spec, token_ids_cpu) -> list[list[int]]:
         """The step, in order (section 4's comment): each row's request, the last step timed, each
         request caught up and its drafts scored, a draft per row, the gate's choice. subtle: the
-        step is timed before the requests catch up, whose text lengths last_forward_size reads."""
+        step is timed before the requests catch up, whose text lengths last_forward reads."""
         token_rows = np.asarray(token_ids_cpu)  # [max_num_reqs, max_model_len]
         texts = {}
         for row, sampled in enumerate(sampled_token_ids):
@@ -441,7 +441,7 @@ class ChainProposer:
                 texts[row] = token_rows[row, :n]  # [n]
         self.calls += 1
         states = self.rows.states_for(texts)
-        self.gate.step_ended(self.last_forward_size(sampled_token_ids, texts, states))
+        self.gate.step_ended(self.last_forward(sampled_token_ids, texts, states))
         # (vLLM would read its schedule at the next step's batch size: this one is the best guess)
         cap = schedule_cap(self.schedule, len(sampled_token_ids), self.k)
         drafts = {}
@@ -470,25 +470,26 @@ class ChainProposer:
     def report(self) -> None:
         """One line on what the gate measured and did, as vLLM logs its own counters."""
         self.reported = time.monotonic()
-        a, b = self.gate.times.fit()
-        LOG.info("%s proposer: forward %.1f ms + %.2f ms a token (%d decode steps timed); draft tokens "
-                 "sent %d, held back %d; faults %d", self.method, 1000 * a, 1000 * b, self.gate.times.steps,
+        a, c, b = self.gate.times.fit()
+        LOG.info("%s proposer: forward %.1f ms + %.2f ms a row + %.2f ms a draft token (%d decode steps "
+                 "timed); draft tokens sent %d, held back %d; faults %d", self.method, 1000 * a, 1000 * c,
+                 1000 * b, self.gate.times.steps,
                  self.gate.tokens_sent, self.gate.tokens_held, sum(self.faults.values()))
 
-    def last_forward_size(self, sampled_token_ids, texts: dict, states: dict) -> int | None:
-        """How many tokens the forward just run held, if it was a plain decode step: every row a
+    def last_forward(self, sampled_token_ids, texts: dict, states: dict) -> tuple[int, int] | None:
+        """(rows, draft tokens) of the forward just run, if it was a plain decode step: every row a
         request that was in the last call's batch and grew by exactly what it sampled (1 + the
         chain it was sent). None otherwise: a prefill chunk, a new request's prefill, a request back
         from a pause (its KV recomputed), a step whose call vLLM skipped, a row at max_model_len."""
         if len(states) != len(sampled_token_ids):
             return None
-        tokens = 0
+        drafts = 0
         for row, state in states.items():
             grown = len(texts[row]) - len(state.text)
             if state.seen_at != self.calls - 1 or grown != len(sampled_token_ids[row]):
                 return None
-            tokens += 1 + len(state.last_chain)
-        return tokens
+            drafts += len(state.last_chain)
+        return len(states), drafts
 
     def sanitized(self, chains: list[list[int]]) -> list[list[int]]:
         """Every chain at most k tokens and every id inside the vocabulary, as Python ints: vLLM
