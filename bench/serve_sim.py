@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from types import SimpleNamespace
 
 import numpy as np
 
@@ -59,8 +60,6 @@ class Clock:
 
 def engine_config(method: str, slots: int, **options):
     """The parts of a VllmConfig that the proposers read."""
-    from types import SimpleNamespace
-
     model = verify.converted_dir()
     return SimpleNamespace(
         speculative_config=SimpleNamespace(num_speculative_tokens=4,
