@@ -371,12 +371,13 @@ class Rows:
 #
 # Each call, in order: find each row's request (section 3), time the step that just ran (only a
 # plain decode step says what a forward of N tokens costs), let each request learn what it emitted
-# and score its earlier drafts, draft for every row, and let the gate choose how much of each draft
-# to send (serve/gate.py). All of it inside one guard: propose() runs inside vLLM's engine step,
-# and an exception there ends the engine and every request in it (EngineDeadError). A fault sends
-# no drafts for that step, is logged once per kind and counted, and the rows' states are rebuilt
-# from their tokens at the next call. vLLM checks neither a chain's length nor its ids, so both are
-# checked on the way out.
+# and score its earlier drafts, draft for every row (unless not even a sure token would pay for its
+# share of this step: then the gate would send nothing, and drafting is skipped), and let the gate
+# choose how much of each draft to send (serve/gate.py). All of it inside one guard: propose() runs
+# inside vLLM's engine step, and an exception there ends the engine and every request in it
+# (EngineDeadError). A fault sends no drafts for that step, is logged once per kind and counted, and
+# the rows' states are rebuilt from their tokens at the next call. vLLM checks neither a chain's
+# length nor its ids, so both are checked on the way out.
 
 
 class ChainProposer:
@@ -397,6 +398,8 @@ class ChainProposer:
         # gone requests remembered: two batches' worth (a request paused for a step comes back)
         self.rows = Rows(self.new_request, keep=2 * vllm_config.scheduler_config.max_num_seqs)
         self.calls = 0
+        self.undrafted_steps = 0  # calls where no draft token could pay (none was drafted)
+        self.seconds_in_propose = 0.0  # all calls
         self.faults: dict[str, int] = {}  # what went wrong -> how many times
         self.reported = time.monotonic()  # when the gate's summary was last logged
 
@@ -420,14 +423,16 @@ class ChainProposer:
         would hold placeholder ids) is off for custom_class (asked for, it is an error; the CPU
         platform has it off anyway), and a chain longer than what is scheduled is trimmed."""
         # slot_mappings (where the KV of each token goes) is for drafters that run a model: unused
+        started = time.perf_counter()
         try:
             chains = self.sanitized(self.draft_batch(sampled_token_ids, num_tokens_no_spec, token_ids_cpu))
             for row, state in self.rows.by_row.items():
                 state.last_chain = chains[row] if row < len(chains) else []  # what vLLM gets, cut or not
-            return chains
         except Exception as error:  # the engine must outlive its drafter: this step goes undrafted
             self.fault(error)
-            return [[] for _ in sampled_token_ids]
+            chains = [[] for _ in sampled_token_ids]
+        self.seconds_in_propose += time.perf_counter() - started  # the drafter's own share of the steps
+        return chains
 
     def draft_batch(self, sampled_token_ids, num_tokens_no_spec, token_ids_cpu) -> list[list[int]]:
         """The step, in order (section 4's comment): each row's request, the last step timed, each
@@ -444,6 +449,10 @@ class ChainProposer:
         self.gate.step_ended(self.last_forward(sampled_token_ids, texts, states))
         # (vLLM would read its schedule at the next step's batch size: this one is the best guess)
         cap = schedule_cap(self.schedule, len(sampled_token_ids), self.k)
+        # where not even a sure token would pay for its share of this step, the gate sends nothing
+        # whatever the drafts are: skip drafting (the requests still learn and score their old drafts)
+        worth_drafting = self.gate.worth_drafting(len(states), batch=len(sampled_token_ids))
+        self.undrafted_steps += not worth_drafting
         drafts = {}
         for row, state in states.items():
             state.seen_at = self.calls
@@ -453,7 +462,7 @@ class ChainProposer:
             # propose() near it, so this matters where no vLLM calls; generate() also cuts it to
             # max_new_tokens: the engine stops a request there itself)
             room = self.max_model_len - len(texts[row])
-            drafts[row] = state.draft(min(cap, room))
+            drafts[row] = state.draft(min(cap, room)) if worth_drafting else Draft([], [])
         lengths = self.gate.choose({row: self.gate.acceptance.chain(draft.keys, states[row].own)
                                     for row, draft in drafts.items()}, batch=len(sampled_token_ids))
         chains = [[] for _ in sampled_token_ids]
@@ -472,9 +481,11 @@ class ChainProposer:
         self.reported = time.monotonic()
         a, c, b = self.gate.times.fit()
         LOG.info("%s proposer: forward %.1f ms + %.2f ms a row + %.2f ms a draft token (%d decode steps "
-                 "timed); draft tokens sent %d, held back %d; faults %d", self.method, 1000 * a, 1000 * c,
-                 1000 * b, self.gate.times.steps,
-                 self.gate.tokens_sent, self.gate.tokens_held, sum(self.faults.values()))
+                 "timed); propose() %.2f ms a call, no drafts in %d of %d calls (none could pay); draft "
+                 "tokens sent %d, held back %d; faults %d", self.method, 1000 * a, 1000 * c, 1000 * b,
+                 self.gate.times.steps, 1000 * self.seconds_in_propose / max(self.calls, 1),
+                 self.undrafted_steps, self.calls, self.gate.tokens_sent, self.gate.tokens_held,
+                 sum(self.faults.values()))
 
     def last_forward(self, sampled_token_ids, texts: dict, states: dict) -> tuple[int, int] | None:
         """(rows, draft tokens) of the forward just run, if it was a plain decode step: every row a

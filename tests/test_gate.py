@@ -102,6 +102,40 @@ def test_with_free_slots_an_accepted_token_counts_for_less():
     assert alone == batch_gate.BatchGate(slots=1, times=gate.times).choose({0: rows[0]}) == {0: 3}
 
 
+def test_worth_drafting_is_the_rules_choice_for_a_sure_token():
+    """worth_drafting says False exactly where choose() would send nothing even of drafts sure to be accepted
+    (P = 1 on every row): over random step costs, batch sizes and slots, both ways agree."""
+    rng = random.Random(3)
+    agreed = {True: 0, False: 0}
+    for _ in range(300):
+        a, c, b = rng.uniform(0.0, 0.06), rng.uniform(0.0, 0.006), rng.uniform(0.0, 0.008)
+        gate = batch_gate.BatchGate(slots=rng.choice([None, 4, 16]))
+        for rows, drafts in ((2, 0), (4, 2), (6, 0), (4, 8), (3, 1), (8, 4)) * 4:
+            gate.times.add(rows, drafts, a + c * rows + b * drafts)
+        rows = rng.randrange(1, 16)
+        batch = rows + rng.randrange(0, 3)
+        sure = gate.choose({row: [1.0] * 4 for row in range(rows)}, batch=batch)
+        assert gate.worth_drafting(rows, batch=batch) == (sum(sure.values()) > 0)
+        agreed[sum(sure.values()) > 0] += 1
+    assert min(agreed.values()) > 30  # both answers seen
+    assert not gate.worth_drafting(0) and batch_gate.AllDrafts().worth_drafting(3)
+
+
+def test_where_no_token_could_pay_nothing_is_drafted(tmp_path):
+    """Three requests that repeat themselves (sure drafts), a forward whose time is its tokens' (0.01 s each)
+    and a free slot: an accepted token counts for IDLE_VALUE, so not even a sure one pays; the proposer skips
+    drafting in those steps altogether. With a fixed cost of 0.1 s a step on top, a sure token pays: drafting
+    goes on."""
+    streams = [(text[:40], text[40:300]) for text in (periodic(300, 7, seed) for seed in (1, 2, 3))]
+    (tmp_path / "fixed").mkdir()
+    fixed = run_gated(streams, lambda n: 0.1 + 0.01 * n, tmp_path / "fixed", max_num_seqs=4)[0]
+    assert fixed.undrafted_steps < 0.1 * fixed.calls and fixed.gate.tokens_sent > 100
+    proposer, _, steps = run_gated(streams, lambda n: 0.01 * n, tmp_path, max_num_seqs=4)
+    assert proposer.undrafted_steps > 0.9 * proposer.calls
+    late = second_half(steps)
+    assert sum(len(s["draft"]) for s in late) == 0 and sum(len(s["sent"]) for s in late) == 0
+
+
 def run_gated(streams, step_cost, tmp_path, method="ngram", max_num_seqs=3, **options):
     log = str(tmp_path / f"{method}-{len(streams)}.jsonl")
     make = getattr(proposers, proposers.PROPOSERS[method])
