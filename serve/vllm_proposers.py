@@ -450,9 +450,10 @@ class ChainProposer:
         # (vLLM would read its schedule at the next step's batch size: this one is the best guess)
         cap = schedule_cap(self.schedule, len(sampled_token_ids), self.k)
         # where not even a sure token would pay for its share of this step, the gate sends nothing
-        # whatever the drafts are: skip drafting (the requests still learn and score their old drafts)
+        # whatever the drafts are: skip drafting (the requests still learn and score their old
+        # drafts). subtle: the acceptance counts then learn nothing new until drafting resumes
         worth_drafting = self.gate.worth_drafting(len(states), batch=len(sampled_token_ids))
-        self.undrafted_steps += not worth_drafting
+        self.undrafted_steps += bool(states) and not worth_drafting
         drafts = {}
         for row, state in states.items():
             state.seen_at = self.calls

@@ -122,18 +122,18 @@ def test_worth_drafting_is_the_rules_choice_for_a_sure_token():
 
 
 def test_where_no_token_could_pay_nothing_is_drafted(tmp_path):
-    """Three requests that repeat themselves (sure drafts), a forward whose time is its tokens' (0.01 s each)
-    and a free slot: an accepted token counts for IDLE_VALUE, so not even a sure one pays; the proposer skips
-    drafting in those steps altogether. With a fixed cost of 0.1 s a step on top, a sure token pays: drafting
-    goes on."""
+    """Three requests that repeat themselves (sure drafts), a step of 20 ms + 10 ms a token. With every slot
+    full (3 of 3) a sure token pays (1 > 10·3 / 50) and drafting goes on; with a slot free an accepted token
+    counts for IDLE_VALUE = 0.5, not even a sure one pays (0.5 < 30 / 50), and once the fit has seen what a
+    draft token costs the proposer skips drafting altogether."""
     streams = [(text[:40], text[40:300]) for text in (periodic(300, 7, seed) for seed in (1, 2, 3))]
-    (tmp_path / "fixed").mkdir()
-    fixed = run_gated(streams, lambda n: 0.1 + 0.01 * n, tmp_path / "fixed", max_num_seqs=4)[0]
-    assert fixed.undrafted_steps < 0.1 * fixed.calls and fixed.gate.tokens_sent > 100
-    proposer, _, steps = run_gated(streams, lambda n: 0.01 * n, tmp_path, max_num_seqs=4)
-    assert proposer.undrafted_steps > 0.9 * proposer.calls
+    (tmp_path / "full").mkdir()
+    full = run_gated(streams, lambda n: 0.02 + 0.01 * n, tmp_path / "full", max_num_seqs=3)[0]
+    assert full.undrafted_steps < 0.1 * full.calls and full.gate.tokens_sent > 100
+    proposer, _, steps = run_gated(streams, lambda n: 0.02 + 0.01 * n, tmp_path, max_num_seqs=4)
     late = second_half(steps)
     assert sum(len(s["draft"]) for s in late) == 0 and sum(len(s["sent"]) for s in late) == 0
+    assert proposer.undrafted_steps > 0.5 * proposer.calls
 
 
 def run_gated(streams, step_cost, tmp_path, method="ngram", max_num_seqs=3, **options):
