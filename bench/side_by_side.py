@@ -206,6 +206,7 @@ def make_runner(spec: str, model, tok, args, sampled: bool = False):
             import tools.build_frozen
 
             tools.build_frozen.ensure_table(tok, cfg, model, args.model)
+        asked = cfg  # (CARD: before its set-up chooses what is 'best' in it)
         cfg, extra = module.prepare(model, tok, cfg, args.model) if hasattr(module, "prepare") else (cfg, {})
 
         def run(ids, n, eos, s, first):
@@ -215,7 +216,9 @@ def make_runner(spec: str, model, tok, args, sampled: bool = False):
             draft = extra["draft"]  # a model (lockstep) or a card.DraftProcess, whose .model is the draft's
             costs = card_costs(model, draft.model if isinstance(draft, module.DraftProcess) else draft, cfg)
             setup = None
-            if cfg.draft in ("int8", "self"):  # what the set-up predicted for this configuration (card.choose)
+            if module.BEST in (asked.draft, asked.mode, asked.ratio):  # what the set-up predicted (kept on disk)
+                setup = module.setup_choice(model, tok, asked, args.model).speedup
+            elif cfg.draft in ("int8", "self"):  # an explicit configuration: the model's prediction for it
                 measured = module.measure_for_choice(model, tok, cfg, args.model)
                 setup = module.choose(cfg, *measured, can_split=cfg.mode == "parallel",
                                       threads=torch.get_num_threads()).speedup

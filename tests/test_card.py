@@ -532,6 +532,42 @@ def test_the_choice_is_the_best_of_every_configuration_predicted_alone():
     assert best.speedup == pytest.approx(max(alone)) and len(alone) == 2 * 2 * len(card.BEST_RATIOS)
 
 
+def test_the_real_loop_timed_at_set_up_stretches_every_parallel_step(fresh_warning_state, capsys):
+    """A loop that ran as the model says (worked by hand below) changes nothing; one whose steps took twice the
+    model's (each over plain decoding's) halves every parallel configuration's predicted speed and leaves
+    lockstep's alone, and the choice is the best of what is left; where even that is below 1, the one line."""
+    t_target, t_verify, drafts = injected(15.9, RIGHT_15_OF_16)
+    cpu = card.CardConfig.cpu()
+    # r = w = 3: t_verify(4) on the share = 45 + 3·7.5 = 67.5 ms > 4 layers of 15.9, so q = 3; max_lead = 6,
+    # so a hit waits d = 3 + 4 - 6 = 1 layer. At 3.2 tokens a step and a hit rate of 0.6:
+    # t = 0.6·max(67.5 + 15.9, 4·15.9) + 0.4·(67.5 + 3·15.9) = 96.12 ms, against t_target = 45 ms
+    as_modelled = card.LoopMeasure("int8", 3, t_step=0.09612, t_greedy=0.045, mat=3.2, hit_rate=0.6)
+    assert card.loop_factor(as_modelled, cpu, t_target, t_verify["share"], drafts["int8"]) == pytest.approx(1.0)
+    slow = dataclasses.replace(as_modelled, t_step=2 * 0.09612)
+    fast = card.choose(cpu, t_target, t_verify, drafts, can_split=True, threads=2)
+    again = card.choose(cpu, t_target, t_verify, drafts, can_split=True, threads=2, loop=as_modelled)
+    assert (again.mode, again.ratio) == (fast.mode, fast.ratio) == ("parallel", fast.ratio)
+    assert again.speedup == pytest.approx(fast.speedup)
+    for mode in ("parallel", "lockstep"):
+        for r in (2, 4, 6):
+            fixed = dataclasses.replace(cpu, draft="int8", mode=mode, ratio=r)
+            alone = card.choose(fixed, t_target, t_verify, drafts, can_split=True, threads=2).speedup
+            stretched = card.choose(fixed, t_target, t_verify, drafts, can_split=True, threads=2, loop=slow).speedup
+            assert stretched == pytest.approx(alone / 2 if mode == "parallel" else alone)  # no prefill charged here
+    lockstep = card.choose(dataclasses.replace(cpu, mode="lockstep"), t_target, t_verify, drafts, can_split=True,
+                           threads=2)
+    assert lockstep.speedup > fast.speedup / 2
+    chosen = card.choose_configuration(None, None, cpu, "m", measured=(t_target, t_verify, drafts), can_split=True,
+                                       threads=2, loop=slow)
+    assert (chosen.mode, chosen.ratio) == ("lockstep", lockstep.ratio) and capsys.readouterr().err == ""
+    slowest = dataclasses.replace(as_modelled, t_step=4 * 0.09612)  # --mode parallel, a quarter of its speed
+    parallel = card.choose_configuration(None, None, dataclasses.replace(cpu, mode="parallel"), "m",
+                                         measured=(t_target, t_verify, drafts), can_split=True, threads=2,
+                                         loop=slowest)
+    assert parallel.mode == "parallel" and fast.speedup / 4 < 1
+    assert capsys.readouterr().err.startswith(f"[card] on this machine CARD is predicted at {fast.speedup / 4:.2f}x")
+
+
 @pytest.mark.parametrize("cfg", [card.CardConfig(draft="int8", mode="lockstep", ratio=4, K=1, k=1),
                                  card.CardConfig.paper(), card.CardConfig.gpu()], ids=["explicit", "paper", "gpu"])
 def test_an_explicit_configuration_is_left_alone(fresh_warning_state, capsys, cfg):
@@ -582,6 +618,22 @@ def test_walked_chains_start_after_a_miss_where_the_average_does_not():
     assert card.walk_chains(clustered, 4, 4)[0] < averaged(clustered, 4) - 0.5  # 2.6 against 3.62
     spread = [[1] + [1, 1, 1, 1, 1, 1, 1, 0] * 4] * 4
     assert abs(card.walk_chains(spread, 4, 4)[0] - averaged(spread, 4)) < 1.0  # 4.0 against 3.75
+
+
+def test_the_parallel_loop_is_timed_on_the_real_model_once_per_machine(real, monkeypatch, tmp_path):
+    """measure_loop on the default model, two short prompts: a real draft process whose chains are accepted,
+    positive step times, kept on disk: a second call runs nothing."""
+    monkeypatch.setenv("SPECDEC_COSTS", str(tmp_path / "costs.json"))
+    model, tok = real
+    cfg = card.CardConfig.cpu()
+    best = card.Prediction("int8", "parallel", 3, 1.2, 0.05, 0.03, 1, 2)
+    prompts = card.CALIBRATION[:2]
+    loop = card.measure_loop(model, tok, cfg, verify.DEFAULT_MODEL, best, prompts=prompts, new_tokens=16)
+    assert (loop.draft, loop.ratio) == ("int8", 3)
+    assert loop.t_step > 0 and loop.t_greedy > 0 and 0.0 <= loop.hit_rate <= 1.0
+    assert 1.2 < loop.mat <= 4.0  # a step emits at most r + 1; the int8 draft's chains are often accepted
+    monkeypatch.setattr(card, "time_loop", lambda *a, **k: pytest.fail("measured twice"))
+    assert card.measure_loop(model, tok, cfg, verify.DEFAULT_MODEL, best, prompts=prompts, new_tokens=16) == loop
 
 
 def test_the_choice_is_measured_on_the_real_model_once_per_machine(real, monkeypatch, tmp_path):
