@@ -1148,9 +1148,10 @@ def prepare_without_waiting(model, tok, cfg: CardConfig, name: str = verify.DEFA
 #     loop_factor = (t_step / t_greedy) measured  /  (t / t_target) modelled
 #
 # the model given the run's own tokens a step and hit rate, so that only the step side is
-# corrected; then it chooses again. subtle: before the loop was timed at set-up, CARD's runs on the
-# AVX-512 CPU came out 17-22% below the prediction, about half of it the step side (RESULTS.md,
-# "CARD's choice at set-up").
+# corrected; then it chooses again. subtle: the model's best-of-five bare forwards and HF greedy's
+# typical token differ from the real loop's step in proportion only where both carry the same
+# overheads; the loop checks that on this machine instead of assuming it (RESULTS.md, "CARD's
+# choice at set-up": 0.98-0.99 on the AVX-512 CPU).
 
 BEST_RATIOS = range(1, 9)  # the r the choice tries
 # the calibration prompts: one per category of the tuning half of the shipped prompts (prompts/,

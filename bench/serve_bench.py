@@ -17,7 +17,8 @@ prefix caching (every run prefills its prompts, as a server does for prompts it 
 prompt runs on both in turn, as bench/side_by_side.py interleaves methods per prompt; at a batch B > 1 the
 whole batch runs without speculation, with the drafter, and without speculation again (a steady drift cancels;
 no speculation's tokens/s is over both its runs), --reps times, each repetition in fresh engines (suffix keeps
-every response and would draft the next repetition's from the last). Each ratio is over the no speculation of its own pair and repetition.
+every response and would draft the next repetition's from the last). Each ratio is over the no speculation of
+its own pair and repetition.
 
 Reported per configuration and batch: tokens/s (total new tokens over total wall time) and its ratio over no
 speculation (the speedup at batch sizes above 1; the median of the repetitions, each beside it); at batch 1 also
