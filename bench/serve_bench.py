@@ -2,7 +2,8 @@
 """vLLM with and without speculative decoding, side by side: no speculation, vLLM's own training-free drafters
 (ngram: prompt lookup; suffix: SuffixDecoding, through arctic-inference) and ours (serve/vllm_proposers.py), gated
 (the default: serve/gate.py) and ungated, all at the same k, on the reporting half of the shipped prompts, float32
-on the CPU. Batch 1 sends the prompts one at a time; a batch B > 1 submits all of them at once to an engine with
+on the CPU; and no-drafts (a custom_class proposer whose every chain is empty: what vLLM's speculative path costs
+by itself, the floor under any outside proposer; not in the default list). Batch 1 sends the prompts one at a time; a batch B > 1 submits all of them at once to an engine with
 max_num_seqs = B (continuous batching: at most B running; the reporting half has 14 prompts, so batch 16 runs 14
 at first).
 
@@ -51,14 +52,32 @@ COUNTERS = ("vllm:spec_decode_num_drafts", "vllm:spec_decode_num_draft_tokens",
 # each drafter runs side by side with no speculation. subtle: two, not more: engines in one process share
 # vLLM's metrics registry, and each new engine's counters replace the earlier ones', so only the drafter made
 # last (after no speculation) can be counted
-DRAFTERS = ("vllm-ngram", "vllm-suffix", "ngram", "ngram-ungated", "cacheback", "cacheback-ungated",
+DRAFTERS = ("no-drafts", "vllm-ngram", "vllm-suffix", "ngram", "ngram-ungated", "cacheback", "cacheback-ungated",
             "cacheback-paper", "cacheback-paper-ungated")
+
+
+class NoDrafts:
+    """A custom_class proposer that drafts nothing: what vLLM's speculative path costs by itself, the floor
+    under any outside proposer. subtle: with a speculative_config, vLLM 0.32's model runner builds the
+    speculative metadata and runs its rejection sampler every step, empty chains or not (gpu_model_runner.py,
+    _prepare_inputs: use_spec_decode = self.speculative_config is not None)."""
+
+    def __init__(self, vllm_config):
+        pass
+
+    def load_model(self, *args, **kwargs) -> None:
+        pass
+
+    def propose(self, sampled_token_ids, num_tokens_no_spec, token_ids_cpu, slot_mappings=None) -> list[list[int]]:
+        return [[] for _ in sampled_token_ids]
 
 
 def configurations(k: int) -> dict[str, dict]:
     """name -> the engine keywords that select its drafter."""
     return {
         "none": {},
+        "no-drafts": {"speculative_config": {"method": "custom_class", "model": "bench.serve_bench.NoDrafts",
+                                             "num_speculative_tokens": k}},
         "vllm-ngram": {"speculative_config": {"method": "ngram", "num_speculative_tokens": k}},
         "vllm-suffix": {"speculative_config": {"method": "suffix", "num_speculative_tokens": k}},
         "ngram": proposers.engine_args("ngram", k),
@@ -199,8 +218,8 @@ def main(argv=None) -> int:
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--split", default="report", choices=["tune", "report", "all"],
                    help="which half of prompts/prompts.jsonl (default: report)")
-    p.add_argument("--configs", default=",".join(configurations(4)),
-                   help="comma list; each runs in its group beside no speculation (default: all)")
+    p.add_argument("--configs", default=",".join(name for name in configurations(4) if name != "no-drafts"),
+                   help="comma list; each runs in its group beside no speculation (default: all but no-drafts)")
     p.add_argument("--batches", default="1,4,8,16", help="batch sizes (max_num_seqs) (default: 1,4,8,16)")
     p.add_argument("--reps", type=int, default=2, help="repetitions at batch sizes above 1, each in fresh engines "
                    "(default: 2; batch 1 interleaves per prompt, once)")

@@ -67,19 +67,33 @@ import numpy as np
 # throughput with its prefills, so 6 ms a row over 46 ms; RESULTS.md, "Serving with vLLM"), and
 # b = c, a draft token costing what a row does. A CPU is where a longer forward costs most, so the
 # priors err toward sending less. They fade with a half-life of PRIOR_HALF_LIFE steps (never below
-# PRIOR_FLOOR of their weight), so that the steps' own slopes take over as soon as they show them:
-# on a device where a longer forward costs little, the first drafts that pass show it, and the fit
-# lets the rest through. subtle: D varies only once some draft clears the prior's bar (at eight
+# PRIOR_FLOOR of their weight; the draft token's only as draft tokens are measured: below), so that
+# the steps' own slopes take over as soon as they show them: on a device where a longer forward
+# costs little, the first few dozen draft tokens that pass show it, and the fit lets the rest
+# through. subtle: D varies only once some draft clears the prior's bar (at eight
 # rows 0.51, above the 0.5 an unmeasured signal starts at: a signal measured surer, in hindsight,
 # does); while nobody waits the bar is doubled (IDLE_VALUE, section 3), and from about eight rows
 # under the priors nothing clears it until the batch size moves and c with it. Where nothing
 # varies, any prior weight gives the same fit: the plane through the steps' mean with the priors'
 # slopes.
+#
+# subtle: the draft token's prior (b = c) fades only as draft tokens are measured, not as steps
+# pass: it keeps the weight of DRAFT_PRIOR_TOKENS steps of one draft token each. Faded by the step
+# count, it left b to the first few steps with a draft in them, and one step's noise (5-10 ms of a
+# 100 ms step at 14 rows) is worth several draft tokens: Cacheback's paper preset in a closed batch
+# of 16 fitted b = 15-22 ms (a row: 3 ms) from the 2 draft tokens it had sent, and never drafted
+# again, not even for the batch's last rows alone, where a draft token pays at any of those costs.
+# Once a few dozen draft tokens have been measured, they outweigh the prior (the steps' sums
+# forget with HALF_LIFE; the prior does not: it is what b is thought to be where drafts are rare).
+# It pulls c a little too, where the batch size varies less than the drafts do (2.41 ms for 2.3 in
+# tests/test_gate.py's AVX-512 stream).
 
 PRIOR_SLOPE = 0.13  # c / a before the steps show otherwise (and b = c)
 PRIOR_WEIGHT = 1 / 16  # each prior's weight, times the mean tokens a step squared (StepTimes.fit)
 PRIOR_HALF_LIFE = 32  # steps
 PRIOR_FLOOR = 1e-3
+DRAFT_PRIOR_TOKENS = 8.0  # b = c weighs as much as this many steps of one draft token each, always
+
 HALF_LIFE = 256  # steps: a step's weight halves after this many more
 SLOWEST = 3.0  # a step over 3x its predicted time (a pause, a page fault) is counted as 3x
 
@@ -91,9 +105,10 @@ class StepTimes:
     >>> for rows, drafts in ((8, 0), (8, 4), (12, 0), (12, 8), (14, 2), (14, 6)) * 20:
     ...     times.add(rows, drafts, 0.051 + 0.0023 * rows + 0.004 * drafts)
     >>> [round(1000 * x, 1) for x in times.fit()]      # ms: a, a row (c), a draft token (b)
-    [50.8, 2.3, 4.0]
+    [50.6, 2.3, 4.0]
 
-    (51, 2.3 and 4 ms made the steps; the 0.2 ms is what is left of the priors' pull.)
+    (51, 2.3 and 4 ms made the steps; the rest is the priors' pull, which for a draft token's cost
+    does not fade with the steps, only with the draft tokens measured.)
     """
 
     def __init__(self, prior_slope: float = PRIOR_SLOPE, half_life: float = HALF_LIFE):
@@ -123,18 +138,22 @@ class StepTimes:
         """(a, c, b): seconds, seconds a row, seconds a draft token. Before any step: (1,
         PRIOR_SLOPE, PRIOR_SLOPE), in units of a.
 
-        The normal equations of  Σ w (a + c·B + b·D - t)²  +  λ N̄² ((c - r·a)² + (b - c)²)  (r =
-        the prior slope, N̄ the mean tokens a step, λ the priors' weight: PRIOR_WEIGHT, fading), so
-        that the priors speak for the slopes only while the steps do not. A cost never below 0: a
-        fit that gives one is redone with it held at 0."""
+        The normal equations of  Σ w (a + c·B + b·D - t)²  +  λ N̄² (c - r·a)²  +  μ (b - c)²  (r =
+        the prior slope, N̄ the mean tokens a step, λ the row prior's weight: PRIOR_WEIGHT, fading;
+        μ the draft token's: the larger of λ N̄² and DRAFT_PRIOR_TOKENS, which Σ w D² outweighs
+        only once draft tokens have been measured), so that the priors speak for the slopes only
+        while the steps do not. A cost never below 0: a fit that gives one is redone with it held
+        at 0."""
         r = self.prior_slope
         if self.steps == 0:
             return 1.0, r, r
         mean_n = (self.xx[0, 1] + self.xx[0, 2]) / self.xx[0, 0]
-        weight = PRIOR_WEIGHT * self.prior_left * mean_n * mean_n
+        row_weight = PRIOR_WEIGHT * self.prior_left * mean_n * mean_n
+        draft_weight = max(row_weight, DRAFT_PRIOR_TOKENS)
         row_prior = np.array([-r, 1.0, 0.0])  # c - r·a
         draft_prior = np.array([0.0, -1.0, 1.0])  # b - c
-        normal = self.xx + weight * (np.outer(row_prior, row_prior) + np.outer(draft_prior, draft_prior))
+        normal = (self.xx + row_weight * np.outer(row_prior, row_prior)
+                  + draft_weight * np.outer(draft_prior, draft_prior))
         free = [0, 1, 2]  # the unknowns not held at 0
         while free:
             solution = np.zeros(3)
