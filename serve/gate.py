@@ -66,27 +66,27 @@ import numpy as np
 # cost (no speculation ran 19.2 tokens/s at one row and 85.4 at eight: 52 and 94 ms a step,
 # throughput with its prefills, so 6 ms a row over 46 ms; RESULTS.md, "Serving with vLLM"), and
 # b = c, a draft token costing what a row does. A CPU is where a longer forward costs most, so the
-# priors err toward sending less. They fade with a half-life of PRIOR_HALF_LIFE steps (never below
-# PRIOR_FLOOR of their weight; the draft token's only as draft tokens are measured: below), so that
-# the steps' own slopes take over as soon as they show them: on a device where a longer forward
-# costs little, the first few dozen draft tokens that pass show it, and the fit lets the rest
-# through. subtle: D varies only once some draft clears the prior's bar (at eight
-# rows 0.51, above the 0.5 an unmeasured signal starts at: a signal measured surer, in hindsight,
-# does); while nobody waits the bar is doubled (IDLE_VALUE, section 3), and from about eight rows
-# under the priors nothing clears it until the batch size moves and c with it. Where nothing
-# varies, any prior weight gives the same fit: the plane through the steps' mean with the priors'
-# slopes.
+# priors err toward sending less. The row's prior fades with a half-life of PRIOR_HALF_LIFE steps
+# (never below PRIOR_FLOOR of its weight); the draft token's keeps its weight and is outweighed
+# as draft tokens are measured (below). So the steps' own slopes take over as soon as they show
+# them: on a device where a longer forward costs little, the first few dozen steps with drafts
+# show it, and the fit lets the rest through. subtle: D varies only once some draft clears the
+# prior's bar (at eight rows 0.51, above the 0.5 an unmeasured signal starts at: a signal measured
+# surer, in hindsight, does); while nobody waits the bar is doubled (IDLE_VALUE, section 3), and
+# from about eight rows under the priors nothing clears it until the batch size moves and c with
+# it. Where nothing varies, any prior weight gives the same fit: the plane through the steps' mean
+# with the priors' slopes.
 #
-# subtle: the draft token's prior (b = c) fades only as draft tokens are measured, not as steps
-# pass: it keeps the weight of DRAFT_PRIOR_TOKENS steps of one draft token each. Faded by the step
-# count, it left b to the first few steps with a draft in them, and one step's noise (5-10 ms of a
-# 100 ms step at 14 rows) is worth several draft tokens: Cacheback's paper preset in a closed batch
-# of 16 fitted b = 15-22 ms (a row: 3 ms) from the 2 draft tokens it had sent, and never drafted
-# again, not even for the batch's last rows alone, where a draft token pays at any of those costs.
-# Once a few dozen draft tokens have been measured, they outweigh the prior (the steps' sums
-# forget with HALF_LIFE; the prior does not: it is what b is thought to be where drafts are rare).
-# It pulls c a little too, where the batch size varies less than the drafts do (2.41 ms for 2.3 in
-# tests/test_gate.py's AVX-512 stream).
+# subtle: the draft token's prior (b = c) does not fade as steps pass: it weighs as much as
+# DRAFT_PRIOR_TOKENS steps of one draft token each, and the steps' Σ w·D² outweighs it only once
+# drafts have been sent in a few dozen steps. Faded by the step count, it left b to the first
+# few steps with a draft in them, and one step's noise (5-10 ms of a 100 ms step at 14 rows) is
+# several draft tokens' cost: Cacheback's paper preset in a closed batch of 16 fitted b = 15-22 ms
+# (a row: 3-4 ms) from the 2 draft tokens it had sent, and then drafted nothing more, not even for
+# the batch's last two or three rows, where a draft token of a few ms pays. (The steps' sums forget
+# with HALF_LIFE; the prior does not: it is what b is thought to be where drafts are rare.) Where
+# the batch size varies little, c follows b through it; where both vary, the pull on c is small
+# (2.41 ms for 2.3 in tests/test_gate.py's AVX-512 stream).
 
 PRIOR_SLOPE = 0.13  # c / a before the steps show otherwise (and b = c)
 PRIOR_WEIGHT = 1 / 16  # each prior's weight, times the mean tokens a step squared (StepTimes.fit)
@@ -107,8 +107,8 @@ class StepTimes:
     >>> [round(1000 * x, 1) for x in times.fit()]      # ms: a, a row (c), a draft token (b)
     [50.6, 2.3, 4.0]
 
-    (51, 2.3 and 4 ms made the steps; the rest is the priors' pull, which for a draft token's cost
-    does not fade with the steps, only with the draft tokens measured.)
+    (51, 2.3 and 4 ms made the steps; the rest is the priors' pull: the draft token's does not fade
+    with the steps, it is outweighed by the drafts measured.)
     """
 
     def __init__(self, prior_slope: float = PRIOR_SLOPE, half_life: float = HALF_LIFE):
@@ -140,9 +140,9 @@ class StepTimes:
 
         The normal equations of  Σ w (a + c·B + b·D - t)²  +  λ N̄² (c - r·a)²  +  μ (b - c)²  (r =
         the prior slope, N̄ the mean tokens a step, λ the row prior's weight: PRIOR_WEIGHT, fading;
-        μ the draft token's: the larger of λ N̄² and DRAFT_PRIOR_TOKENS, which Σ w D² outweighs
-        only once draft tokens have been measured), so that the priors speak for the slopes only
-        while the steps do not. A cost never below 0: a fit that gives one is redone with it held
+        μ the draft token's: the larger of λ N̄² and DRAFT_PRIOR_TOKENS, which the steps' Σ w D²
+        outweighs once drafts have been sent), so that the priors speak for the slopes only while
+        the steps do not. A cost never below 0: a fit that gives one is redone with it held
         at 0."""
         r = self.prior_slope
         if self.steps == 0:

@@ -47,6 +47,14 @@ def test_the_step_time_fit_finds_a_row_and_a_draft_token_and_holds_its_priors_wh
     # (c within 0.15 ms: the draft token's prior, b = c, pulls it a little; gate.DRAFT_PRIOR_TOKENS)
     assert 1000 * c == pytest.approx(2.3, abs=0.15) and 1000 * b == pytest.approx(4.0, abs=0.1)
     assert 1000 * a == pytest.approx(51, abs=1.5)
+    cheap = batch_gate.StepTimes()  # a draft token far cheaper than a row: the steps outweigh the prior b = c
+    fitted = []
+    for _ in range(3):
+        for rows, drafts in ((4, 0), (4, 4), (6, 2), (8, 0), (5, 3), (8, 4)) * 10:
+            cheap.add(rows, drafts, 0.046 + 0.006 * rows + 0.001 * drafts)
+        fitted.append(1000 * cheap.fit()[2])
+    # b after 60, 120, 180 steps: 1.22, 1.13, 1.09 ms (the prior's pull shrinks as drafts are measured)
+    assert fitted[0] > fitted[1] > fitted[2] and fitted[2] == pytest.approx(1.0, abs=0.1) and fitted[0] < 1.3
     flat = batch_gate.StepTimes()
     for _ in range(50):
         flat.add(8, 0, 0.1)  # nothing varies: the plane through that point with the priors' slopes
@@ -60,8 +68,8 @@ def test_the_step_time_fit_finds_a_row_and_a_draft_token_and_holds_its_priors_wh
 
 def test_two_slow_steps_with_a_draft_in_them_do_not_make_a_draft_token_cost_a_step():
     """A closed batch of 14 on the AVX-512 CPU (45 ms + 3.7 ms a row, steps +-5 ms) that sends one draft
-    token twice, each time in a step 15 ms slow: the fit keeps b within a few ms of a row's cost (5.9 ms),
-    so the batch's last rows are still sent drafts. (Faded with the steps, the prior left b to those two
+    token twice, each time in a step 15 ms slow: the fit keeps b within a few ms of a row's cost (b =
+    5.9 ms), so the batch's last rows are still sent drafts. (Faded with the steps, the prior left b to those two
     steps: b = 19 ms; one row alone was sent one token of [0.6, 0.4], and two rows nothing.)"""
     rng = random.Random(0)
     gate = batch_gate.BatchGate(slots=16)
