@@ -17,8 +17,9 @@ costs memory, not time), each first warmed up on a batch of the other half's pro
 prefix caching (every run prefills its prompts, as a server does for prompts it sees once). At batch 1 every
 prompt runs on both in turn, as bench/side_by_side.py interleaves methods per prompt; at a batch B > 1 the
 whole batch runs without speculation, with the drafter, and without speculation again (a steady drift cancels;
-no speculation's tokens/s is over both its runs), --reps times, each repetition in fresh engines (suffix keeps
-every response and would draft the next repetition's from the last). Each ratio is over the no speculation of
+no speculation's tokens/s is over all its runs; --rounds R alternates them R times, A B A B ... A), --reps
+times, each repetition in fresh engines (suffix keeps every response and would draft the next repetition's
+from the last). Each ratio is over the no speculation of
 its own pair and repetition.
 
 Reported per configuration and batch: tokens/s (total new tokens over total wall time) and its ratio over no
@@ -134,8 +135,12 @@ def run_group(group: list[str], known: dict, batch: int, rep: int, encoded, warm
             order = group[i % len(group):] + group[: i % len(group)]  # each engine first in turn
         else:
             # subtle: the machine's speed drifts by a third over minutes (RESULTS.md), and a whole batch takes
-            # 15-30 s: the baseline runs before and after the drafter, so that a steady drift cancels
-            order = [group[0], *group[1:], group[0]]
+            # 15-30 s: the baseline runs before and after the drafter, so that a steady drift
+            # cancels; --rounds R alternates them R times (A B A B ... A): one run at batch 16
+            # moves by up to 7% either way
+            order = [group[0]]
+            for _ in range(args.rounds):
+                order += [*group[1:], group[0]]
         ran = set()
         for name in order:
             outputs, seconds, grown = timed(engines[name], vllm, part, args.max_new_tokens)
@@ -223,6 +228,9 @@ def main(argv=None) -> int:
     p.add_argument("--batches", default="1,4,8,16", help="batch sizes (max_num_seqs) (default: 1,4,8,16)")
     p.add_argument("--reps", type=int, default=2, help="repetitions at batch sizes above 1, each in fresh engines "
                    "(default: 2; batch 1 interleaves per prompt, once)")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="at batch sizes above 1, how many times the drafter runs between runs of the "
+                        "baseline in each repetition (A B A; 2: A B A B A; default: 1)")
     p.add_argument("--against-ungated", action="store_true", help="each of ours gated beside itself ungated, "
                    "instead of beside no speculation (the ratios are then gated over ungated)")
     p.add_argument("--compile", action="store_true", help="vLLM's compiled mode instead of eager")
