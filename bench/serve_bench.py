@@ -3,9 +3,9 @@
 (ngram: prompt lookup; suffix: SuffixDecoding, through arctic-inference) and ours (serve/vllm_proposers.py), gated
 (the default: serve/gate.py) and ungated, all at the same k, on the reporting half of the shipped prompts, float32
 on the CPU; and no-drafts (a custom_class proposer whose every chain is empty: what vLLM's speculative path costs
-by itself, the floor under any outside proposer; not in the default list). Batch 1 sends the prompts one at a time; a batch B > 1 submits all of them at once to an engine with
-max_num_seqs = B (continuous batching: at most B running; the reporting half has 14 prompts, so batch 16 runs 14
-at first).
+by itself, the floor under any outside proposer; not in the default list). Batch 1 sends the prompts one at a
+time; a batch B > 1 submits all of them at once to an engine with max_num_seqs = B (continuous batching: at most
+B running; the reporting half has 14 prompts, so batch 16 runs 14 at first).
 
     make serve-venv                                        # once (arctic-inference for suffix included)
     LD_PRELOAD=$PWD/.venv-serve/lib/libiomp5.so VLLM_CPU_KVCACHE_SPACE=2 \\
@@ -19,8 +19,7 @@ prompt runs on both in turn, as bench/side_by_side.py interleaves methods per pr
 whole batch runs without speculation, with the drafter, and without speculation again (a steady drift cancels;
 no speculation's tokens/s is over all its runs; --rounds R alternates them R times, A B A B ... A), --reps
 times, each repetition in fresh engines (suffix keeps every response and would draft the next repetition's
-from the last). Each ratio is over the no speculation of
-its own pair and repetition.
+from the last). Each ratio is over the no speculation of its own pair and repetition.
 
 Reported per configuration and batch: tokens/s (total new tokens over total wall time) and its ratio over no
 speculation (the speedup at batch sizes above 1; the median of the repetitions, each beside it); at batch 1 also

@@ -93,7 +93,6 @@ PRIOR_WEIGHT = 1 / 16  # each prior's weight, times the mean tokens a step squar
 PRIOR_HALF_LIFE = 32  # steps
 PRIOR_FLOOR = 1e-3
 DRAFT_PRIOR_TOKENS = 8.0  # b = c weighs as much as this many steps of one draft token each, always
-
 HALF_LIFE = 256  # steps: a step's weight halves after this many more
 SLOWEST = 3.0  # a step over 3x its predicted time (a pause, a page fault) is counted as 3x
 

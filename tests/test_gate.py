@@ -69,8 +69,8 @@ def test_the_step_time_fit_finds_a_row_and_a_draft_token_and_holds_its_priors_wh
 def test_two_slow_steps_with_a_draft_in_them_do_not_make_a_draft_token_cost_a_step():
     """A closed batch of 14 on the AVX-512 CPU (45 ms + 3.7 ms a row, steps +-5 ms) that sends one draft
     token twice, each time in a step 15 ms slow: the fit keeps b within a few ms of a row's cost (b =
-    5.9 ms), so the batch's last rows are still sent drafts. (Faded with the steps, the prior left b to those two
-    steps: b = 19 ms; one row alone was sent one token of [0.6, 0.4], and two rows nothing.)"""
+    5.9 ms), so the batch's last rows are still sent drafts. (Faded with the steps, the prior left b to
+    those two steps: b = 19 ms; one row alone was sent one token of [0.6, 0.4], and two rows nothing.)"""
     rng = random.Random(0)
     gate = batch_gate.BatchGate(slots=16)
     for step in range(300):
