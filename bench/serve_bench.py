@@ -19,7 +19,8 @@ prompt runs on both in turn, as bench/side_by_side.py interleaves methods per pr
 whole batch runs without speculation, with the drafter, and without speculation again (a steady drift cancels;
 no speculation's tokens/s is over all its runs; --rounds R alternates them R times, A B A B ... A), --reps
 times, each repetition in fresh engines (suffix keeps every response and would draft the next repetition's
-from the last). Each ratio is over the no speculation of its own pair and repetition.
+from the last; for the same reason each of its later rounds runs in a fresh engine). Each ratio is over the
+no speculation of its own pair and repetition.
 
 Reported per configuration and batch: tokens/s (total new tokens over total wall time) and its ratio over no
 speculation (the speedup at batch sizes above 1; the median of the repetitions, each beside it); at batch 1 also
@@ -52,6 +53,9 @@ COUNTERS = ("vllm:spec_decode_num_drafts", "vllm:spec_decode_num_draft_tokens",
 # each drafter runs side by side with no speculation. subtle: two, not more: engines in one process share
 # vLLM's metrics registry, and each new engine's counters replace the earlier ones', so only the drafter made
 # last (after no speculation) can be counted
+# drafters that remember earlier requests' answers (suffix: arctic-inference's global tree caches every finished
+# response): run again, the same batch would be drafted from its own answers, so each round gets a fresh engine
+REMEMBERS_ANSWERS = ("vllm-suffix",)
 DRAFTERS = ("no-drafts", "vllm-ngram", "vllm-suffix", "ngram", "ngram-ungated", "cacheback", "cacheback-ungated",
             "cacheback-paper", "cacheback-paper-ungated")
 
@@ -114,17 +118,20 @@ def run_group(group: list[str], known: dict, batch: int, rep: int, encoded, warm
     """The group's engines side by side, each warmed up on `batch` prompts outside the set (warm_up) submitted
     together; batch 1: each prompt on each engine in turn; else the whole batch on the baseline, the drafter,
     the baseline. One row per configuration."""
-    engines = {}
-    for name in group:
+
+    def started(name: str):
         # subtle: no prefix caching: the baseline's second run of the same prompts would skip their prefills
         # (here 16.1 s against 17.8 s for the first, at batch 8)
-        engines[name] = vllm.LLM(model=args.model, dtype="float32", max_model_len=2048, max_num_seqs=batch, seed=0,
-                                 enforce_eager=not args.compile, disable_log_stats=False, enable_prefix_caching=False,
-                                 **known[name])
+        llm = vllm.LLM(model=args.model, dtype="float32", max_model_len=2048, max_num_seqs=batch, seed=0,
+                       enforce_eager=not args.compile, disable_log_stats=False, enable_prefix_caching=False,
+                       **known[name])
         # the batch's shapes and lengths, on prompts outside the set. subtle: whole answers, not a few tokens:
         # after a 16-token warm-up the baseline's second run was faster than its first in 13 of 20 groups at
         # batch 16 (by 0.3 s of 15), and the drafter, which runs once, only ever had a first run
-        timed(engines[name], vllm, warm_up[:batch], args.max_new_tokens)
+        timed(llm, vllm, warm_up[:batch], args.max_new_tokens)
+        return llm
+
+    engines = {name: started(name) for name in group}
     rows = {name: {"config": name, "batch": batch, "rep": rep, "group": group[1], "base": group[0], "k": args.k,
                    "outputs": [], "seconds": [], "tokens_timed": 0, "same_again": True,
                    **{c.split("num_")[-1]: 0 for c in COUNTERS}} for name in group}
@@ -142,6 +149,10 @@ def run_group(group: list[str], known: dict, batch: int, rep: int, encoded, warm
                 order += [*group[1:], group[0]]
         ran = set()
         for name in order:
+            if name in ran and name in REMEMBERS_ANSWERS:  # its tree holds this batch's answers: a fresh engine
+                del engines[name]
+                gc.collect()  # the old engine shut down before the new one starts
+                engines[name] = started(name)  # subtle: made last, its counters are the ones read (DRAFTERS)
             outputs, seconds, grown = timed(engines[name], vllm, part, args.max_new_tokens)
             if name in ran:  # the baseline's second run: timed, its outputs checked against its first
                 rows[name]["same_again"] &= outputs == rows[name]["outputs"][-len(outputs):]
@@ -229,7 +240,8 @@ def main(argv=None) -> int:
                    "(default: 2; batch 1 interleaves per prompt, once)")
     p.add_argument("--rounds", type=int, default=1,
                    help="at batch sizes above 1, how many times the drafter runs between runs of the "
-                        "baseline in each repetition (A B A; 2: A B A B A; default: 1)")
+                        "baseline in each repetition (A B A; 2: A B A B A; default: 1; vllm-suffix runs each "
+                        "round in a fresh engine: it remembers answers)")
     p.add_argument("--against-ungated", action="store_true", help="each of ours gated beside itself ungated, "
                    "instead of beside no speculation (the ratios are then gated over ungated)")
     p.add_argument("--compile", action="store_true", help="vLLM's compiled mode instead of eager")
