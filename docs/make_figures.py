@@ -39,7 +39,7 @@ import verify  # noqa: E402
 BENCH_ROWS = {
     "report": os.path.join(ROOT, "bench", "results", "figures-report-cpu.jsonl"),
     "long": os.path.join(ROOT, "bench", "results", "fafo-long-steps-cpu.jsonl"),
-    "serve": os.path.join(ROOT, "bench", "results", "serve-gate-avx512-prior.jsonl"),
+    "serve": os.path.join(ROOT, "bench", "results", "serve-gate-avx512-rounds.jsonl"),
 }
 ALLOWED, DENIED = "#2b6cb0", "#f2f2f2"  # one colour pair for every mask figure
 
@@ -460,7 +460,7 @@ def replay_fafo() -> None:
 
 
 def serve_batches() -> None:
-    """RESULTS.md, "Serving under load: the draft token's prior": each drafter's speedup over vLLM without
+    """RESULTS.md, "Serving under load: four rounds in one run": each drafter's speedup over vLLM without
     speculation against the batch size (total tokens over total time; the median of the runs,
     bench/serve_bench.py)."""
     from bench import serve_bench
