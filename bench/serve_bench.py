@@ -53,11 +53,11 @@ COUNTERS = ("vllm:spec_decode_num_drafts", "vllm:spec_decode_num_draft_tokens",
 # each drafter runs side by side with no speculation. subtle: two, not more: engines in one process share
 # vLLM's metrics registry, and each new engine's counters replace the earlier ones', so only the drafter made
 # last (after no speculation) can be counted
+DRAFTERS = ("no-drafts", "vllm-ngram", "vllm-suffix", "ngram", "ngram-ungated", "cacheback", "cacheback-ungated",
+            "cacheback-paper", "cacheback-paper-ungated")
 # drafters that remember earlier requests' answers (suffix: arctic-inference's global tree caches every finished
 # response): run again, the same batch would be drafted from its own answers, so each round gets a fresh engine
 REMEMBERS_ANSWERS = ("vllm-suffix",)
-DRAFTERS = ("no-drafts", "vllm-ngram", "vllm-suffix", "ngram", "ngram-ungated", "cacheback", "cacheback-ungated",
-            "cacheback-paper", "cacheback-paper-ungated")
 
 
 class NoDrafts:
@@ -143,7 +143,7 @@ def run_group(group: list[str], known: dict, batch: int, rep: int, encoded, warm
             # subtle: the machine's speed drifts by a third over minutes (RESULTS.md), and a whole batch takes
             # 15-30 s: the baseline runs before and after the drafter, so that a steady drift
             # cancels; --rounds R alternates them R times (A B A B ... A): one run at batch 16
-            # moves by up to 7% either way
+            # moves by up to 14% either way
             order = [group[0]]
             for _ in range(args.rounds):
                 order += [*group[1:], group[0]]
@@ -212,7 +212,8 @@ def summary(rows: list[dict]) -> list[dict]:
                                   for r in runs), "prompts": len(runs[0]["outputs"])}
         if batch == 1:
             entry["specbench"] = statistics.median(specbench(r, base[1, r["group"], r["rep"]]) for r in runs)
-        elif config != runs[0].get("base", "none") and len(runs[0]["seconds"]) > 1:  # --rounds: each round's ratio too
+        elif config != runs[0].get("base", "none") and len(runs[0]["seconds"]) > 1:
+            # --rounds: each round's ratio too
             entry["rounds"] = [round_ratios(r, base[batch, r["group"], r["rep"]]) for r in runs]
         out.append(entry)
     return out
@@ -227,7 +228,7 @@ def table(rows: list[dict]) -> str:
         mal = f"{1 + e['accepted_tokens'] / e['drafts']:.2f}" if e["drafts"] else "-"
         sb = f"{e['specbench']:.2f}x" if "specbench" in e else "-"
         each = " ".join(f"{x:.2f}" for x in e["ratios"])
-        if "rounds" in e:  # each repetition's rounds, in brackets
+        if "rounds" in e:  # each repetition's rounds, in parentheses
             each += " (rounds: " + "; ".join(" ".join(f"{x:.2f}" for x in rounds) for rounds in e["rounds"]) + ")"
         lines.append(f"| {e['config']} | {e['batch']} | {e['tokens_per_s']:.1f} | {e['over_none']:.2f}x | {each} | "
                      f"{sb} | {e['drafts']} | {e['draft_tokens']} | {e['accepted_tokens']} | {mal} | "
@@ -256,7 +257,8 @@ def main(argv=None) -> int:
                    "instead of beside no speculation (the ratios are then gated over ungated)")
     p.add_argument("--compile", action="store_true", help="vLLM's compiled mode instead of eager")
     p.add_argument("--out", help="write OUT.jsonl (a row per configuration, batch, group and repetition) and OUT.md")
-    p.add_argument("--table", metavar="JSONL", help="print the table of a run's OUT.jsonl and stop (in .venv: no vLLM needed)")
+    p.add_argument("--table", metavar="JSONL",
+                   help="print the table of a run's OUT.jsonl and stop (in .venv: no vLLM needed)")
     args = p.parse_args(argv)
     if args.table:
         with open(args.table, encoding="utf-8") as f:
