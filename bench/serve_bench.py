@@ -137,6 +137,8 @@ def run_group(group: list[str], known: dict, batch: int, rep: int, encoded, warm
     engines = {name: started(name) for name in group}
     rows = {name: {"config": name, "batch": batch, "rep": rep, "group": group[1], "base": group[0], "k": args.k,
                    "outputs": [], "seconds": [], "tokens_timed": 0, "same_again": True,
+                   # vLLM's counters are read right for the engine made last only (DRAFTERS); no speculation has none
+                   "counted": name == "none" or (name == group[-1] and len(group) == 2 and not args.against),
                    **{c.split("num_")[-1]: 0 for c in COUNTERS}} for name in group}
     work = [[p] for p in encoded] if batch == 1 else [encoded]
     for i, part in enumerate(work):
@@ -211,6 +213,7 @@ def summary(rows: list[dict]) -> list[dict]:
                  "tokens_per_s": statistics.median(r["tokens_per_s"] for r in runs),
                  "over_none": statistics.median(ratios), "ratios": ratios,
                  **{c: sum(r[c] for r in runs) for c in ("drafts", "draft_tokens", "accepted_tokens")},
+                 "counted": all(r.get("counted", True) for r in runs),
                  "identical": min(sum(o == p for o, p in zip(r["outputs"], base[batch, r["group"], r["rep"]]["outputs"]))
                                   for r in runs), "prompts": len(runs[0]["outputs"])}
         if batch == 1:
@@ -223,18 +226,20 @@ def summary(rows: list[dict]) -> list[dict]:
 
 
 def table(rows: list[dict]) -> str:
-    over = "over ungated" if any(r.get("base", "none") != "none" for r in rows) else "over none"
+    bases = {r.get("base", "none") for r in rows}
+    over = f"over {bases.pop()}" if len(bases) == 1 else "over ungated"
     head = (f"| drafter | batch | tokens/s | {over} (total) | each run | {over} (SpecBench) | drafts | "
             "draft tokens | accepted | mean acceptance length | identical |")
     lines = [head, "|" + " --- |" * 11]
     for e in summary(rows):
         mal = f"{1 + e['accepted_tokens'] / e['drafts']:.2f}" if e["drafts"] else "-"
+        counts = f"{e['drafts']} | {e['draft_tokens']} | {e['accepted_tokens']} | {mal}" if e["counted"] else "- | - | - | -"
         sb = f"{e['specbench']:.2f}x" if "specbench" in e else "-"
         each = " ".join(f"{x:.2f}" for x in e["ratios"])
         if "rounds" in e:  # each repetition's rounds, in parentheses
             each += " (rounds: " + "; ".join(" ".join(f"{x:.2f}" for x in rounds) for rounds in e["rounds"]) + ")"
         lines.append(f"| {e['config']} | {e['batch']} | {e['tokens_per_s']:.1f} | {e['over_none']:.2f}x | {each} | "
-                     f"{sb} | {e['drafts']} | {e['draft_tokens']} | {e['accepted_tokens']} | {mal} | "
+                     f"{sb} | {counts} | "
                      f"{e['identical']}/{e['prompts']} |")
     return "\n".join(lines)
 
@@ -258,6 +263,12 @@ def main(argv=None) -> int:
                         "round in a fresh engine: it remembers answers)")
     p.add_argument("--against-ungated", action="store_true", help="each of ours gated beside itself ungated, "
                    "instead of beside no speculation (the ratios are then gated over ungated)")
+    p.add_argument("--against", metavar="NAME", help="each configuration beside NAME (e.g. vllm-suffix) instead "
+                   "of beside no speculation: the ratios are then over NAME; vLLM's counters are not shown, since "
+                   "NAME's fresh engines (suffix's, each round) would take over the registry they are read from")
+    p.add_argument("--together", action="store_true", help="at each batch size every configuration in one group "
+                   "with no speculation (A B C ... A B C ... A): each drafter's ratio over the same baseline runs; "
+                   "vLLM's counters are not shown (one registry, and suffix's fresh engines take it over)")
     p.add_argument("--compile", action="store_true", help="vLLM's compiled mode instead of eager")
     p.add_argument("--one-process", action="store_true",
                    help="each engine inside this process (VLLM_ENABLE_V1_MULTIPROCESSING=0, the uni executor) "
@@ -279,6 +290,13 @@ def main(argv=None) -> int:
         return 2
     if args.against_ungated:  # each of ours gated against itself ungated: what the gate costs or brings
         groups = [[name + "-ungated", name] for name in DRAFTERS if name in names and name + "-ungated" in known]
+    elif args.together:  # one group: the drafters side by side, between the same runs of no speculation
+        groups = [["none", *(name for name in DRAFTERS if name in names)]]
+    elif args.against:  # each against another drafter, directly: the two alternate, as a drafter and none do
+        if args.against not in known:
+            print(f"error: --against: unknown {args.against} (known: {', '.join(known)})", file=sys.stderr)
+            return 2
+        groups = [[args.against, name] for name in DRAFTERS if name in names and name != args.against]
     else:
         groups = [["none", name] for name in DRAFTERS if name in names]
     if args.out:
