@@ -39,7 +39,7 @@ import verify  # noqa: E402
 BENCH_ROWS = {
     "report": os.path.join(ROOT, "bench", "results", "figures-report-cpu.jsonl"),
     "long": os.path.join(ROOT, "bench", "results", "fafo-long-steps-cpu.jsonl"),
-    "serve": os.path.join(ROOT, "bench", "results", "serve-gate-avx512-rounds.jsonl"),
+    "serve": os.path.join(ROOT, "bench", "results", "serve-together-avx512-one-process.jsonl"),
 }
 ALLOWED, DENIED = "#2b6cb0", "#f2f2f2"  # one colour pair for every mask figure
 
@@ -460,9 +460,9 @@ def replay_fafo() -> None:
 
 
 def serve_batches() -> None:
-    """RESULTS.md, "Serving under load: four rounds in one run": each drafter's speedup over vLLM without
-    speculation against the batch size (total tokens over total time; the median of the runs,
-    bench/serve_bench.py)."""
+    """RESULTS.md, "Serving under load in one process": each drafter's speedup over vLLM without
+    speculation against the batch size (total tokens over total time; every drafter between the same
+    runs of no speculation, bench/serve_bench.py --together --one-process)."""
     from bench import serve_bench
 
     rows = _rows("serve")
@@ -482,8 +482,8 @@ def serve_batches() -> None:
     ax.set_xticks(batches, [str(b) for b in batches])
     ax.set_xlabel("batch size (max_num_seqs; all prompts submitted)")
     ax.set_ylabel("tokens/s over no speculation")
-    ax.set_title("§7.5 vLLM on two AVX-512 CPU cores: speedup over no speculation by batch size (reporting half)",
-                 fontsize=9)
+    ax.set_title("§7.5 vLLM in one process on two AVX-512 CPU cores: speedup over no speculation by batch size "
+                 "(reporting half)", fontsize=9)
     ax.legend(fontsize=7, ncol=2)
     save(fig, "serve_batches")
 
