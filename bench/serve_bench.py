@@ -20,7 +20,10 @@ whole batch runs without speculation, with the drafter, and without speculation 
 no speculation's tokens/s is over all its runs; --rounds R alternates them R times, A B A B ... A), --reps
 times, each repetition in fresh engines (suffix keeps every response and would draft the next repetition's
 from the last; for the same reason each of its later rounds runs in a fresh engine). Each ratio is over the
-no speculation of its own pair and repetition.
+no speculation of its own pair and repetition. --together puts every drafter in one group with one engine
+without speculation (A B C ... A, the drafters' order rotated each round), so that each ratio is over the same
+runs of no speculation; --against NAME sets each drafter beside NAME (e.g. vllm-suffix) instead of no
+speculation.
 
 Reported per configuration and batch: tokens/s (total new tokens over total wall time) and its ratio over no
 speculation (the speedup at batch sizes above 1; the median of the repetitions, each beside it); at batch 1 also
@@ -29,8 +32,9 @@ counters (drafts, draft tokens, accepted tokens; mean acceptance length = 1 + ac
 every output is no speculation's, token for token. Eager mode (enforce_eager) by default: a compiled engine
 (--compile) takes about two minutes more to start (RESULTS.md, "Serving with vLLM"). --one-process runs each
 engine inside this process (vLLM's uni executor) instead of vLLM's default engine-core process and worker
-process: on two cores the default's engine-core process keeps one core busy while the worker computes, and no
-speculation ran 1.6x faster in one process at batch 16 (RESULTS.md, "Serving under load in one process").
+process: on two cores the default's worker computes on one core while its engine-core process spins on the
+other, and no speculation ran 1.55x as fast in one process at batch 16, side by side (RESULTS.md, "Serving
+under load in one process").
 """
 
 from __future__ import annotations
@@ -53,9 +57,10 @@ from serve import vllm_proposers as proposers  # noqa: E402
 
 COUNTERS = ("vllm:spec_decode_num_drafts", "vllm:spec_decode_num_draft_tokens",
             "vllm:spec_decode_num_accepted_tokens")
-# each drafter runs side by side with no speculation. subtle: two, not more: engines in one process share
-# vLLM's metrics registry, and each new engine's counters replace the earlier ones', so only the drafter made
-# last (after no speculation) can be counted
+# each drafter runs side by side with no speculation. subtle: engines in one process share vLLM's metrics
+# registry, and each new engine's counters replace the earlier ones', so only the engine made last can be
+# counted: the drafter of a pair (after no speculation); in larger groups (--together) or beside another drafter
+# (--against) none is
 DRAFTERS = ("no-drafts", "vllm-ngram", "vllm-suffix", "ngram", "ngram-ungated", "cacheback", "cacheback-ungated",
             "cacheback-paper", "cacheback-paper-ungated")
 # drafters that remember earlier requests' answers (suffix: arctic-inference's global tree caches every finished
@@ -119,8 +124,8 @@ def timed(llm, vllm, encoded: list[list[int]], max_tokens: int) -> tuple[list[li
 
 def run_group(group: list[str], known: dict, batch: int, rep: int, encoded, warm_up, args, vllm) -> list[dict]:
     """The group's engines side by side, each warmed up on `batch` prompts outside the set (warm_up) submitted
-    together; batch 1: each prompt on each engine in turn; else the whole batch on the baseline, the drafter,
-    the baseline. One row per configuration."""
+    together; batch 1: each prompt on each engine in turn; else the whole batch on the baseline, the drafter (or
+    each drafter of the group), the baseline. One row per configuration."""
 
     def started(name: str):
         # subtle: no prefix caching: the baseline's second run of the same prompts would skip their prefills
@@ -149,9 +154,13 @@ def run_group(group: list[str], known: dict, batch: int, rep: int, encoded, warm
             # 15-30 s: the baseline runs before and after the drafter, so that a steady drift
             # cancels; --rounds R alternates them R times (A B A B ... A): one run at batch 16
             # moves by up to 14% either way
+            # with several drafters (--together) their order rotates from round to round, so that none always
+            # runs first after the baseline (nor right after suffix's fresh engine starts)
             order = [group[0]]
-            for _ in range(args.rounds):
-                order += [*group[1:], group[0]]
+            drafters = group[1:]
+            for r in range(args.rounds):
+                turn = r % len(drafters)
+                order += [*drafters[turn:], *drafters[:turn], group[0]]
         ran = set()
         for name in order:
             if name in ran and name in REMEMBERS_ANSWERS:  # its tree holds this batch's answers: a fresh engine
@@ -261,12 +270,13 @@ def main(argv=None) -> int:
                    help="at batch sizes above 1, how many times the drafter runs between runs of the "
                         "baseline in each repetition (A B A; 2: A B A B A; default: 1; vllm-suffix runs each "
                         "round in a fresh engine: it remembers answers)")
-    p.add_argument("--against-ungated", action="store_true", help="each of ours gated beside itself ungated, "
+    beside = p.add_mutually_exclusive_group()  # what each drafter is set beside: no speculation by default
+    beside.add_argument("--against-ungated", action="store_true", help="each of ours gated beside itself ungated, "
                    "instead of beside no speculation (the ratios are then gated over ungated)")
-    p.add_argument("--against", metavar="NAME", help="each configuration beside NAME (e.g. vllm-suffix) instead "
+    beside.add_argument("--against", metavar="NAME", help="each configuration beside NAME (e.g. vllm-suffix) instead "
                    "of beside no speculation: the ratios are then over NAME; vLLM's counters are not shown, since "
                    "NAME's fresh engines (suffix's, each round) would take over the registry they are read from")
-    p.add_argument("--together", action="store_true", help="at each batch size every configuration in one group "
+    beside.add_argument("--together", action="store_true", help="at each batch size every configuration in one group "
                    "with no speculation (A B C ... A B C ... A): each drafter's ratio over the same baseline runs; "
                    "vLLM's counters are not shown (one registry, and suffix's fresh engines take it over)")
     p.add_argument("--compile", action="store_true", help="vLLM's compiled mode instead of eager")
