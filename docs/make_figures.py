@@ -39,7 +39,7 @@ import verify  # noqa: E402
 BENCH_ROWS = {
     "report": os.path.join(ROOT, "bench", "results", "figures-report-cpu.jsonl"),
     "long": os.path.join(ROOT, "bench", "results", "fafo-long-steps-cpu.jsonl"),
-    "serve": os.path.join(ROOT, "bench", "results", "serve-together-avx512-one-process.jsonl"),
+    "serve": os.path.join(ROOT, "bench", "results", "serve-together-rotated-avx512-one-process.jsonl"),
 }
 ALLOWED, DENIED = "#2b6cb0", "#f2f2f2"  # one colour pair for every mask figure
 
@@ -462,7 +462,7 @@ def replay_fafo() -> None:
 def serve_batches() -> None:
     """RESULTS.md, "Serving under load in one process": each drafter's speedup over vLLM without
     speculation against the batch size (total tokens over total time; every drafter between the same
-    runs of no speculation, bench/serve_bench.py --together --one-process)."""
+    runs of no speculation, their order rotated each round; bench/serve_bench.py --together --one-process)."""
     from bench import serve_bench
 
     rows = _rows("serve")
