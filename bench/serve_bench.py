@@ -277,7 +277,8 @@ def main(argv=None) -> int:
                    "of beside no speculation: the ratios are then over NAME; vLLM's counters are not shown, since "
                    "NAME's fresh engines (suffix's, each round) would take over the registry they are read from")
     beside.add_argument("--together", action="store_true", help="at each batch size every configuration in one group "
-                   "with no speculation (A B C ... A B C ... A): each drafter's ratio over the same baseline runs; "
+                   "with no speculation (two drafters: A B C A C B A ..., their order rotated each round): each drafter's ratio "
+                   "over the same baseline runs; "
                    "vLLM's counters are not shown (one registry, and suffix's fresh engines take it over)")
     p.add_argument("--compile", action="store_true", help="vLLM's compiled mode instead of eager")
     p.add_argument("--one-process", action="store_true",
