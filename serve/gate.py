@@ -30,8 +30,8 @@ The file, section by section:
 
 What SmartSpec (Liu et al., 2024, arXiv:2406.14066) does for model drafters -- pick k to maximise
 goodput from profiled latencies and online acceptance -- done here per draft token, for drafters
-without a model, from the method's own signals (the n-gram order and count behind a token, Cacheback's
-table and depth), with the step times measured inside the server itself.
+without a model, from the method's own signals (the n-gram order, count and share behind a token,
+Cacheback's table, fan-out, depth and siblings), with the step times measured inside the server itself.
 """
 
 from __future__ import annotations
@@ -118,6 +118,7 @@ class StepTimes:
         self.xx = np.zeros((3, 3))
         self.xt = np.zeros(3)
         self.steps = 0  # steps measured, all told
+        self.fitted: tuple[float, float, float] | None = None  # fit()'s answer until the next add()
 
     def predict(self, rows: int, drafts: int) -> float:
         a, c, b = self.fit()
@@ -132,6 +133,7 @@ class StepTimes:
         self.xt = self.decay * self.xt + x * seconds
         self.steps += 1
         self.prior_left = max(PRIOR_FLOOR, self.prior_left * 0.5 ** (1 / PRIOR_HALF_LIFE))
+        self.fitted = None  # a new step: solve again
 
     def fit(self) -> tuple[float, float, float]:
         """(a, c, b): seconds, seconds a row, seconds a draft token. Before any step: (1,
@@ -142,7 +144,12 @@ class StepTimes:
         μ the draft token's: the larger of λ N̄² and DRAFT_PRIOR_TOKENS, which the steps' Σ w D²
         outweighs once drafts have been sent), so that the priors speak for the slopes only while
         the steps do not. A cost never below 0: a fit that gives one is redone with it held
-        at 0."""
+        at 0. Solved once per step: a call of the proposer reads it two or three times."""
+        if self.fitted is None:
+            self.fitted = self.solve()
+        return self.fitted
+
+    def solve(self) -> tuple[float, float, float]:
         r = self.prior_slope
         if self.steps == 0:
             return 1.0, r, r
@@ -166,8 +173,9 @@ class StepTimes:
 
 # ---- 2. Acceptance -----------------------------------------------------------------------------------------
 #
-# Each draft token carries a signal: a key the drafter gives it (the n-gram order and how often the
-# context was followed by that token; Cacheback's table, its leader's fan-out and the depth). Its
+# Each draft token carries a signal: a key the drafter gives it (the n-gram order, how often the
+# context was followed by that token and what share of its continuations that is, the place in the
+# chain; Cacheback's table, its leader's fan-out, the depth and the token's siblings). Its
 # chance p(key) of being accepted when every token before it in the chain was, is counted per key:
 #
 #     server-wide   p_server = (hits + 1) / (trials + 2)             all requests; 1/2 until measured

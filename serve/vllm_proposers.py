@@ -175,9 +175,13 @@ def engine_args(method: str, k: int, **options) -> dict:
 #
 # A draft carries, for each token, its signal: the key under which the gate counts how often such
 # tokens are accepted (serve/gate.py, section 2). The n-gram predictor's is the order of the table
-# that predicted the token and how often that context was followed by it (1, 2, 3 or more);
-# Cacheback's is the table its follower came from (dynamic or frozen), how many followers its leader
-# had (DraftTree's fan-out bucket) and the token's depth in the tree.
+# that predicted the token, how often that context was followed by it (1, 2, 3 or more), what share
+# of the context's continuations that is, and the token's place in the chain; Cacheback's is the
+# table its follower came from (dynamic or frozen), how many followers its leader had (DraftTree's
+# fan-out bucket), the token's depth in the tree and how many other tokens the tree holds beside it.
+# subtle: each part of a key splits the counts further, so it must earn its place: the share and the
+# place, and Cacheback's siblings, were each added because the gate then sent surer drafts at four and
+# eight rows in bench/serve_sim.py on the tuning half (RESULTS.md, "Batch 4 against suffix").
 
 
 @dataclass
@@ -246,13 +250,20 @@ class NgramRequest(RequestState):
         self.predictor.update_batch(self.text[first_new:])
 
     def draft(self, k: int) -> Draft:
-        """The predictor's chain, each token keyed by ("ngram", its order, its count: 1, 2, 3+)."""
+        """The predictor's chain, each token keyed by ("ngram", its order, its count: 1, 2, 3+, its
+        share of the context's continuations, its place in the chain: 0, 1, 2+).
+
+        The share: 2 = the only token ever seen after that context, 1 = at least half of what
+        followed it, 0 = less (a count of 3 out of 3 is a surer bet than 3 out of 10). The place: the
+        first token's context is the text itself, a later one's holds the predictor's own guesses."""
         drafted = self.predictor.draft()[:k]  # [(token, order), ...]
         context = list(self.predictor.history)[-(ngram_predictor.MAX_ORDER - 1):]
         keys = []
-        for token, order in drafted:
+        for place, (token, order) in enumerate(drafted):
             counts = self.predictor.tables[order - 2][ngram_predictor.fnv1a_64(context[-(order - 1):])]
-            keys.append(("ngram", order, min(counts[token], 3)))
+            seen = sum(counts.values())  # how often the context was seen, whatever followed
+            share = 2 if counts[token] == seen else int(2 * counts[token] >= seen)
+            keys.append(("ngram", order, min(counts[token], 3), share, min(place, 2)))
             context.append(token)  # the predictor chains its own guesses
         return Draft([token for token, _ in drafted], keys)
 
@@ -282,7 +293,8 @@ class CachebackRequest(RequestState):
     def draft(self, k: int) -> Draft:
         """The first branch of the tree the preset grows (TDL tokens at most; CRT of them kept for
         level 2 and deeper, which bounds how far the first branch chains), each token keyed by
-        ("cacheback", its table, its leader's fan-out, its depth up to 4). The whole tree is grown,
+        ("cacheback", its table, its leader's fan-out, its depth up to 4, its siblings: 0, 1, 2+ other
+        tokens the tree holds where it stands, from either table). The whole tree is grown,
         as generate() grows it, though one branch is sent: the chain is then a branch of the very
         tree generate() drafts (the tests check it against tools/offline.py), and a tree of only
         k + 1 tokens accepted 0.02-0.08 fewer a step. The tree holds TDL - 1 drafts at most, so a k
@@ -294,7 +306,8 @@ class CachebackRequest(RequestState):
         keys = []
         for node in nodes:
             table, _rank, _pos, fanout = tree.origins[node]
-            keys.append(("cacheback", table, fanout, min(tree.depths[node], 4)))
+            siblings = len(tree.children[tree.parents[node]]) - 1  # other guesses at this point
+            keys.append(("cacheback", table, fanout, min(tree.depths[node], 4), min(siblings, 2)))
         return Draft([tree.tokens[node] for node in nodes], keys)
 
 # ---- 3. Which request a row holds --------------------------------------------------------------------------

@@ -10,6 +10,7 @@ test_serve.py runs the proposers with an injected clock that each step moves by 
 - a fault while drafting sends no drafts that step, is logged once and counted, and drafting goes on; chains
   over k or with ids outside the vocabulary are cut; a vLLM whose hook the adapter does not know is refused."""
 
+import itertools
 import json
 import logging
 import random
@@ -248,10 +249,9 @@ def test_a_row_held_back_earns_its_drafts_back(tmp_path):
     the gate that they are right now, and it sends them."""
     log = str(tmp_path / "drafts.jsonl")
     proposer = proposers.NgramProposer(vllm_config("ngram", 4, max_num_seqs=1, log=log))
-    for order in (2, 3, 4):
-        for count in (1, 2, 3):
-            proposer.gate.acceptance.hits[("ngram", order, count)] = 0.0
-            proposer.gate.acceptance.trials[("ngram", order, count)] = 200.0
+    for key in itertools.product(["ngram"], (2, 3, 4), (1, 2, 3), (0, 1, 2), (0, 1, 2)):  # order, count, share, place
+        proposer.gate.acceptance.hits[key] = 0.0
+        proposer.gate.acceptance.trials[key] = 200.0
     text = periodic(300, 9, seed=4)
     serve_batch(proposer, [(text[:40], text[40:])], max_num_seqs=1, step_cost=lambda n: 0.05 + 0.05 * n)
     steps = logged_steps(log)
