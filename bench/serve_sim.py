@@ -12,8 +12,9 @@ reads vLLM's steps:
     step = a + row · rows + token · (draft tokens sent + prompt tokens prefilled)
 
 with the costs measured in vLLM on the AVX-512 EPYC (COSTS: vLLM's default set-up at 14 rows, or
-vLLM in one process at four). The streams are the default model's greedy answers (tools/offline.py's,
-128 tokens at most), so the tokens accepted are those vLLM's greedy verification accepts.
+vLLM in one process at four). The streams are the default model's greedy answers
+(tools/offline.py's, 128 tokens at most), so the tokens accepted are those vLLM's greedy
+verification accepts.
 
 Two loads, each against the same engine without drafts:
 - closed: every request submitted at once into B slots (max_num_seqs), as serve_bench.py runs
@@ -23,12 +24,13 @@ Two loads, each against the same engine without drafts:
 
     .venv/bin/python bench/serve_sim.py --split tune --idle-values 1,0.75,0.5,0.25
 
---against-suffix: at each batch size, a closed batch as above, each drafter gated beside vLLM's `suffix`
-(vLLM's own proposer, its calls replayed on the serve venv's arctic_inference, vLLM's defaults, k = 4) and
-beside itself under a perfect gate (each row sent exactly the part of its draft that will be accepted: at
-four rows in one process, the most a sharper acceptance signal could bring). The proposers' own drafting
-time is added to each step, as the engine waits for it (so this table moves by a few thousandths from run
-to run; the other is exact). --costs one-process: the step costs of vLLM in one process at four rows.
+--against-suffix: at each batch size, a closed batch as above, each drafter gated beside vLLM's
+`suffix` (vLLM's own proposer, its calls replayed on the serve venv's arctic_inference, vLLM's
+defaults, k = 4) and beside itself under a perfect gate (each row sent exactly the part of its draft
+that will be accepted: at four rows in one process, the most a sharper acceptance signal could
+bring). The proposers' own drafting time is added to each step, as the engine waits for it (so this
+table moves by a few thousandths from run to run; the other is exact). --costs one-process: the step
+costs of vLLM in one process at four rows.
 
     .venv-serve/bin/python bench/serve_sim.py --split tune --against-suffix --costs one-process
 """
@@ -64,13 +66,13 @@ class Costs:
 
 
 COSTS = {
-    # vLLM's default set-up (engine-core and worker processes) on the AVX-512 EPYC at 14 rows: 83 ms a step
-    # without drafts, about 2.3 ms a row, 3-5 ms a draft token (RESULTS.md, "Serving under load on the AVX-512
-    # EPYC")
+    # vLLM's default set-up (engine-core and worker processes) on the AVX-512 EPYC at 14 rows: 83 ms
+    # a step without drafts, about 2.3 ms a row, 3-5 ms a draft token (RESULTS.md, "Serving under
+    # load on the AVX-512 EPYC")
     "two-process": Costs(a=0.051, row=0.0023, token=0.004),
-    # vLLM in one process (the uni executor) on the same CPU at four rows: the gate's own fit in the server (31
-    # ms + 1.8 ms a row + 1.5-1.7 ms a draft token) and serve_steps.py's steps (36.8 ms at four rows without
-    # drafts, 59.8 ms with 16 draft tokens: 1.4 ms each); RESULTS.md, "Batch 4 against suffix"
+    # vLLM in one process (the uni executor) on the same CPU at four rows: the gate's own fits in the
+    # server (31 ms + 1.8 ms a row + 1.5-1.7 ms a draft token), rounded; a draft token about 4% of a
+    # four-row step, as serve_steps.py --one-process finds (RESULTS.md, "Batch 4 against suffix")
     "one-process": Costs(a=0.031, row=0.0019, token=0.0016),
 }
 DRAFTERS = {"ngram": {}, "cacheback": {}, "cacheback-paper": {"preset": "paper"}}
@@ -99,15 +101,15 @@ def engine_config(method: str, slots: int, **options):
 
 
 def simulate(proposer, streams: list[tuple[list[int], list[int]]], slots: int,
-             arrivals: list[float], costs: Costs = COSTS["two-process"], charge_drafting: bool = False,
-             perfect: bool = False) -> dict:
+             arrivals: list[float], costs: Costs = COSTS["two-process"],
+             charge_drafting: bool = False, perfect: bool = False) -> dict:
     """Serve streams[i] (prompt, greedy output), arriving at arrivals[i], through `proposer`
-    (None: no drafts). Returns the total time, each request's time from arrival to last token and the
-    draft tokens sent. charge_drafting: each step also takes the proposer's own time in propose() (the
-    engine waits for it). perfect: each chain is cut to the part of it that will be accepted (the perfect
-    gate: give it an ungated proposer)."""
+    (None: no drafts). Returns the total time, each request's time from arrival to last token and
+    the draft tokens sent. charge_drafting: each step also takes the proposer's own time in
+    propose() (the engine waits for it). perfect: each chain is cut to the part of it that will be
+    accepted (the perfect gate: give it an ungated proposer)."""
     clock = Clock()
-    if getattr(proposer, "gate", None) is not None:  # the gate reads the simulated time (suffix has none)
+    if getattr(proposer, "gate", None) is not None:  # the gate reads the simulated time (suffix: none)
         proposer.gate.clock = clock
     draft_tokens = 0  # sent, all steps
     width = max(len(p) + len(o) for p, o in streams) + 8
@@ -216,12 +218,13 @@ def proposer_for(name: str, slots: int, idle_value: float | None):
     return proposer
 
 
-SUFFIX_DEPTH = 24  # vLLM's suffix_decoding_max_tree_depth: the trees' depth, and the pattern matched
+SUFFIX_DEPTH = 24  # vLLM's suffix_decoding_max_tree_depth: the trees' depth, the pattern matched
 
 
 class SuffixRequest(proposers.RequestState):
-    """A request as SuffixStandIn tells it apart (by its tokens, serve/vllm_proposers.py's Rows): a name
-    for arctic_inference's cache. learn() does nothing: the cache learns the tokens (add_active_response)."""
+    """A request as SuffixStandIn tells it apart (by its tokens, serve/vllm_proposers.py's Rows): a
+    name for arctic_inference's cache. learn() does nothing: the cache learns the tokens itself
+    (add_active_response)."""
 
     made = 0  # names given so far, all stand-ins
 
@@ -235,16 +238,17 @@ class SuffixRequest(proposers.RequestState):
 
 
 class SuffixStandIn:
-    """vLLM's `suffix` proposer (vllm/v1/spec_decode/suffix_decoding.py, 0.32) in the simulated engine: its
-    calls on arctic_inference's SuffixDecodingCache with vLLM's defaults (trees 24 tokens deep, 10,000
-    requests' answers kept, a draft at most as long as its match, tokens of probability 0.1 or more) and k
-    draft tokens at most, as serve_bench.py starts it. Two differences: vLLM knows each row's request id,
-    the stand-in tells requests apart by their tokens, as our proposers do (about 10 µs a row, charged to
-    it); and the simulated engine does not call the proposer after a request's last step, so the last
-    tokens of each answer never reach the cache (in vLLM they do)."""
+    """vLLM's `suffix` proposer (vllm/v1/spec_decode/suffix_decoding.py, 0.32) in the simulated
+    engine: its calls on arctic_inference's SuffixDecodingCache with vLLM's defaults (trees 24
+    tokens deep, 10,000 requests' answers kept, a draft at most as long as its match, tokens of
+    probability 0.1 or more) and k draft tokens at most, as serve_bench.py starts it. Two
+    differences: vLLM knows each row's request id, the stand-in tells requests apart by their tokens,
+    as our proposers do (about 10 µs a row, charged to it); and the simulated engine does not call
+    the proposer after a request's last step, so the last tokens of each answer never reach the
+    cache (in vLLM they do)."""
 
     def __init__(self, k: int, slots: int):
-        from arctic_inference.suffix_decoding import SuffixDecodingCache  # vLLM's dependency: the serve venv
+        from arctic_inference.suffix_decoding import SuffixDecodingCache  # vLLM's: the serve venv
 
         self.k = k
         self.cache = SuffixDecodingCache(max_tree_depth=SUFFIX_DEPTH, max_cached_requests=10000)
@@ -255,31 +259,34 @@ class SuffixStandIn:
                  for row, sampled in enumerate(sampled_token_ids) if sampled}
         states = self.rows.states_for(texts)
         chains = [[] for _ in sampled_token_ids]
-        for row in sorted(states):  # in row order, as vLLM: each row's tokens join the cache before the next drafts
+        # in row order, as vLLM: each row's tokens join the cache before the next row drafts
+        for row in sorted(states):
             state = states[row]
             text = texts[row]  # [n]
-            if state.name not in self.cache.active_requests:  # its first step: the tree of its prompt
-                self.cache.start_request(state.name, text[: len(text) - len(sampled_token_ids[row])])
+            if state.name not in self.cache.active_requests:  # its first step: its prompt's tree
+                prompt = text[: len(text) - len(sampled_token_ids[row])]  # [n - sampled]
+                self.cache.start_request(state.name, prompt)
             self.cache.add_active_response(state.name, list(sampled_token_ids[row]))
             state.text = text.tolist()  # what Rows recognizes it by next step
             draft = self.cache.speculate(state.name, text[-SUFFIX_DEPTH:], max_spec_tokens=self.k,
                                          max_spec_factor=1.0, min_token_prob=0.1)
             chains[row] = list(draft.token_ids)
         for name in self.cache.active_requests - {state.name for state in states.values()}:
-            self.cache.stop_request(name)  # it left the batch: its prompt's tree goes (its answer stays cached)
+            self.cache.stop_request(name)  # it left the batch: its prompt's tree goes, its answer stays
         return chains
 
 
 def against_suffix(streams, costs: Costs) -> None:
-    """The --against-suffix table: a closed batch at each batch size, each drafter's speed over no drafts'.
+    """The --against-suffix table: a closed batch at each batch size, each drafter's speed over no
+    drafts'.
 
-    The perfect gate: the drafter ungated, each chain cut to what will be accepted. Where every accepted
-    token pays (requests wait, and a draft token costs less than a row's share of the step: four rows in
-    one process), that is the most a sharper acceptance signal could bring to the drafter's drafts; it
-    still drafts every step, which the real gate skips where nothing can pay."""
+    The perfect gate: the drafter ungated, each chain cut to what will be accepted. Where every
+    accepted token pays (requests wait, and a draft token costs less than a row's share of the step:
+    four rows in one process), that is the most a sharper acceptance signal could bring to the
+    drafter's drafts; it still drafts every step, which the real gate skips where nothing can pay."""
     names = ["vllm-suffix", *DRAFTERS, *(f"{name}, perfect gate" for name in DRAFTERS)]
-    print("closed: every request at once into B slots; no drafts' total time over each's (above 1: faster), "
-          "and the draft tokens sent; each proposer's drafting time counts\n")
+    print("closed: every request at once into B slots; no drafts' total time over each's (above 1: "
+          "faster), and the draft tokens sent; each proposer's drafting time counts\n")
     print("| B | " + " | ".join(names) + " |")
     print("| --- |" + " --- |" * len(names))
     at_once = [0.0] * len(streams)
@@ -294,7 +301,8 @@ def against_suffix(streams, costs: Costs) -> None:
                 proposer = proposer_for(name.split(",")[0], batch, None)
             else:
                 proposer = proposer_for(name, batch, IDLE_VALUE)
-            drafted = simulate(proposer, streams, batch, at_once, costs, charge_drafting=True, perfect=perfect)
+            drafted = simulate(proposer, streams, batch, at_once, costs, charge_drafting=True,
+                               perfect=perfect)
             cells.append(f"{base / drafted['seconds']:.3f}x ({drafted['draft_tokens']})")
         print(f"| {batch} | " + " | ".join(cells) + " |", flush=True)
 
@@ -308,16 +316,18 @@ def main(argv=None) -> int:
                    help="what an accepted token counts for while nobody waits (1: as when some wait)")
     p.add_argument("--gaps", default="4,2,1,0.5", help="open load: the mean seconds between arrivals")
     p.add_argument("--costs", default="two-process", choices=list(COSTS),
-                   help="the step costs: vLLM's default set-up at 14 rows (default), or vLLM in one process at 4")
+                   help="the step costs: vLLM's default set-up at 14 rows (default), or vLLM in one "
+                        "process at four")
     p.add_argument("--against-suffix", action="store_true",
-                   help="instead: each drafter gated, beside vLLM's suffix and beside itself under a perfect gate "
-                        "(needs the serve venv's arctic_inference)")
+                   help="instead: each drafter gated, beside vLLM's suffix and beside itself under a "
+                        "perfect gate (needs the serve venv's arctic_inference)")
     args = p.parse_args(argv)
     values = [float(v) for v in args.idle_values.split(",")]
     costs = COSTS[args.costs]
     streams = [(s["prompt"], s["output"]) for s in offline.make_streams(args.split)]
-    print(f"{len(streams)} streams ({args.split} half), step = {costs.a * 1e3:.0f} ms + {costs.row * 1e3:.1f} ms "
-          f"a row + {costs.token * 1e3:.1f} ms a draft or prompt token ({args.costs})\n")
+    print(f"{len(streams)} streams ({args.split} half), step = {costs.a * 1e3:.0f} ms + "
+          f"{costs.row * 1e3:.1f} ms a row + {costs.token * 1e3:.1f} ms a draft or prompt token "
+          f"({args.costs})\n")
     if args.against_suffix:
         against_suffix(streams, costs)
         return 0

@@ -113,9 +113,9 @@ class StepTimes:
         self.prior_slope = prior_slope
         self.decay = 0.5 ** (1 / half_life)
         self.prior_left = 1.0  # what is left of the priors' weight
-        # the weighted sums of the least squares fit over x = (1, B, D): Σ w·x·xᵀ [3][3] and Σ w·x·t [3].
-        # subtle: plain floats, not numpy: on 3 unknowns numpy's call overhead was most of the fit's time
-        # (0.14-0.2 ms a step inside vLLM's engine, a fifth of what propose() cost at 16 rows)
+        # the weighted sums of the least squares fit over x = (1, B, D): Σ w·x·xᵀ [3][3] and Σ w·x·t [3],
+        # w = 0.5^(age in steps / half_life). Plain floats, not numpy: on three unknowns numpy's call
+        # overhead was half a solve (35 µs, now 17, outside vLLM; RESULTS.md, "Batch 4 against suffix")
         self.xx = [[0.0] * 3 for _ in range(3)]
         self.xt = [0.0] * 3
         self.steps = 0  # steps measured, all told
@@ -163,6 +163,9 @@ class StepTimes:
         draft_prior = (0.0, -1.0, 1.0)  # b - c
         normal = [[self.xx[i][j] + row_weight * row_prior[i] * row_prior[j]
                    + draft_weight * draft_prior[i] * draft_prior[j] for j in range(3)] for i in range(3)]
+        # never singular: the two priors' terms plus the steps' make the matrix positive definite.
+        # A negative cost is held at 0 and the rest refitted, one at a time: freeing one can move the
+        # others back above 0. With nothing left free the answer is all zeros, and the loop ends.
         free = [0, 1, 2]  # the unknowns not held at 0
         while True:
             solution = [0.0] * 3
@@ -178,25 +181,27 @@ class StepTimes:
 
 
 def solve_linear(matrix: list[list[float]], rhs: list[float]) -> list[float]:
-    """x with matrix·x = rhs, for the fit's few unknowns: Gaussian elimination, the largest pivot first.
+    """x with matrix·x = rhs, for the fit's few unknowns: Gaussian elimination with partial pivoting
+    (in each column, the row with the largest entry is swapped up before it is used).
 
     >>> solve_linear([[2.0, 1.0], [1.0, 3.0]], [3.0, 5.0])
     [0.8, 1.4]
     """
     n = len(rhs)
-    rows = [list(row) + [value] for row, value in zip(matrix, rhs)]  # [n][n + 1]: the augmented matrix
+    augmented = [list(row) + [value] for row, value in zip(matrix, rhs)]  # [n][n + 1]
     for col in range(n):
-        pivot = max(range(col, n), key=lambda r: abs(rows[r][col]))
-        largest = rows[pivot]  # swapped into place: dividing by the largest pivot keeps the error small
-        rows[pivot] = rows[col]
-        rows[col] = largest
-        for r in range(col + 1, n):
-            factor = rows[r][col] / rows[col][col]
-            for k in range(col, n + 1):
-                rows[r][k] -= factor * rows[col][k]
+        # dividing by the largest entry of the column keeps the rounding error small
+        pivot = max(range(col, n), key=lambda i: abs(augmented[i][col]))
+        pivot_row = augmented[pivot]
+        augmented[pivot] = augmented[col]
+        augmented[col] = pivot_row
+        for i in range(col + 1, n):
+            factor = augmented[i][col] / pivot_row[col]
+            for j in range(col, n + 1):
+                augmented[i][j] -= factor * pivot_row[j]
     x = [0.0] * n
-    for r in reversed(range(n)):
-        x[r] = (rows[r][n] - sum(rows[r][k] * x[k] for k in range(r + 1, n))) / rows[r][r]
+    for i in reversed(range(n)):  # back substitution
+        x[i] = (augmented[i][n] - sum(augmented[i][j] * x[j] for j in range(i + 1, n))) / augmented[i][i]
     return x
 
 # ---- 2. Acceptance -----------------------------------------------------------------------------------------

@@ -179,9 +179,11 @@ def engine_args(method: str, k: int, **options) -> dict:
 # of the context's continuations that is, and the token's place in the chain; Cacheback's is the
 # table its follower came from (dynamic or frozen), how many followers its leader had (DraftTree's
 # fan-out bucket), the token's depth in the tree and how many other tokens the tree holds beside it.
-# subtle: each part of a key splits the counts further, so it must earn its place: the share and the
-# place, and Cacheback's siblings, were each added because the gate then sent surer drafts at four and
-# eight rows in bench/serve_sim.py on the tuning half (RESULTS.md, "Batch 4 against suffix").
+# subtle: each part of a key splits the counts further (each bucket learns from fewer tokens, and a
+# new one starts at 1/2), so it must earn its place: the share and the place together made the n-gram
+# predictor 1.1% faster at four rows and 0.7% at eight (the place alone 0.5% slower), Cacheback's
+# siblings 0.8% at both, in bench/serve_sim.py on the tuning half (RESULTS.md, "Batch 4 against suffix").
+# The numbers in a key are labels the gate looks up, not magnitudes.
 
 
 @dataclass
@@ -250,12 +252,13 @@ class NgramRequest(RequestState):
         self.predictor.update_batch(self.text[first_new:])
 
     def draft(self, k: int) -> Draft:
-        """The predictor's chain, each token keyed by ("ngram", its order, its count: 1, 2, 3+, its
-        share of the context's continuations, its place in the chain: 0, 1, 2+).
+        """The predictor's chain, each token keyed by ("ngram", order 2-4, count 1|2|3 = 3 or more,
+        share 0|1|2, place 0|1|2 = 2 or later).
 
-        The share: 2 = the only token ever seen after that context, 1 = at least half of what
-        followed it, 0 = less (a count of 3 out of 3 is a surer bet than 3 out of 10). The place: the
-        first token's context is the text itself, a later one's holds the predictor's own guesses."""
+        The share of everything that followed the context: 2 = the only token ever seen after it, 1 =
+        at least half, 0 = less (3 times out of 3 is a surer bet than 3 out of 10). The place in the
+        chain: kept because it helped beside the share, though alone it did not (measured, not argued:
+        a token reached after accepted ones may sit in a passage being copied)."""
         drafted = self.predictor.draft()[:k]  # [(token, order), ...]
         context = list(self.predictor.history)[-(ngram_predictor.MAX_ORDER - 1):]
         keys = []
@@ -293,8 +296,10 @@ class CachebackRequest(RequestState):
     def draft(self, k: int) -> Draft:
         """The first branch of the tree the preset grows (TDL tokens at most; CRT of them kept for
         level 2 and deeper, which bounds how far the first branch chains), each token keyed by
-        ("cacheback", its table, its leader's fan-out, its depth up to 4, its siblings: 0, 1, 2+ other
-        tokens the tree holds where it stands, from either table). The whole tree is grown,
+        ("cacheback", table 0|1, fan-out 0|1|2, depth 1-4, siblings 0|1|2). Siblings: the other
+        children of its parent node, the tree's other guesses for the same position, from either table
+        (a token with rivals is less sure); unlike the fan-out, how many followers the table stores for
+        the leader, it counts what the tree kept. The whole tree is grown,
         as generate() grows it, though one branch is sent: the chain is then a branch of the very
         tree generate() drafts (the tests check it against tools/offline.py), and a tree of only
         k + 1 tokens accepted 0.02-0.08 fewer a step. The tree holds TDL - 1 drafts at most, so a k
@@ -306,7 +311,7 @@ class CachebackRequest(RequestState):
         keys = []
         for node in nodes:
             table, _rank, _pos, fanout = tree.origins[node]
-            siblings = len(tree.children[tree.parents[node]]) - 1  # other guesses at this point
+            siblings = len(tree.children[tree.parents[node]]) - 1  # its parent's other children
             keys.append(("cacheback", table, fanout, min(tree.depths[node], 4), min(siblings, 2)))
         return Draft([tree.tokens[node] for node in nodes], keys)
 
