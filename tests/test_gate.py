@@ -249,7 +249,8 @@ def test_a_row_held_back_earns_its_drafts_back(tmp_path):
     the gate that they are right now, and it sends them."""
     log = str(tmp_path / "drafts.jsonl")
     proposer = proposers.NgramProposer(vllm_config("ngram", 4, max_num_seqs=1, log=log))
-    for key in itertools.product(["ngram"], (2, 3, 4), (1, 2, 3), (0, 1, 2), (0, 1, 2)):  # order, count, share, place
+    # every n-gram key: order, count, share, place
+    for key in itertools.product(["ngram"], (2, 3, 4), (1, 2, 3), (0, 1, 2), (0, 1, 2)):
         proposer.gate.acceptance.hits[key] = 0.0
         proposer.gate.acceptance.trials[key] = 200.0
     text = periodic(300, 9, seed=4)
