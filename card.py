@@ -28,8 +28,7 @@ The paper, section by section, and where it is here (this file's sections in bra
     beyond the paper: the draft in its own process (parallel)    DraftProcess                   [4]
                       drafts derived from the target (int8)      int8_draft, load_draft         [5]
                       the draft, mode and r by predicted speed   predicted_speedup, choose,     [5b]
-                      on this machine, the chosen loop timed;    measure_loop,
-                      when CARD cannot win                       choose_configuration
+                      on this machine; when CARD cannot win      choose_configuration
                       model.generate(..., custom_generate=...)   custom_generate                [6]
 
     python card.py --prompt "Explain what a hash map is." --compare
@@ -1082,82 +1081,26 @@ def prepare_without_waiting(model, tok, cfg: CardConfig, name: str = verify.DEFA
     that a program's first call streams its first token at once."""
     return prepare(model, tok, cfg, name, draft=draft, wait=False)
 
-# ---- 5b. Which configuration, on this machine: the cost model (ours) ---------------------------------------
+# ---- 5b. Which configuration, on this machine: a cost model (ours) -----------------------------------------
 #
-# Whether CARD pays depends on the machine. The paper's draft is ~7x cheaper than its target on a
-# GPU beside it; on a CPU the draft runs on the cores the target gives up (the parallel mode splits
-# them), so the draft must step faster on half the cores than the target does on all of them. On an
-# AVX2-only CPU the int8 draft cannot (RESULTS.md, "CARD on a CPU"). So the CPU default does not fix
-# the draft, the mode and r: it predicts the speed of each configuration it can run from step times
-# measured on this machine, takes the fastest, and says in one line when none beats plain decoding.
+# On a CPU the draft process takes half the cores, so CARD wins only where the draft steps faster on
+# half of them than the target does on all. The CPU default therefore predicts each configuration's
+# speed from step times measured here once (kept on disk), runs the fastest, and says in one line
+# where none beats plain decoding. Per step, with K = 1 (TUTORIAL.md §4.6 derives it):
 #
-# The model, one step, each side timed alone with the threads it gets (t_target: plain decoding's
-# step on every thread; t_verify(n): the target's forward over n tokens; t_draft: one K-node layer):
+#     lockstep   t = r·t_draft + t_verify(r + 1)
+#     parallel   a hit:  t = max(t_verify(q + 1) + d·t_draft, (q + 1)·t_draft)
+#                a miss: t = t_verify(q + 1) + w·t_draft
+#     speedup = mat · t_target / t,   t averaged over hits and misses by the hit rate h
 #
-#     lockstep   r layers, then a chain of q = r verified         t = r·t_draft + c + t_verify(r + 1)
-#     parallel   a hit: the draft drafted the next chain while   t = max(t_verify(q + 1) + d·t_draft,
-#                the target verified this one                            (q + 1)·t_draft)
-#                a miss: the cache restarts, w layers waited      t = t_verify(q + 1) + w·t_draft + c
-#     per step:  speedup = mat · t_target / t,   t over hits and misses by the hit rate h
-#     per call:  n·t_target / (n·t_target / speedup + t_prefill)    (n = TYPICAL_NEW_TOKENS)
-#
-# c is what the catch-up costs beyond a layer: after a miss (every lockstep step is one, K = 1) the
-# draft's first forward feeds the last accepted token and the bonus token together (Drafter.step),
-# t_draft(2) - t_draft. d is what a hit still waits for when the draft is fast: the draft process
-# stops drafting once the cache leads the verified text by max_lead layers (2r by default); a hit
-# moves the verified text q + 1 layers down (the chain and the bonus token), so the cache then leads
-# by max_lead - (q + 1), and the query waits until it leads by w again: d = max(0, w + q + 1 -
-# max_lead) layers, drafted while the target waits. (A slow draft never reaches max_lead: its hit
-# costs (q + 1)·t_draft, the other term.) subtle: with the CPU default's w = 3 and r = 3, d is one
-# layer a hit; the model's first version, without d, predicted well above what CARD ran at
-# (RESULTS.md, "CARD's choice at set-up"). t_prefill is the draft's prefill of the prompt, which
-# comes after the target's and before the first chain, in either mode: per call, not per step, it is
-# charged for a typical call (TYPICAL_PROMPT_TOKENS, TYPICAL_NEW_TOKENS). subtle: on a CPU without
-# fast bfloat16 (AVX2) the bfloat16 self-draft steps almost as fast as the target but prefills several times
-# slower (RESULTS.md, "CARD's choice at set-up"): a model per step alone chose it, and lost.
-#
-# Three quantities come from the draft's agreement with the target, counted token by token on seven
-# short greedy answers of the target's own (CALIBRATION; the draft stepped through them one token at
-# a time, as CARD steps it: a 1 where its guess of the next token was the target's), walked as CARD
-# walks a text (walk_chains): a chain from where the last step ended, accepted up to its first wrong
-# guess, then the bonus token.
-#
-#   q    the chain the target verifies after a hit. Lockstep: r. Parallel: a query answers once the
-#        cache leads by w layers (cfg.wait, at most max_lead = 2r by default), with what it holds, at
-#        most r; the draft drafts about t_verify / t_draft layers during one verification, so q =
-#        min(r, max(w, t_verify(r + 1) / t_draft)). After a miss the cache restarted: the chain is
-#        min(w, r) (walk_chains's q_miss; the step times charge t_verify(q + 1) all the same).
-#   mat  tokens a step emits: the accepted part of its chain and the bonus token.
-#   h    how often the cache still holds the text after a step (a "hit", §2.4: the next chain is
-#        already drafted): with K = 1 only when the whole chain was accepted and the bonus token is
-#        the draft's next guess too.
-#
-# subtle: walked, not averaged over every position of the answers. Where r > w, a chain after a
-# miss is shorter than q, and a chain starts where the step before it ended (after a miss: right
-# after a wrong guess): the average over every position says more tokens a step than the walk
-# does (RESULTS.md, "CARD's choice at set-up", has both beside what CARD ran).
-#
-# The model assumes K = 1 (a wider cache hits more) and the step times at 256 cached tokens, and
-# leaves out what the two processes cost each other (memory bandwidth, caches), the messages, the
-# correction's bookkeeping, a chain cut short after a hit (where max_lead - (q + 1) < r, the next
-# query may answer with fewer than r tokens), and that the step times are each a best of five,
-# where a typical step is slower. So where it picks the parallel mode, the set-up runs that loop for
-# real on the calibration prompts, beside HF greedy on the same prompts (measure_loop), and
-# stretches every parallel configuration's step by
-#
-#     loop_factor = (t_step / t_greedy) measured  /  (t / t_target) modelled
-#
-# the model given the run's own tokens a step and hit rate, so that only the step side is
-# corrected; then it chooses again. subtle: the model's best-of-five bare forwards and HF greedy's
-# typical token differ from the real loop's step in proportion only where both carry the same
-# overheads; the loop checks that on this machine instead of assuming it (RESULTS.md, "CARD's
-# choice at set-up": 0.98-0.99 on the AVX-512 CPU).
+# q: the chain a query answers with; w: the layers it waits for (cfg.wait); d: the layers a hit still
+# waits for, the cache having stopped max_lead layers ahead. mat (tokens a step) and h come from
+# walking CARD's chains over the draft's guesses of the target's own answers (walk_chains). Per call,
+# the draft's prefill of a typical prompt is added (per_call).
 
 BEST_RATIOS = range(1, 9)  # the r the choice tries
-# the calibration prompts: one per category of the tuning half of the shipped prompts (prompts/,
-# question ids 1, 5, 9, 13, 17, 21, 25), so that the agreement is that of mixed use. subtle: two
-# explanation and code prompts, the calibration before these, had the int8 draft agree more than on
-# the reporting half, and the prediction ran high (RESULTS.md, "CARD's choice at set-up")
+# the calibration prompts: one per category of the tuning half of prompts/ (question ids 1, 5, ...,
+# 25), so that the agreement is that of mixed use
 PASSAGE = ('The lighthouse on Karsk Point was built in 1871 after three ships were lost on '
            'the reef in a single winter. Its first keeper, Ingrid Holm, kept a logbook for '
            'thirty-two years, recording the weather every four hours, the ships that passed, '
@@ -1187,16 +1130,15 @@ CALIBRATION = (
     "example calls.",
 )
 CALIBRATION_TOKENS = 48  # the agreement is counted on the target's greedy answer to each, cut here
-# the call the choice is made for: about the shipped prompts' mean length and bench/'s answer length
+# the call a choice is made for: a prompt and an answer of typical length
 TYPICAL_PROMPT_TOKENS = 128
 TYPICAL_NEW_TOKENS = 128
 
 def predicted_speedup(costs: dict, mode: str, r: int, wait: int, mat: float, hit_rate: float,
                       hit_len: float | None = None, max_lead: int | None = None) -> float:
     """The model above, per step; costs = {"t_target", "t_verify", "t_draft"} in seconds (t_verify of
-    the verified chain), and "t_catch_up" where known (the draft's two-token forward; else t_draft);
-    hit_len = the layers a hit consumes (default mat); max_lead = the most layers the cache leads by
-    (default: no bound, so d = 0).
+    the verified chain); hit_len = the layers a hit consumes (default mat); max_lead = the most layers
+    the cache leads by (default: no bound, so d = 0).
 
     >>> paper = dict(t_target=1.0, t_verify=1.0, t_draft=1 / 7)      # §3.1: a 7x cheaper draft, a GPU
     >>> round(predicted_speedup(paper, "parallel", 7, 7, mat=5.0, hit_rate=0.97), 2)
@@ -1212,18 +1154,16 @@ def predicted_speedup(costs: dict, mode: str, r: int, wait: int, mat: float, hit
     t_t = costs["t_target"]
     t_v = costs["t_verify"]
     t_d = costs["t_draft"]
-    catch_up = costs.get("t_catch_up", t_d) - t_d  # c: the catch-up beyond one layer
     if mode == "lockstep":
-        return mat * t_t / (r * t_d + catch_up + t_v)
+        return mat * t_t / (r * t_d + t_v)
     hit_layers = mat if hit_len is None else hit_len
-    # d: the layers a hit still waits for, the cache having stopped max_lead layers ahead
     d = 0.0 if max_lead is None else max(0.0, wait + hit_layers - max_lead)
     hit = max(t_v + d * t_d, hit_layers * t_d)
-    miss = t_v + wait * t_d + catch_up
+    miss = t_v + wait * t_d
     return mat * t_t / (hit_rate * hit + (1 - hit_rate) * miss)
 
 def per_call(speedup: float, t_target: float, t_prefill: float) -> float:
-    """A step's speedup over a typical call, the draft's prefill included (the model above).
+    """A step's speedup over a typical call, the draft's prefill included.
 
     >>> round(per_call(1.5, 0.05, 1.0), 2)        # 128 tokens: 6.4 s greedy, 4.27 s + 1 s
     1.22
@@ -1232,19 +1172,13 @@ def per_call(speedup: float, t_target: float, t_prefill: float) -> float:
     return greedy / (greedy / speedup + t_prefill)
 
 def walk_chains(agreement: Sequence[Sequence[int]], q_hit: int, q_miss: int) -> tuple[float, float]:
-    """(mat, h): CARD's K = 1 chains walked over each answer's guesses (1: the draft's guess of that
-    token was right). An answer's first token is the target's own, from its prefill: the walk starts
-    after it. Each step verifies a chain of q_hit tokens after a hit, q_miss after a miss (and at
-    the start), accepts up to the draft's first wrong guess, and emits one more, the bonus token
-    (the target's); a hit when the draft guessed the whole chain and the bonus. (It assumes the
-    cache has drafted the bonus's layer by the time of the correction.)
+    """(mat, h): CARD's K = 1 chains walked over each answer's guesses (1: the draft guessed that
+    token). The walk starts after an answer's first token (the target's, from its prefill). A step
+    verifies q_hit tokens after a hit, q_miss after a miss, accepts up to the first wrong guess and
+    emits the bonus token; a hit when the draft guessed the whole chain and the bonus.
 
     >>> walk_chains([[1, 1, 1, 0, 1, 1, 1, 1]], q_hit=3, q_miss=2)
     (2.3333333333333335, 0.3333333333333333)
-
-    (after the first token: a chain of 2 at 1, both right, the draft's guess at 3 wrong: a miss, 3
-    tokens; a chain of 2 at 4, both right and the guess at 6 right: a hit, 3 tokens; a chain of 3 at
-    7: one token left, 1 token)
     """
     steps = emitted = hits = 0
     for answer in agreement:
@@ -1265,23 +1199,19 @@ def walk_chains(agreement: Sequence[Sequence[int]], q_hit: int, q_miss: int) -> 
 
 @dataclass
 class DraftMeasure:
-    """What the choice knows of one draft (draft spec: int8, self, a name), in seconds: a K-node
-    layer on every thread and on the draft process's share of them; its agreement with the target,
-    per calibration answer one 0/1 a token; the catch-up (a forward over 2 tokens) and the prefill
-    of TYPICAL_PROMPT_TOKENS, each on every thread and on the share (None: not measured, taken as
-    one layer and as free)."""
+    """One draft's measurements, in seconds: a K-node layer and the prefill of a typical prompt, each
+    on every thread and on the draft process's share; per calibration answer, a 0/1 per token for
+    whether the draft guessed it."""
 
     on_all: float
     on_share: float
     agreement: list
-    catch_up_all: float | None = None
-    catch_up_share: float | None = None
-    prefill_all: float | None = None
-    prefill_share: float | None = None
+    prefill_all: float = 0.0
+    prefill_share: float = 0.0
 
 @dataclass
 class Prediction:
-    """A configuration and its predicted speed over plain decoding, with the step times behind it."""
+    """A configuration, its predicted speed over plain decoding, and the step times behind it."""
 
     draft: str
     mode: str
@@ -1289,53 +1219,6 @@ class Prediction:
     speedup: float
     t_target: float  # plain decoding's step, on every thread
     t_draft: float  # a draft layer, on the threads the draft gets in this mode
-    draft_threads: int
-    threads: int  # every thread
-    t_prefill: float = 0.0  # the draft's prefill of a typical prompt, on its threads
-
-@dataclass
-class LoopMeasure:
-    """The chosen parallel configuration (draft, r) run for real at set-up on the calibration
-    prompts, beside HF greedy on the same prompts (measure_loop): the seconds a verification step
-    took and a token of HF greedy took, each after a call's first step; the tokens a step emitted,
-    and how often the cache hit."""
-
-    draft: str
-    ratio: int
-    t_step: float  # a verification step of the real loop
-    t_greedy: float  # a token of HF greedy
-    mat: float
-    hit_rate: float
-
-def loop_factor(loop: LoopMeasure, cfg: CardConfig, t_target: float, times: dict[int, float],
-                measured: DraftMeasure) -> float:
-    """How much longer the real loop's step was than the model's, each over plain decoding's:
-
-        loop_factor = (t_step / t_greedy) / (t / t_target)
-
-    measured on the left, modelled on the right, the model given the run's own tokens a step and
-    hit rate (so only the step side is compared). times: t_verify on the target's share.
-
-    >>> times = {n: 0.080 + 0.004 * n for n in range(1, 10)}
-    >>> int8 = DraftMeasure(on_all=0.02, on_share=0.024, agreement=[])
-    >>> as_modelled = LoopMeasure("int8", 3, t_step=0.144, t_greedy=0.045, mat=3.0, hit_rate=0.5)
-    >>> round(loop_factor(as_modelled, CardConfig.cpu(), 0.045, times, int8), 2)
-    1.0
-    >>> slower = dataclasses.replace(as_modelled, t_step=0.180)            # a quarter longer
-    >>> round(loop_factor(slower, CardConfig.cpu(), 0.045, times, int8), 2)
-    1.25
-
-    (r = w = 3, so q = 3 and max_lead = 6: a hit waits d = w + q + 1 - max_lead = 1 layer. t_verify(4)
-    = 96 ms; t = 0.5·max(96 + 24, 4·24) + 0.5·(96 + 3·24) = 144 ms, against greedy's 45 ms.)
-    """
-    r = loop.ratio
-    t_draft = measured.on_share
-    lead, wait, q, _ = chain_lengths(cfg, "parallel", r, verify_time(times, r + 1), t_draft)
-    costs = step_costs(t_target, verify_time(times, q + 1), t_draft, measured.catch_up_share)
-    speedup = predicted_speedup(costs, "parallel", r, wait, loop.mat, loop.hit_rate, hit_len=q + 1,
-                                max_lead=lead)
-    modelled = loop.mat / speedup  # the model's step over t_target: speedup = mat·t_target / t
-    return (loop.t_step / loop.t_greedy) / modelled
 
 def verify_time(table: dict[int, float], n: int) -> float:
     """t_verify(n) from the measured sizes, the last slope continued past them."""
@@ -1345,41 +1228,12 @@ def verify_time(table: dict[int, float], n: int) -> float:
     slope = (table[sizes[-1]] - table[sizes[-2]]) / (sizes[-1] - sizes[-2])
     return table[sizes[-1]] + slope * (n - sizes[-1])
 
-def chain_lengths(cfg: CardConfig, mode: str, r: int, t_verify_r: float, t_draft: float) -> tuple:
-    """(max_lead, w, q, the chain after a miss) of a configuration, as the model above takes them;
-    t_verify_r: the target's forward over r + 1 tokens."""
-    lead = 2 * r if cfg.max_lead is None else cfg.max_lead  # the draft process waits at most so
-    wait = min(r if cfg.wait is None else cfg.wait, lead)
-    if mode == "lockstep":  # every step drafts r layers from a restarted cache
-        return lead, wait, r, r
-    q = min(r, max(wait, math.floor(t_verify_r / t_draft)))
-    return lead, wait, q, min(wait, r)  # after a miss the query answers once the restarted cache leads by w
-
-def step_costs(t_target: float, t_verify: float, t_draft: float, catch_up: float | None) -> dict:
-    """predicted_speedup's costs (the catch-up taken as one layer where it was not measured)."""
-    return {"t_target": t_target, "t_verify": t_verify, "t_draft": t_draft,
-            "t_catch_up": t_draft if catch_up is None else catch_up}
-
 def choose(cfg: CardConfig, t_target: float, t_verify: dict, drafts: dict[str, DraftMeasure],
-           can_split: bool, threads: int, loop: LoopMeasure | None = None) -> Prediction:
-    """The fastest predicted configuration: cfg's draft, mode and ratio where they are given, every
-    candidate where they are BEST (ratio 'auto': §3.1's rule). t_verify = {"all": {n: s}, "share":
-    {n: s}}: the target's forward over n tokens on every thread, and on what parallel leaves it.
-    can_split: whether a draft process can run beside the target (two cores, a spawnable program).
-    loop: the real parallel loop timed at set-up (measure_loop): every parallel configuration's
-    step is stretched by what that loop took beyond the model (loop_factor). Ties go to the
-    smaller r.
-
-    >>> guessed = [1, 1, 1, 1, 1, 1, 0, 1, 1, 1, 0, 1, 1, 1, 1, 1, 1, 1, 1, 0, 1, 1, 0]  # 19 of 23 right
-    >>> fast = {"int8": DraftMeasure(on_all=0.01, on_share=0.012, agreement=[guessed * 3] * 4)}
-    >>> verify_times = {share: {n: 0.04 + 0.01 * n for n in range(1, 10)} for share in ("all", "share")}
-    >>> best = choose(CardConfig.cpu(), 0.045, verify_times, fast, can_split=True, threads=2)
-    >>> best.draft, best.mode, best.ratio, round(best.speedup, 2)
-    ('int8', 'parallel', 4, 1.49)
-    """
-    share = max(1, threads // 2)
-    stretch = 1.0 if loop is None else loop_factor(loop, cfg, t_target, t_verify["share"], drafts[loop.draft])
-    # (one factor for every parallel configuration: the loop ran one of them, the model's choice)
+           can_split: bool) -> Prediction:
+    """The fastest predicted configuration: cfg's draft, mode and ratio where given, every candidate
+    where BEST (ratio "auto": §3.1's rule). t_verify = {"all": {n: s}, "share": {n: s}}: the target's
+    forward over n tokens on every thread, and on what the parallel mode leaves it. can_split: a draft
+    process can run beside the target. Ties go to the smaller r."""
     names = list(drafts) if cfg.draft == BEST else [cfg.draft]
     if cfg.mode != BEST:
         modes = [cfg.mode]
@@ -1393,8 +1247,7 @@ def choose(cfg: CardConfig, t_target: float, t_verify: dict, drafts: dict[str, D
         for mode in modes:
             split = mode == "parallel" and can_split
             t_draft = measured.on_share if split else measured.on_all
-            catch_up = measured.catch_up_share if split else measured.catch_up_all
-            t_prefill = (measured.prefill_share if split else measured.prefill_all) or 0.0
+            t_prefill = measured.prefill_share if split else measured.prefill_all
             times = t_verify["share" if split else "all"]
             if cfg.ratio == BEST:
                 ratios = BEST_RATIOS
@@ -1403,17 +1256,20 @@ def choose(cfg: CardConfig, t_target: float, t_verify: dict, drafts: dict[str, D
             else:
                 ratios = [int(cfg.ratio)]
             for r in ratios:
-                lead, wait, q, after_miss = chain_lengths(cfg, mode, r, verify_time(times, r + 1), t_draft)
+                max_lead = 2 * r if cfg.max_lead is None else cfg.max_lead  # as the draft process
+                wait = min(r if cfg.wait is None else cfg.wait, max_lead)
+                q = r  # lockstep: r layers from a restarted cache, every step
+                after_miss = r
+                if mode == "parallel":  # a hit answers with what the draft drafted meanwhile, at most r
+                    q = min(r, max(wait, math.floor(verify_time(times, r + 1) / t_draft)))
+                    after_miss = min(wait, r)  # the query answers once the restarted cache leads by w
                 mat, hit_rate = walk_chains(measured.agreement, q, after_miss)
-                costs = step_costs(t_target, verify_time(times, q + 1), t_draft, catch_up)
+                costs = {"t_target": t_target, "t_verify": verify_time(times, q + 1), "t_draft": t_draft}
                 per_step = predicted_speedup(costs, mode, r, wait, mat, hit_rate, hit_len=q + 1,
-                                             max_lead=lead)
-                if split:  # the real loop's steps, measured at set-up, against the model's
-                    per_step /= stretch
+                                             max_lead=max_lead)
                 speed = per_call(per_step, t_target, t_prefill)
                 if best is None or speed > best.speedup + 1e-9:
-                    best = Prediction(name, mode, r, speed, t_target, t_draft, share if split else threads,
-                                      threads, t_prefill)
+                    best = Prediction(name, mode, r, speed, t_target, t_draft)
     return best
 
 class CardWillNotWin(UserWarning):
@@ -1428,28 +1284,40 @@ def say_it_cannot_win(best: Prediction) -> None:
         return
     line = (f"[card] on this machine CARD is predicted at {best.speedup:.2f}x plain decoding at best "
             f"({best.draft} draft, {best.mode}, r = {best.ratio}): a draft step takes "
-            f"{1000 * best.t_draft:.1f} ms on {best.draft_threads} thread(s) (its prefill of "
-            f"{TYPICAL_PROMPT_TOKENS} tokens {best.t_prefill:.2f} s), a plain step of the target "
-            f"{1000 * best.t_target:.1f} ms on {best.threads}; another core, a smaller draft or a GPU would "
-            "help; it runs the fastest of them anyway")
+            f"{1000 * best.t_draft:.1f} ms, a plain step of the target {1000 * best.t_target:.1f} ms; "
+            "another core, a smaller draft or a GPU would help; it runs the fastest of them anyway")
     SAID_WILL_NOT_WIN.append(line)
     with warnings.catch_warnings(record=True) as caught:  # the caller's filters decide; we print
         warnings.warn(line, CardWillNotWin, stacklevel=2)
     if any(issubclass(w.category, CardWillNotWin) for w in caught):
         print(line, file=sys.stderr)
 
+def choose_configuration(model, tok, cfg: CardConfig, name: str, measured: tuple | None = None,
+                         can_split: bool | None = None) -> CardConfig:
+    """cfg with its BEST fields chosen on this machine's measurements (kept on disk: a second call
+    measures nothing), and the one line where none beats plain decoding; cfg itself, measuring
+    nothing, where nothing is BEST. The tests inject measured (measure_for_choice's) and can_split."""
+    if BEST not in (cfg.draft, cfg.mode, cfg.ratio):
+        return cfg
+    if can_split is None:
+        can_split = cfg.mode != "lockstep" and parallel_possible(model)
+    best = choose(cfg, *(measured or measure_for_choice(model, tok, cfg, name)), can_split)
+    if best.speedup < 1.0:
+        say_it_cannot_win(best)
+    return dataclasses.replace(cfg, draft=best.draft, mode=best.mode, ratio=best.ratio)
+
 def measure_for_choice(model, tok, cfg: CardConfig, name: str) -> tuple:
     """t_target, t_verify and each candidate draft's DraftMeasure, measured once per machine and kept
-    on disk (verify.measured_costs, keyed by the target: a draft's numbers need no draft built)."""
+    on disk (verify.measured_costs, keyed by the target: a draft's numbers need no draft built).
+    t_target is t_verify's one-token forward: one sweep, so that a passing slowdown moves both."""
     threads = torch.get_num_threads()
     share = max(1, threads // 2)
     left = max(1, threads - share)  # the target's threads beside the draft process
-    sizes = [r + 1 for r in BEST_RATIOS]
-    t_target = step_time(model, 1)
+    sizes = [1] + [r + 1 for r in BEST_RATIOS]
     t_verify = {}
     for side, n_threads in (("all", threads), ("share", left)):
-        t_verify[side] = verify.measured_costs(model, ("card: verify", sizes, n_threads),
-                                               functools.partial(timed_on, n_threads, model, sizes))
+        measure = functools.partial(with_threads, n_threads, verify.measure_step_times, model, sizes)
+        t_verify[side] = verify.measured_costs(model, ("card: verify", sizes, n_threads), measure)
     if cfg.draft != BEST:
         specs = [cfg.draft]
     elif model.device.type == "cpu":
@@ -1457,39 +1325,33 @@ def measure_for_choice(model, tok, cfg: CardConfig, name: str) -> tuple:
     else:
         specs = ["self"]
     drafts = {}
-    answers = []  # the target's greedy answers to CALIBRATION: generated once, for the first draft measured
+    answers = []  # the target's greedy answers to CALIBRATION: generated once, for the first draft
     for spec in specs:
         what = ("card: a draft", spec, cfg.draft_dtype, cfg.K, share, CALIBRATION, CALIBRATION_TOKENS,
-                "catch-up and prefill", TYPICAL_PROMPT_TOKENS)
+                TYPICAL_PROMPT_TOKENS)
         measure = functools.partial(measure_draft, model, tok, cfg, spec, name, share, answers)
         drafts[spec] = DraftMeasure(*verify.measured_costs(model, what, measure))
-    return t_target, t_verify, drafts
+    return t_verify["all"][1], t_verify, drafts
 
-def timed_on(threads: int, model, sizes: list[int]) -> dict[int, float]:
-    """verify.measure_step_times with `threads` threads."""
+def with_threads(threads: int, function, *args):
+    """function(*args) with torch on `threads` threads."""
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        return verify.measure_step_times(model, sizes, repeats=3)
+        return function(*args)
     finally:
         torch.set_num_threads(before)
 
 @torch.no_grad()
 def measure_draft(model, tok, cfg: CardConfig, spec: str, name: str, share: int,
                   answers: list) -> list:
-    """DraftMeasure's fields, in order, for one draft: a K-node layer on every thread and on `share`
-    of them; per answer to CALIBRATION (the target's own greedy text), a 1 for each token that the
-    draft, stepped one token at a time through the prompt and the answer, guessed; a 2-token forward
-    (the catch-up) and a prefill of TYPICAL_PROMPT_TOKENS, each on every thread and on the share.
-    answers: the target's answers, filled here if empty (the drafts measured after share them)."""
+    """DraftMeasure's fields, in order, for one draft. The agreement: the draft stepped one token at a
+    time through each calibration prompt and the target's answer (`answers`, filled here if empty)."""
     tok = tok or verify.tokenizer_of(model, instead="card_config (a CardConfig with draft, mode and ratio)")
     draft = load_draft(model, tok, dataclasses.replace(cfg, draft=spec), name)
-    every = torch.get_num_threads()
-    # both sizes after one prefill of the context: a bfloat16 self-draft prefills slowly on a CPU
-    on_every = timed_on(every, draft, [cfg.K, 2])  # {K: a layer, 2: the catch-up}
-    on_share = timed_on(share, draft, [cfg.K, 2])
-    prefill_all = prefill_time(draft, every)
-    prefill_share = prefill_time(draft, share)
+    sizes = [cfg.K, TYPICAL_PROMPT_TOKENS]  # a layer; a forward as long as a prefill of a typical prompt
+    on_all = verify.measure_step_times(draft, sizes, 256, 2)
+    on_share = with_threads(share, verify.measure_step_times, draft, sizes, 256, 2)
     prompts_ids = [verify.encode_prompt(tok, prompt) for prompt in CALIBRATION]
     if not answers:
         eos = verify.eos_ids_of(model, tok)
@@ -1503,136 +1365,8 @@ def measure_draft(model, tok, cfg: CardConfig, spec: str, name: str, share: int,
             right.append(int(guess == token))
             guess = int(verify.tree_forward(draft, cache, Tree.chain(token, []))[-1].argmax())
         agreement.append(right)
-    return [on_every[cfg.K], on_share[cfg.K], agreement, on_every[2], on_share[2], prefill_all,
-            prefill_share]
-
-@torch.no_grad()
-def prefill_time(model, threads: int, repeats: int = 1) -> float:
-    """Seconds for a prefill of TYPICAL_PROMPT_TOKENS on `threads` threads: the fastest of
-    `repeats`, after a warm-up (one is enough: a forward this long varies little between runs)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    prompt_ids = [1000 + i % 1000 for i in range(TYPICAL_PROMPT_TOKENS)]
-    best = float("inf")
-    try:
-        for _ in range(repeats + 1):  # the first is the warm-up
-            cache = verify.new_cache(model)
-            start = time.perf_counter()
-            verify.prefill(model, cache, prompt_ids)
-            best = min(best, time.perf_counter() - start)
-    finally:
-        torch.set_num_threads(before)
-    return best
-
-def choose_configuration(model, tok, cfg: CardConfig, name: str, measured: tuple | None = None,
-                         can_split: bool | None = None, threads: int | None = None,
-                         loop: LoopMeasure | None = None) -> CardConfig:
-    """cfg with its BEST fields chosen by the cost model on this machine's measurements (setup_choice),
-    and the line of say_it_cannot_win where none beats plain decoding; cfg itself, measuring nothing,
-    where nothing is BEST. The tests inject what is otherwise measured or read (setup_choice)."""
-    if BEST not in (cfg.draft, cfg.mode, cfg.ratio):
-        return cfg
-    best = setup_choice(model, tok, cfg, name, measured, can_split, threads, loop)
-    if best.speedup < 1.0:
-        say_it_cannot_win(best)
-    if cfg.ratio == "auto":
-        print(f"[card] --ratio auto: measured r = {best.ratio}", file=sys.stderr)
-    return dataclasses.replace(cfg, draft=best.draft, mode=best.mode, ratio=best.ratio)
-
-def setup_choice(model, tok, cfg: CardConfig, name: str, measured: tuple | None = None,
-                 can_split: bool | None = None, threads: int | None = None,
-                 loop: LoopMeasure | None = None) -> Prediction:
-    """The fastest predicted configuration for cfg's BEST fields. Where the model picks the parallel
-    mode, its loop is run for real on the calibration prompts (measure_loop) and the choice made
-    again with its step times (once more if the winner then changes). Everything is kept on disk,
-    so a second call measures nothing. The tests inject: measured (measure_for_choice's),
-    can_split, threads, loop (with measured injected and no loop, no loop is run)."""
-    t_target, t_verify, drafts = measured or measure_for_choice(model, tok, cfg, name)
-    threads = threads or torch.get_num_threads()
-    if can_split is None:
-        can_split = cfg.mode != "lockstep" and parallel_possible(model)
-    best = choose(cfg, t_target, t_verify, drafts, can_split, threads)
-    if loop is None and measured is None and best.mode == "parallel" and can_split:
-        loop = measure_loop(model, tok, cfg, name, best)
-        if loop is not None:
-            again = choose(cfg, t_target, t_verify, drafts, can_split, threads, loop=loop)
-            if again.mode == "parallel" and (again.draft, again.ratio) != (loop.draft, loop.ratio):
-                loop = measure_loop(model, tok, cfg, name, again) or loop  # the new winner's own loop
-    if loop is not None:
-        best = choose(cfg, t_target, t_verify, drafts, can_split, threads, loop=loop)
-    return best
-
-def measure_loop(model, tok, cfg: CardConfig, name: str, best: Prediction,
-                 prompts: Sequence[str] = CALIBRATION,
-                 new_tokens: int = CALIBRATION_TOKENS) -> LoopMeasure | None:
-    """The chosen parallel configuration's real loop and HF greedy, timed on the calibration prompts,
-    once per machine (verify.measured_costs). What the model leaves out, this sees: the messages,
-    the correction's bookkeeping, the two processes slowing each other, typical against best step
-    times (RESULTS.md, "CARD's choice at set-up"). None where the answers ended too soon to time."""
-    chosen = dataclasses.replace(cfg, draft=best.draft, mode="parallel", ratio=best.ratio)
-    what = ("card: the parallel loop", best.draft, cfg.draft_dtype, cfg.K, cfg.k, cfg.correct, best.ratio,
-            cfg.wait, cfg.max_lead, best.threads, list(prompts), new_tokens)
-    measure = functools.partial(time_loop, model, tok, chosen, name, prompts, new_tokens)
-    measured = verify.measured_costs(model, what, measure)
-    return LoopMeasure(best.draft, best.ratio, *measured) if measured else None
-
-class Stamps:
-    """A clock at each token a call emits: generate()'s on_emit, and HF generate()'s streamer (which
-    is first handed the prompt: not a token). per_step() is the seconds a step after the first took:
-    the first waits for the prefill (CARD's: the draft's too, which per_call charges apart)."""
-
-    def __init__(self, skip_first_put: bool = False):
-        self.times: list[float] = []  # [0]: the prefill's token, [1]: the first step's end, ...
-        self.tokens: list[int] = []  # what each emission emitted
-        self.skip = skip_first_put
-
-    def __call__(self, new, _flags=None) -> None:  # generate()'s on_emit
-        self.times.append(time.perf_counter())
-        self.tokens.append(len(new))
-
-    def put(self, value) -> None:  # HF's streamer
-        if self.skip:
-            self.skip = False
-            return
-        self(value.reshape(-1).tolist())
-
-    def end(self) -> None:
-        pass
-
-    def steps(self) -> tuple[float, int, int]:
-        """(seconds, steps, tokens) after the first step."""
-        if len(self.times) < 3:
-            return 0.0, 0, 0
-        return self.times[-1] - self.times[1], len(self.times) - 2, sum(self.tokens[2:])
-
-@torch.no_grad()
-def time_loop(model, tok, cfg: CardConfig, name: str, prompts: Sequence[str], new_tokens: int) -> list:
-    """LoopMeasure's measured fields, in order (t_step, t_greedy, mat, hit_rate), or [] where nothing
-    could be timed. Each side after one untimed call (HF's first generate() sets itself up; the
-    draft process's first call warms it), both timed the same way (Stamps), the draft process
-    started here as prepare() starts it."""
-    tok = tok or verify.tokenizer_of(model, instead="card_config (a CardConfig with draft, mode and ratio)")
-    eos = verify.eos_ids_of(model, tok)
-    prompts_ids = [verify.encode_prompt(tok, prompt) for prompt in prompts]
-    verify.hf_generate(model, prompts_ids[0], 8, eos)  # untimed
-    greedy = [0.0, 0, 0]  # seconds, steps, tokens
-    for prompt_ids in prompts_ids:
-        stamps = Stamps(skip_first_put=True)
-        verify.hf_generate(model, prompt_ids, new_tokens, eos, streamer=stamps)
-        greedy = [total + part for total, part in zip(greedy, stamps.steps())]
-    loop = [0.0, 0, 0]
-    hits = corrections = 0
-    with DraftProcess(load_draft(model, tok, cfg, name), cfg) as process:
-        generate(model, prompts_ids[0], 8, eos, cfg, draft=process)  # untimed
-        for prompt_ids in prompts_ids:
-            stamps = Stamps()
-            gen = generate(model, prompt_ids, new_tokens, eos, cfg, draft=process, on_emit=stamps)
-            loop = [total + part for total, part in zip(loop, stamps.steps())]
-            hits += gen.extra.get("hits", 0)  # (none where the prefill's token ended the call)
-            corrections += gen.extra.get("hits", 0) + gen.extra.get("misses", 0)
-    if not (loop[1] and greedy[1] and greedy[0] > 0):
-        return []  # every answer ended within a step or two: nothing to time
-    return [loop[0] / loop[1], greedy[0] / greedy[2], loop[2] / loop[1], hits / max(corrections, 1)]
+    return [on_all[cfg.K], on_share[cfg.K], agreement, on_all[TYPICAL_PROMPT_TOKENS],
+            on_share[TYPICAL_PROMPT_TOKENS]]
 
 def parallel_possible(model) -> bool:
     """Two cores at least (or a GPU) and a program a draft process can be spawned from."""

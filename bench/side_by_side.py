@@ -216,12 +216,9 @@ def make_runner(spec: str, model, tok, args, sampled: bool = False):
             draft = extra["draft"]  # a model (lockstep) or a card.DraftProcess, whose .model is the draft's
             costs = card_costs(model, draft.model if isinstance(draft, module.DraftProcess) else draft, cfg)
             setup = None
-            if module.BEST in (asked.draft, asked.mode, asked.ratio):  # what the set-up predicted (kept on disk)
-                setup = module.setup_choice(model, tok, asked, args.model).speedup
-            elif cfg.draft in ("int8", "self"):  # an explicit configuration: the model's prediction for it
-                measured = module.measure_for_choice(model, tok, cfg, args.model)
-                setup = module.choose(cfg, *measured, can_split=cfg.mode == "parallel",
-                                      threads=torch.get_num_threads()).speedup
+            if cfg.draft in ("int8", "self"):  # what the set-up predicted for the configuration (kept on disk)
+                measured = module.measure_for_choice(model, tok, asked, args.model)
+                setup = module.choose(cfg, *measured, can_split=cfg.mode == "parallel").speedup
             return lambda *a: _gen(card_predict(module, run(*a), costs, cfg, setup))
         return lambda *a: _gen(run(*a))
     raise verify.UserError(f"--methods: unknown method {name!r} (known: {', '.join(HF_METHODS + list(PROJECT_METHODS))})")

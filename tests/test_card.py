@@ -420,12 +420,8 @@ def test_cost_model_by_hand():
     # a draft too slow to keep up: a hit then costs the draft's 3.6 layers, not the verification
     slow = dict(costs, t_draft=0.030)
     assert card.predicted_speedup(slow, "parallel", 4, 0, mat=3.6, hit_rate=1.0) == pytest.approx(144 / 108)
-    # ... and c, the tokens a hit step emits, if given: 5 layers to replace -> 150 ms
+    # ... and the layers a hit step consumes, if given: 5 layers to replace -> 150 ms
     assert card.predicted_speedup(slow, "parallel", 4, 0, mat=3.6, hit_rate=1.0, hit_len=5) == pytest.approx(144 / 150)
-    # the catch-up: a two-token draft forward of 20 ms, 8 more than a layer, once a lockstep step / a miss
-    caught = dict(costs, t_catch_up=0.020)
-    assert card.predicted_speedup(caught, "lockstep", 4, 4, mat=3.6, hit_rate=0.5) == pytest.approx(144 / 116)
-    assert card.predicted_speedup(caught, "parallel", 4, 4, mat=3.6, hit_rate=0.5) == pytest.approx(144 / 88)
     # d: a fast draft stops max_lead = 6 layers ahead; a hit takes 5 of them and the query waits for 4,
     # so 3 more layers are drafted after each hit: max(60 + 3 * 12, 5 * 12) = 96 ms
     assert card.predicted_speedup(costs, "parallel", 4, 4, mat=3.6, hit_rate=1.0, hit_len=5,
@@ -448,9 +444,9 @@ RIGHT_15_OF_16 = [1] * 15 + [0]
 
 
 def injected(draft_ms: float, pattern=RIGHT_3_OF_4, target_ms: float = 45.0) -> tuple:
-    """measure_for_choice's result for a made-up 2-core machine shaped like RESULTS.md's ("CARD on a CPU"): the
-    target's plain step; its verification of n tokens, 3.6 ms a token more on both threads and 7.5 on the one
-    that parallel leaves it; one int8 draft whose layer takes draft_ms on one thread, 15% less on two."""
+    """measure_for_choice's result for a made-up 2-core machine: the target's plain step; its verification of
+    n tokens, 3.6 ms a token more on both threads and 7.5 on the one that parallel leaves it; one int8 draft
+    whose layer takes draft_ms on one thread, 15% less on two."""
     t_verify = {"all": {n: (target_ms + 3.6 * (n - 1)) / 1000 for n in range(1, 10)},
                 "share": {n: (target_ms + 7.5 * (n - 1)) / 1000 for n in range(1, 10)}}
     drafts = {"int8": card.DraftMeasure(on_all=draft_ms * 0.85 / 1000, on_share=draft_ms / 1000,
@@ -463,36 +459,54 @@ def fresh_warning_state(monkeypatch):
     monkeypatch.setattr(card, "SAID_WILL_NOT_WIN", [])
 
 
+LINEAR = {side: {n: 0.04 + 0.01 * n for n in range(1, 10)} for side in ("all", "share")}  # t_verify(n)
+ALL_RIGHT = [[1] * 37] * 2  # every guess right: 1 + 4 * 9 tokens
+
+
+def test_the_choice_by_hand_lockstep():
+    """Lockstep, every guess right: r layers of 10 ms, then t_verify(r + 1) = 40 + 10·(r + 1) ms, for r + 1
+    tokens (while the answer lasts) against plain steps of 50 ms. r = 8: 9 tokens for 80 + 130 ms, 2.14x; a
+    smaller r pays the 50 ms fixed part of a verification more often (r = 1: 100 / 70 ms, 1.43x)."""
+    cfg = dataclasses.replace(card.CardConfig.cpu(), mode="lockstep")
+    drafts = {"int8": card.DraftMeasure(on_all=0.010, on_share=0.010, agreement=ALL_RIGHT)}
+    best = card.choose(cfg, 0.050, LINEAR, drafts, can_split=False)
+    assert (best.draft, best.mode, best.ratio) == ("int8", "lockstep", 8)
+    assert best.speedup == pytest.approx(9 * 0.050 / (8 * 0.010 + 0.130))
+    one = card.choose(dataclasses.replace(cfg, ratio=1), 0.050, LINEAR, drafts, can_split=False)
+    assert one.speedup == pytest.approx(2 * 0.050 / (0.010 + 0.060))
+    # the draft's prefill, charged once a typical call: 128 tokens of 50 ms = 6.4 s plain, 2.99 s + 1 s
+    drafts["int8"].prefill_all = 1.0
+    slow = card.choose(cfg, 0.050, LINEAR, drafts, can_split=False)
+    assert slow.ratio == 8 and slow.speedup == pytest.approx(6.4 / (6.4 / (0.45 / 0.21) + 1.0))
+
+
+def test_the_choice_by_hand_parallel():
+    """Parallel, r = w = 3, every guess right: the draft's layer takes 15.9 ms on its one thread, so during a
+    verification of 4 tokens (45 + 3·7.5 = 67.5 ms on the target's one thread) it drafts 4 layers and the
+    chain is r = 3 long; every step a hit, 4 tokens. The cache stops max_lead = 6 layers ahead; a hit takes 4
+    of them and the next query waits for 3: d = 1 layer more. t = max(67.5 + 15.9, 4·15.9) = 83.4 ms, against
+    4 plain steps of 45 ms."""
+    cfg = card.CardConfig(K=1, k=1, draft="int8", mode="parallel", ratio=3, wait=3)
+    t_target, t_verify, drafts = injected(15.9, [1])
+    drafts["int8"].agreement = [[1] * 17] * 3
+    best = card.choose(cfg, t_target, t_verify, drafts, can_split=True)
+    assert best.speedup == pytest.approx(4 * 45 / 83.4)
+    assert best.t_draft == pytest.approx(0.0159)  # the draft's share of the threads, not all of them
+
+
 def test_a_slow_draft_gives_the_one_line_once(fresh_warning_state, capsys):
-    """The issue's CPU: a draft step of 115 ms on one core beside a target step of 45 ms on two. Nothing CARD can
-    run here beats plain decoding: one line on stderr, naming the prediction, both step times and what would help,
-    once a process; CARD still runs, with the configuration predicted fastest."""
-    cfg = card.choose_configuration(None, None, card.CardConfig.cpu(), "m", measured=injected(115.0), can_split=True, threads=2)
+    """A draft step of 115 ms on one core beside a target step of 45 ms on two: nothing CARD can run here beats
+    plain decoding. One line on stderr, naming the prediction, both step times and what would help, once a
+    process; CARD still runs, with the configuration predicted fastest."""
+    cfg = card.choose_configuration(None, None, card.CardConfig.cpu(), "m", measured=injected(115.0), can_split=True)
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith("[card] on this machine CARD is predicted at 0.")
-    assert ("115.0 ms on 1 thread(s)" in err) or ("97.8 ms on 2 thread(s)" in err)  # the draft's step, its threads
-    assert "a plain step of the target 45.0 ms on 2" in err and "another core, a smaller draft or a GPU" in err
+    assert ("a draft step takes 115.0 ms" in err) or ("a draft step takes 97.8 ms" in err)  # parallel, lockstep
+    assert "a plain step of the target 45.0 ms" in err and "another core, a smaller draft or a GPU" in err
     assert (cfg.draft, cfg.K, cfg.wait) == ("int8", 1, 3) and cfg.mode in ("parallel", "lockstep")
     assert isinstance(cfg.ratio, int)
-    card.choose_configuration(None, None, card.CardConfig.cpu(), "m", measured=injected(115.0), can_split=True, threads=2)
+    card.choose_configuration(None, None, card.CardConfig.cpu(), "m", measured=injected(115.0), can_split=True)
     assert capsys.readouterr().err == ""  # once a process
-
-
-def test_a_draft_that_steps_fast_but_prefills_slowly_gives_the_one_line(fresh_warning_state, capsys):
-    """RESULTS.md's AVX2 CPU: the bfloat16 self-draft steps nearly as fast as the target but prefills a prompt
-    several times slower. Per step CARD would win; per call the prefill is charged, and it does not."""
-    t_target, t_verify, drafts = injected(15.9, RIGHT_15_OF_16)
-    fast = card.choose(card.CardConfig.cpu(), t_target, t_verify, drafts, can_split=True, threads=2)
-    assert fast.speedup > 1.2
-    drafts["int8"] = dataclasses.replace(drafts["int8"], prefill_all=4.0, prefill_share=4.0)
-    slow = card.choose(card.CardConfig.cpu(), t_target, t_verify, drafts, can_split=True, threads=2)
-    greedy = card.TYPICAL_NEW_TOKENS * t_target  # the same charge on every configuration: the same choice
-    assert (slow.mode, slow.ratio) == (fast.mode, fast.ratio)
-    assert slow.speedup == pytest.approx(greedy / (greedy / fast.speedup + 4.0)) and slow.speedup < 1
-    card.choose_configuration(None, None, card.CardConfig.cpu(), "m", measured=(t_target, t_verify, drafts),
-                              can_split=True, threads=2)
-    err = capsys.readouterr().err
-    assert err.count("\n") == 1 and "its prefill of 128 tokens 4.00 s" in err
 
 
 def test_the_one_line_obeys_the_warnings_filters(fresh_warning_state, capsys):
@@ -500,7 +514,7 @@ def test_the_one_line_obeys_the_warnings_filters(fresh_warning_state, capsys):
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # as python -W ignore does
-        card.choose_configuration(None, None, card.CardConfig.cpu(), "m", measured=injected(115.0), can_split=True, threads=2)
+        card.choose_configuration(None, None, card.CardConfig.cpu(), "m", measured=injected(115.0), can_split=True)
     assert capsys.readouterr().err == ""
 
 
@@ -508,64 +522,13 @@ def test_a_fast_draft_chooses_parallel_and_says_nothing(fresh_warning_state, cap
     """A draft that agrees often and whose three layers take about one verification: drafting while the target
     verifies hides them, and the parallel mode is predicted fastest."""
     cfg = card.choose_configuration(None, None, card.CardConfig.cpu(), "m", measured=injected(15.9, RIGHT_15_OF_16),
-                                    can_split=True, threads=2)
+                                    can_split=True)
     assert (cfg.draft, cfg.mode) == ("int8", "parallel") and 2 <= cfg.ratio <= 8
     assert capsys.readouterr().err == ""
     # where no draft process can run beside the target (one core, an unguarded script): lockstep
     single = card.choose_configuration(None, None, card.CardConfig.cpu(), "m",
-                                       measured=injected(11.0, RIGHT_7_OF_8), can_split=False, threads=2)
+                                       measured=injected(11.0, RIGHT_7_OF_8), can_split=False)
     assert single.mode == "lockstep"
-
-
-def test_the_choice_is_the_best_of_every_configuration_predicted_alone():
-    """The search against brute force: each (draft, mode, r) predicted on its own (explicit in the config), the
-    best of them is what the choice returns."""
-    t_target, t_verify, drafts = injected(20.0, RIGHT_7_OF_8)
-    drafts["self"] = card.DraftMeasure(on_all=0.030, on_share=0.040, agreement=guesses([1] * 15 + [0]))
-    best = card.choose(card.CardConfig.cpu(), t_target, t_verify, drafts, can_split=True, threads=2)
-    alone = []
-    for name in drafts:
-        for mode in ("parallel", "lockstep"):
-            for r in card.BEST_RATIOS:
-                cfg = dataclasses.replace(card.CardConfig.cpu(), draft=name, mode=mode, ratio=r)
-                alone.append(card.choose(cfg, t_target, t_verify, drafts, can_split=True, threads=2).speedup)
-    assert best.speedup == pytest.approx(max(alone)) and len(alone) == 2 * 2 * len(card.BEST_RATIOS)
-
-
-def test_the_real_loop_timed_at_set_up_stretches_every_parallel_step(fresh_warning_state, capsys):
-    """A loop that ran as the model says (worked by hand below) changes nothing; one whose steps took twice the
-    model's (each over plain decoding's) halves every parallel configuration's predicted speed and leaves
-    lockstep's alone, and the choice is the best of what is left; where even that is below 1, the one line."""
-    t_target, t_verify, drafts = injected(15.9, RIGHT_15_OF_16)
-    cpu = card.CardConfig.cpu()
-    # r = w = 3: t_verify(4) on the share = 45 + 3·7.5 = 67.5 ms > 4 layers of 15.9, so q = 3; max_lead = 6,
-    # so a hit waits d = 3 + 4 - 6 = 1 layer. At 3.2 tokens a step and a hit rate of 0.6:
-    # t = 0.6·max(67.5 + 15.9, 4·15.9) + 0.4·(67.5 + 3·15.9) = 96.12 ms, against t_target = 45 ms
-    as_modelled = card.LoopMeasure("int8", 3, t_step=0.09612, t_greedy=0.045, mat=3.2, hit_rate=0.6)
-    assert card.loop_factor(as_modelled, cpu, t_target, t_verify["share"], drafts["int8"]) == pytest.approx(1.0)
-    slow = dataclasses.replace(as_modelled, t_step=2 * 0.09612)
-    fast = card.choose(cpu, t_target, t_verify, drafts, can_split=True, threads=2)
-    again = card.choose(cpu, t_target, t_verify, drafts, can_split=True, threads=2, loop=as_modelled)
-    assert (again.mode, again.ratio) == (fast.mode, fast.ratio) == ("parallel", fast.ratio)
-    assert again.speedup == pytest.approx(fast.speedup)
-    for mode in ("parallel", "lockstep"):
-        for r in (2, 4, 6):
-            fixed = dataclasses.replace(cpu, draft="int8", mode=mode, ratio=r)
-            alone = card.choose(fixed, t_target, t_verify, drafts, can_split=True, threads=2).speedup
-            stretched = card.choose(fixed, t_target, t_verify, drafts, can_split=True, threads=2, loop=slow).speedup
-            assert stretched == pytest.approx(alone / 2 if mode == "parallel" else alone)  # no prefill charged here
-    lockstep = card.choose(dataclasses.replace(cpu, mode="lockstep"), t_target, t_verify, drafts, can_split=True,
-                           threads=2)
-    assert lockstep.speedup > fast.speedup / 2
-    chosen = card.choose_configuration(None, None, cpu, "m", measured=(t_target, t_verify, drafts), can_split=True,
-                                       threads=2, loop=slow)
-    assert (chosen.mode, chosen.ratio) == ("lockstep", lockstep.ratio) and capsys.readouterr().err == ""
-    slowest = dataclasses.replace(as_modelled, t_step=4 * 0.09612)  # --mode parallel, a quarter of its speed
-    parallel = card.choose_configuration(None, None, dataclasses.replace(cpu, mode="parallel"), "m",
-                                         measured=(t_target, t_verify, drafts), can_split=True, threads=2,
-                                         loop=slowest)
-    assert parallel.mode == "parallel" and fast.speedup / 4 < 1
-    assert capsys.readouterr().err.startswith(f"[card] on this machine CARD is predicted at {fast.speedup / 4:.2f}x")
 
 
 @pytest.mark.parametrize("cfg", [card.CardConfig(draft="int8", mode="lockstep", ratio=4, K=1, k=1),
@@ -578,11 +541,11 @@ def test_an_explicit_configuration_is_left_alone(fresh_warning_state, capsys, cf
 
 def test_explicit_fields_are_kept_and_only_best_ones_chosen(fresh_warning_state):
     cfg = dataclasses.replace(card.CardConfig.cpu(), mode="lockstep")  # --mode lockstep, the rest best
-    chosen = card.choose_configuration(None, None, cfg, "m", measured=injected(11.0, RIGHT_7_OF_8), can_split=True, threads=2)
+    chosen = card.choose_configuration(None, None, cfg, "m", measured=injected(11.0, RIGHT_7_OF_8), can_split=True)
     assert chosen.mode == "lockstep" and chosen.draft == "int8" and isinstance(chosen.ratio, int)
     fixed_r = dataclasses.replace(card.CardConfig.cpu(), ratio=12)  # beyond the measured sizes: extrapolated
     assert card.choose_configuration(None, None, fixed_r, "m", measured=injected(11.0, RIGHT_7_OF_8),
-                                     can_split=True, threads=2).ratio == 12
+                                     can_split=True).ratio == 12
 
 
 def test_walked_chains_by_hand():
@@ -620,22 +583,6 @@ def test_walked_chains_start_after_a_miss_where_the_average_does_not():
     assert abs(card.walk_chains(spread, 4, 4)[0] - averaged(spread, 4)) < 1.0  # 4.0 against 3.75
 
 
-def test_the_parallel_loop_is_timed_on_the_real_model_once_per_machine(real, monkeypatch, tmp_path):
-    """measure_loop on the default model, two short prompts: a real draft process whose chains are accepted,
-    positive step times, kept on disk: a second call runs nothing."""
-    monkeypatch.setenv("SPECDEC_COSTS", str(tmp_path / "costs.json"))
-    model, tok = real
-    cfg = card.CardConfig.cpu()
-    best = card.Prediction("int8", "parallel", 3, 1.2, 0.05, 0.03, 1, 2)
-    prompts = card.CALIBRATION[:2]
-    loop = card.measure_loop(model, tok, cfg, verify.DEFAULT_MODEL, best, prompts=prompts, new_tokens=16)
-    assert (loop.draft, loop.ratio) == ("int8", 3)
-    assert loop.t_step > 0 and loop.t_greedy > 0 and 0.0 <= loop.hit_rate <= 1.0
-    assert 1.2 < loop.mat <= 4.0  # a step emits at most r + 1; the int8 draft's chains are often accepted
-    monkeypatch.setattr(card, "time_loop", lambda *a, **k: pytest.fail("measured twice"))
-    assert card.measure_loop(model, tok, cfg, verify.DEFAULT_MODEL, best, prompts=prompts, new_tokens=16) == loop
-
-
 def test_the_choice_is_measured_on_the_real_model_once_per_machine(real, monkeypatch, tmp_path):
     """measure_for_choice on the default model: positive step times, agreements of 0s and 1s (the int8 draft
     right more often than not), kept on disk: a second call measures nothing. The int8 draft only (named: a
@@ -645,9 +592,9 @@ def test_the_choice_is_measured_on_the_real_model_once_per_machine(real, monkeyp
     model, tok = real
     cfg = dataclasses.replace(card.CardConfig.cpu(), draft="int8")
     t_target, t_verify, drafts = card.measure_for_choice(model, tok, cfg, verify.DEFAULT_MODEL)
-    assert t_target > 0 and all(t > 0 for side in t_verify.values() for t in side.values())
+    assert t_target == t_verify["all"][1] and all(t > 0 for side in t_verify.values() for t in side.values())
     assert set(drafts) == {"int8"}
-    assert all(t > 0 for t in (drafts["int8"].on_all, drafts["int8"].catch_up_share, drafts["int8"].prefill_all))
+    assert all(t > 0 for t in (drafts["int8"].on_all, drafts["int8"].on_share, drafts["int8"].prefill_all))
 
     def share(d):
         assert len(d.agreement) == len(card.CALIBRATION)
