@@ -83,9 +83,9 @@ class CachebackConfig:
     crt: int = 16  # CRT, chaining-reserved tokens: TDL budget kept for tree levels 2 and deeper
     # the frozen table (§3.3): 'none', 'stdlib', 'selfchat' (section 6) or a file
     frozen: str = "none"
-    # where the frozen table's followers enter the tree (§3.3; section 3 says how, TUTORIAL §3.3
-    # which measures better where): 'each-node' = at every node, right after the dynamic table's
-    # (the authors' code); 'after' = once the dynamic tree is grown, in a second pass (ours)
+    # where the frozen table's followers enter the tree (§3.3; section 3 says how): 'each-node' =
+    # at every node, right after the dynamic table's (the authors' code); 'after' = once the
+    # dynamic tree is grown, in a second pass (ours)
     frozen_order: str = "after"
     # a follower longer than the budget left: 'whole' = it is not drafted, and the leader's later
     # followers neither (the paper); 'cut' = its first tokens, as many as the budget holds (ours,
@@ -98,19 +98,18 @@ class CachebackConfig:
     @classmethod
     def paper(cls) -> "CachebackConfig":
         """§4's values, whole trees, and a frozen table. The paper's corpus (1% of OpenWebText) is
-        not available offline; 'selfchat' is our stand-in with the most accepted tokens
-        (RESULTS.md). deviation: the frozen followers enter 'after' the dynamic tree, not at each
-        node as in the authors' code ('each-node'): at these settings the authors' order ties on
-        accepted tokens over all steps of the tuning half (2.32 against 2.31) and loses on the
-        per-prompt mean that SpecBench's speedup follows (2.69 against 3.16; RESULTS.md, "The
-        frozen table's order")."""
+        not available offline; 'selfchat', the shipped corpus with the most accepted tokens, stands
+        in. deviation: the frozen followers enter 'after' the dynamic tree, not at each node as in
+        the authors' code ('each-node'): at these settings the authors' order ties on accepted
+        tokens per step and loses on the per-prompt mean that SpecBench's speedup follows
+        (RESULTS.md, "Cacheback")."""
         return cls(frozen="selfchat")
 
     @classmethod
     def cpu(cls) -> "CachebackConfig":
-        """Chosen on the tuning half of the shipped prompts (RESULTS.md, "Cacheback on a CPU"): a
-        forward over many tokens is far from free on a CPU: small trees, cost pruning, a longer
-        leader, no frozen table."""
+        """A forward over many tokens is far from free on a CPU: small trees, cost pruning, a longer
+        leader, no frozen table; chosen on the tuning half of the shipped prompts (RESULTS.md,
+        "Cacheback")."""
         return cls(ll=2, tdl=16, crt=4, frozen="none", prune="cost")
 
     @classmethod
@@ -468,10 +467,9 @@ def generate(model, prompt_ids: Sequence[int], max_new_tokens: int, eos_ids: Seq
 # ---- 5. Cost-aware pruning: a separate pass after the tree is built (our deviation, for CPUs) --------------
 #
 # The paper verifies the whole tree every step: on a GPU a 96-token forward costs about what a
-# 1-token one does. On a small CPU it costs several times more (RESULTS.md, "What a forward costs"),
-# and a tree that is mostly rejected makes the step slower than plain decoding. So before verifying
-# we keep only the part of the tree that is worth its cost -- the per-step rule of
-# ngram_predictor.py's cost gate, applied per node:
+# 1-token one does. On a small CPU it costs several times more, and a tree that is mostly rejected
+# makes the step slower than plain decoding. So before verifying we keep only the part of the tree
+# that is worth its cost -- the per-step rule of ngram_predictor.py's cost gate, applied per node:
 #
 #   q(o)    = P(node accepted | its parent accepted), learned online for each origin
 #             o = (table, rank, pos, fanout) (DraftTree.origins): a leader seen with one follower
@@ -579,7 +577,7 @@ def prune(tree: DraftTree, pruner: CostPruner) -> DraftTree:
     return tree.subtree(pruner.choose(tree).__contains__)
 
 def measure_cost(model, tdl: int) -> dict[int, float]:
-    """The pruning's cost curve: t(n)/t(1) at powers of two up to TDL (a few seconds on a CPU)."""
+    """The pruning's cost curve: t(n)/t(1) at powers of two up to TDL (kept on disk per machine)."""
     sizes = sorted({min(2**i, tdl) for i in range(tdl.bit_length() + 1)} | {tdl})
     return verify.measure_cost_curve(model, sizes, repeats=3)
 
@@ -589,9 +587,8 @@ def measure_cost(model, tdl: int) -> dict[int, float]:
 # follower fits; the one token left is never drafted, though the next follower's first token is
 # often right (it is the most recent continuation after the leader but one). 'cut' hangs the first
 # tokens of the follower that no longer fits, as many as the budget holds, and stops there. The
-# tables are the paper's. Measured offline (RESULTS.md, "Drafting quality offline"): more accepted
-# tokens at budgets up to 16, none lost at 96; the presets keep 'whole' (at their own budgets, 15
-# and 95, it gains nothing on the reporting streams).
+# tables are the paper's. It accepts more where a budget holds few followers; at the presets' own
+# budgets (15 and 95) it gains nothing, so they keep 'whole' (RESULTS.md, "Cacheback").
 
 def hang_cut(tree: DraftTree, node: int, leader: tuple, follower: tuple, new: int, limit: int,
              origin: tuple, out: dict[int, tuple]) -> None:

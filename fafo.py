@@ -105,7 +105,7 @@ class FafoConfig:
     pool_cap: int | None = None  # k-grams kept per pool key, LRU (Appendix F; None: n)
     # what refreshes a k-gram in that LRU: "use", also being retrieved (Appendix F's
     # "least-recently-used"), or "insert", only being filed again (Lookahead's code); the two
-    # measured alike on the CPU's tuning half (RESULTS.md), so the paper's rule is the default
+    # draft alike, so the paper's rule is the default (RESULTS.md, "FAFO and Lookahead")
     pool_refresh: str = "use"
     # longest pool key, the "lookback window" of §4.3 (None: k; Lookahead: 1)
     lookback: int | None = None
@@ -122,16 +122,16 @@ class FafoConfig:
 
     @classmethod
     def gpu(cls) -> "FafoConfig":
-        """The CUDA default: the paper's n and k with our m = 8, as run on an H100 (RESULTS.md,
-        "FAFO on a GPU"); dense, the fastest back-end there. deviation: m = n (paper()) was not
-        measured on a GPU, so the default stays until a GPU run compares them."""
+        """The CUDA default: the paper's n and k with our m = 8; dense, the fastest back-end on a
+        GPU (RESULTS.md, "On one GPU"). deviation: m = 8, not paper()'s m = n: no GPU run has
+        compared the two."""
         return cls()
 
     @classmethod
     def cpu(cls) -> "FafoConfig":
         """Every row costs time on a CPU, so a small step (22 rows), the split back-end, our budget
         of 256 (StreamingLLM; Quest 4 pages of 16 = 64), chosen on the tuning halves of the shipped
-        short and long prompts (RESULTS.md, "FAFO")."""
+        short and long prompts (RESULTS.md, "FAFO and Lookahead")."""
         return cls(n_guess=4, k=3, m=3, top_pages=4, attn="split")
 
     @classmethod

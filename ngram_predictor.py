@@ -59,9 +59,9 @@ MAX_BATCH = 64
 @dataclass
 class NgramConfig:
     """Everything generate() needs to know, under the chapter's names. The default is the chapter
-    plus our cost gate (section 5), measured on the device once (kept on disk): on a GPU the measured cost
-    is ~1 and the gate lets every draft through, on a CPU it withholds the drafts that would cost
-    more than they bring.
+    plus our cost gate (section 5), on costs measured once per device (kept on disk): where a draft
+    costs about nothing (a GPU) the gate lets every draft through; where it costs more (a CPU) it
+    withholds the drafts that would cost more than they bring.
 
     >>> NgramConfig.paper().draft_cost, NgramConfig().draft_cost    # the chapter always verifies
     (1.0, None)
@@ -328,15 +328,15 @@ def generate(model, prompt_ids: Sequence[int], max_new_tokens: int, eos_ids: Seq
 # The chapter claims speculation "never hurts": with no draft the step is a plain one-token forward.
 # That holds only if a *rejected* draft is free, i.e. t(1+D) ~ t(1). On a GPU it nearly is; on a
 # small CPU a forward over 5 tokens costs well over a one-token one, so a rejected draft slows its
-# step down, and prompts with few repeats ran slower than plain decoding without a gate (RESULTS.md,
-# "The cost gate").
+# step down, and without a gate prompts with few repeats decode slower than plain decoding
+# (RESULTS.md, "The n-gram predictor").
 #
 # So we apply the chapter's own estimate *per step*, before verifying:
 #     verify the draft only if   1 + E[accepted]  >  t(1+n) / t(1)   ("draft_cost" of its length n <= D)
 # i.e. only if the expected tokens per forward beat the plain step's 1 token per 1 unit of cost.
 # E[accepted] = sum_k prod_{j<=k} alpha(order_j), alpha measured online per order (4-gram, trigram,
 # bigram). subtle: the prior must be optimistic. A withheld draft teaches the gate nothing, so with
-# alpha = 1/2 (1 + E = 1.94 for four drafts) and a cost of ~1.95 it would never try one. With
+# alpha = 1/2 (1 + E = 1.94 for four drafts) a full draft costing 1.95 would never be tried. With
 # alpha = 3/4 until measured, every order is tried early and only orders that proved poor are withheld.
 # With draft_cost = 1 the condition always holds and the decoder is exactly the chapter's.
 

@@ -261,7 +261,7 @@ def tree_position_ids(depths: Sequence[int], prefix_len: int,
 # How the cache reaches the model. transformers 5.24 renamed forward's `past_key_values` keyword to
 # `cache` (the old name warns there, and goes in 5.40); older releases take only `past_key_values`.
 # Which one a model takes is read from its forward's signature, once per model class, never from a
-# version string, and every forward in this repository goes through model_forward().
+# version string, and every forward that reads or extends a KV cache goes through model_forward().
 
 @functools.cache
 def forward_parameters(model_class) -> frozenset[str]:
@@ -538,7 +538,6 @@ class PreallocatedLayer(DynamicLayer):
 
     def __init__(self, capacity: int = 256):
         super().__init__()
-        # grown: doublings so far
         self.capacity = max(1, int(capacity))
         self.length = 0
         self.grown = 0  # doublings so far
@@ -556,7 +555,6 @@ class PreallocatedLayer(DynamicLayer):
         """Keep the first n positions (a rollback when n < length); `keys`/`values` become views of
         them."""
         assert 0 <= n <= self.capacity, f"cache layer: cannot hold {n} positions (capacity {self.capacity})"
-        # [B, H_kv, n, D]
         self.length = n
         self.keys = self.k_buf[:, :, :n]  # [B, H_kv, n, D]: views, as a DynamicCache's tensors
         self.values = self.v_buf[:, :, :n]
@@ -595,7 +593,6 @@ class PreallocatedKVCache(Cache):
     def __init__(self, capacity: int = 256):
         super().__init__(layer_class_to_replicate=functools.partial(PreallocatedLayer, capacity))
 
-    # doublings
     @property
     def grown(self) -> int:
         """How often a layer's buffer had to double (0 when the capacity estimate held)."""
@@ -746,9 +743,9 @@ def measure_step_times(model, sizes: Sequence[int], context: int = 256,
 
 def measure_cost_curve(model, sizes: Sequence[int], context: int = 256,
                        repeats: int = 5, keep: bool = True) -> dict[int, float]:
-    """{n: t(n) / t(1)}: a verification forward over n new tokens against a one-token step
-    (RESULTS.md). keep: read it from, or add it to, the machine's measured costs on disk
-    (measured_costs), so that only the first process on this machine pauses to measure."""
+    """{n: t(n) / t(1)}: a verification forward over n new tokens against a one-token step.
+    keep: read it from, or add it to, the machine's measured costs on disk (measured_costs), so
+    that only the first process on this machine pauses to measure."""
     if keep:
         measure = functools.partial(measure_cost_curve, model, sizes, context, repeats, keep=False)
         return measured_costs(model, ("cost curve", sorted(set(sizes)), context, repeats), measure)
@@ -1201,7 +1198,7 @@ def _flex_forward(module, query, key, value, attention_mask, scaling=None, dropo
     return out.transpose(1, 2).contiguous(), None  # [B, q, H, D]
 
 @functools.lru_cache(maxsize=None)
-def _compiled_flex():  # made once per process (CPU: ~15 s of compilation on the first call)
+def _compiled_flex():  # made once per process: compiling is slow
     from torch.nn.attention.flex_attention import flex_attention
 
     return torch.compile(flex_attention, dynamic=False)
@@ -1294,7 +1291,7 @@ def load_model(name: str = DEFAULT_MODEL, device: str = "auto", dtype: str = "au
         hint = f" (the default model, offline: {SETUP_HINT})" if source == DEFAULT_HUB_ID else ""
         raise UserError(f"{option} {name}: cannot load: {str(e).splitlines()[0][:200]}{hint}") from None
     model.to(dev).eval()
-    # TF32 keeps 10 mantissa bits: the flips again. subtle: a global setting
+    # TF32 keeps 10 mantissa bits, enough to flip near-ties. subtle: a process-wide setting
     if dt == torch.float32:
         torch.set_float32_matmul_precision("highest")
         torch.backends.cudnn.allow_tf32 = False
@@ -1567,8 +1564,8 @@ def print_comparison(r: dict, tok, s: Sampling) -> None:
 
 def rounding_tolerance(dtype: torch.dtype) -> float:
     """The largest logit gap we call a rounding near-tie between a many-row and a one-row forward.
-    float32: measured well below 1e-3 (RESULTS.md); bfloat16 keeps 8 mantissa bits (logits of ~20
-    round to ~0.1)."""
+    float32's rounding moves a logit far less than 1e-3; bfloat16 keeps 8 mantissa bits (logits of
+    ~20 round to ~0.1)."""
     return {torch.float32: 1e-3, torch.bfloat16: 0.25, torch.float16: 0.05}.get(dtype, 1e-3)
 
 @torch.no_grad()
