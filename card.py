@@ -10,9 +10,9 @@ the target QUERIES its best path of up to r tokens (r, the communication ratio ~
 t(draft step), §3.1), VERIFIES that chain in one forward, then CORRECTS the cache to the subtree
 that continues the accepted text, or restarts it on a miss (§2.4). Beyond the paper (below its
 banner): the draft's own process, drafts derived from the target (int8 on a CPU, bfloat16 on
-CUDA), and on a CPU the choice of draft, mode and r by a cost model that predicts the speedup from
-step times measured on this machine, which says so in one line where CARD cannot win (RESULTS.md,
-"CARD on a CPU").
+CUDA), and on a CPU the choice of mode and r by a cost model that predicts the speedup from step
+times measured on this machine, which says so in one line where CARD cannot win (RESULTS.md,
+"CARD").
 
 The paper, section by section, and where it is here (this file's sections in brackets):
 
@@ -27,7 +27,7 @@ The paper, section by section, and where it is here (this file's sections in bra
                     r's rule, ceil(t_target / t_draft)           measure_ratio (below the banner) [5]
     beyond the paper: the draft in its own process (parallel)    DraftProcess                   [4]
                       drafts derived from the target (int8)      int8_draft, load_draft         [5]
-                      the draft, mode and r by predicted speed   predicted_speedup, choose,     [5b]
+                      the mode and r by their predicted speed    predicted_speedup, choose,     [5b]
                       on this machine; when CARD cannot win      choose_configuration
                       model.generate(..., custom_generate=...)   custom_generate                [6]
 
@@ -68,7 +68,7 @@ from verify import Generation, Tree
 
 # ---- 0. Configuration (§2, §3.1) ---------------------------------------------------------------------------
 
-BEST = "best"  # a draft, mode or ratio chosen at set-up by its predicted speed (section 5b, ours)
+BEST = "best"  # a mode or ratio chosen at set-up by its predicted speed (section 5b, ours)
 
 @dataclass
 class CardConfig:
@@ -81,8 +81,8 @@ class CardConfig:
     K: int = 100  # the primary cache size: candidate sequences kept per tree layer (Eq. 7)
     k: int = 100  # children proposed per node, from the draft's top-k (Eq. 2)
     # r, the communication ratio ~ t(target step) / t(draft layer); "auto" = measured (§3.1's
-    # rule); "best" = chosen at set-up with the draft and the mode: the highest speedup the cost
-    # model predicts on this machine (section 5b, ours), even where it is below 1
+    # rule); "best" = chosen at set-up with the mode: the highest speedup the cost model predicts
+    # on this machine (section 5b, ours), even where it is below 1
     ratio: int | str = 7
     # "parallel": the draft in its own process; "lockstep": r layers, then verify; "best": as r's
     mode: str = "parallel"
@@ -93,7 +93,8 @@ class CardConfig:
     # paper: its "never wait" is 0 (the chain is whatever the cache holds); r matches the
     # communication ratio's intent, r draft layers per target step (TUTORIAL.md §4.5)
     wait: int | None = None
-    # the draft prepare() builds: int8, self or a model name (section 5); "best": section 5b
+    # the draft prepare() builds: int8, self or a model name (section 5); "best": int8 on a CPU,
+    # self on a GPU (section 5b)
     draft: str = "self"
     draft_dtype: str = "bfloat16"  # the dtype of draft "self" or a named draft
 
@@ -114,17 +115,15 @@ class CardConfig:
 
     @classmethod
     def gpu(cls) -> "CardConfig":
-        """The CUDA default: §3.1's 1B-draft numbers (K = 100, r = 7) with the self-draft, as run on
-        an H100 (RESULTS.md, "On one GPU"). deviation: not §3.1's rule for this draft (that is
-        paper()); kept until a GPU run tunes it, since no GPU was at hand to measure a change."""
+        """The CUDA default: §3.1's 1B-draft numbers (K = 100, r = 7) with the self-draft.
+        deviation: not §3.1's rule for this draft (that is paper()); no GPU run has tuned it."""
         return cls(K=100, k=100, ratio=7)
 
     @classmethod
     def cpu(cls) -> "CardConfig":
         """A one-node-wide cache (CARD's loop, not its width) whose query waits 3 layers, chosen on
-        the tuning half of the shipped prompts (RESULTS.md, "CARD on a CPU"); the draft, the mode
-        and r chosen at set-up by their predicted speed on this machine (section 5b: on the AVX-512
-        CPU of RESULTS.md, the int8 draft in its own process, r = 3)."""
+        the tuning half of the shipped prompts (RESULTS.md, "CARD"); the int8 draft; the mode and r
+        chosen at set-up by their predicted speed on this machine (section 5b)."""
         return cls(K=1, k=1, ratio=BEST, mode=BEST, wait=3, draft=BEST)
 
     @classmethod
@@ -608,7 +607,7 @@ def generate(model, prompt_ids: Sequence[int], max_new_tokens: int, eos_ids: Seq
 # ---- 4. The draft in its own process: the parallel mode's protocol -----------------------------------------
 #
 # Why a process and not a thread: a small model's step is mostly host work, and two threads of one
-# process take turns on the GIL (RESULTS.md). The published code also runs two processes. They share
+# process take turns on the GIL. The published code also runs two processes. They share
 # only a pipe, and the messages are token ids (a few hundred bytes; with show, the cache too: K ids
 # and sigmas per layer), never tensors:
 #
@@ -799,8 +798,8 @@ class DraftProcess:
         # wait=False: return now, and let generate() decode without drafts until the process is
         # up (its imports and its own quantization take seconds: a first call streams at once).
         # The process is spawned, and the parts go, at the first start() then, after the prompt's
-        # first token: a process starting beside the prefill takes a core from it (the first
-        # token came at 2.9x greedy's), and moving the weights into shared memory takes a second
+        # first token: a process starting beside the prefill would take a core from it, and so would
+        # moving the weights into shared memory.
         self.ready = False
         self.engine = torch.backends.quantized.engine
         self.unsent = (build, source)  # weakly: a kept process must not keep the model
@@ -947,8 +946,7 @@ class DraftProcess:
 # ---- 5. Drafts derived from the target ---------------------------------------------------------------------
 #
 # CARD needs a draft CHEAPER than the target (r = t_target / t_draft > 1) that often agrees with it.
-# No second model is available offline, so the drafts are derived from the target (`--draft`;
-# RESULTS.md measures them):
+# No second model is available offline, so the drafts are derived from the target (`--draft`):
 #   int8       the target's linear layers in dynamic int8: several times cheaper on a CPU, often right (CPU)
 #   self       the target's weights in --draft-dtype (bfloat16): the best acceptance, but hardly cheaper
 #   NAME/PATH  any model with the same tokenizer, in --draft-dtype (a real small/large pair).
@@ -1040,18 +1038,15 @@ def measure_ratio(model, draft, K: int) -> int:
 
 def prepare(model, tok, cfg: CardConfig, name: str = verify.DEFAULT_MODEL,
             draft=None, wait: bool = True) -> tuple[CardConfig, dict]:
-    """The set-up before the first call, untimed, like loading (the script's, and custom_generate's
-    through verify.prepare_once, which keeps it for the model's later calls): what cfg leaves 'best'
-    chosen by its predicted speed (section 5b, measured once per machine), the draft cfg names
-    (unless `draft` is given; tok None: the tokenizer beside the model checks a named draft's
-    vocabulary), r if 'auto' (step times measured once per machine), and in parallel mode the draft
-    process for the draft built here, so that generate() skips its start-up (wait=False: it does
-    not wait for the process either; its first steps go without drafts). An int8 draft is then
-    quantized by that process alone (Int8Plan). The process lives as long as what holds it (the
-    returned dict; for custom_generate, the model) and ends at exit."""
+    """The set-up before the first call, untimed, like loading (custom_generate's through
+    verify.prepare_once, which keeps it for the model's later calls): what cfg leaves 'best' chosen
+    (section 5b), the draft cfg names unless `draft` is given (tok None: the model's own tokenizer
+    checks a named draft's vocabulary), r if 'auto', and in parallel mode the draft's process
+    (wait=False: not waited for; the first steps go without drafts). An int8 draft is quantized by
+    that process alone (Int8Plan). The process ends with what holds it, or at exit."""
     if draft is None:  # our choice by the cost model (section 5b), of what is BEST in cfg
         cfg = choose_configuration(model, tok, cfg, name)
-    else:  # a draft of the caller's, not measured here: what the choice took where CARD won
+    else:  # a draft of the caller's, not measured here: fixed defaults for what is BEST
         fixed = {}
         if cfg.draft == BEST:
             fixed["draft"] = "given"
@@ -1084,8 +1079,8 @@ def prepare_without_waiting(model, tok, cfg: CardConfig, name: str = verify.DEFA
 # ---- 5b. Which configuration, on this machine: a cost model (ours) -----------------------------------------
 #
 # On a CPU the draft process takes half the cores, so CARD wins only where the draft steps faster on
-# half of them than the target does on all. The CPU default therefore predicts each configuration's
-# speed from step times measured here once (kept on disk), runs the fastest, and says in one line
+# half of them than the target does on all. The CPU default therefore predicts the speed of each mode
+# and r from step times measured here once (kept on disk), runs the fastest, and says in one line
 # where none beats plain decoding. Per step, with K = 1 (TUTORIAL.md §4.6 derives it):
 #
 #     lockstep   t = r·t_draft + t_verify(r + 1)
@@ -1095,8 +1090,7 @@ def prepare_without_waiting(model, tok, cfg: CardConfig, name: str = verify.DEFA
 #
 # q: the chain a query answers with; w: the layers it waits for (cfg.wait); d: the layers a hit still
 # waits for, the cache having stopped max_lead layers ahead. mat (tokens a step) and h come from
-# walking CARD's chains over the draft's guesses of the target's own answers (walk_chains). Per call,
-# the draft's prefill of a typical prompt is added (per_call).
+# walking CARD's chains over the draft's guesses of the target's own answers (walk_chains).
 
 BEST_RATIOS = range(1, 9)  # the r the choice tries
 # the calibration prompts: one per category of the tuning half of prompts/ (question ids 1, 5, ...,
@@ -1130,9 +1124,6 @@ CALIBRATION = (
     "example calls.",
 )
 CALIBRATION_TOKENS = 48  # the agreement is counted on the target's greedy answer to each, cut here
-# the call a choice is made for: a prompt and an answer of typical length
-TYPICAL_PROMPT_TOKENS = 128
-TYPICAL_NEW_TOKENS = 128
 
 def predicted_speedup(costs: dict, mode: str, r: int, wait: int, mat: float, hit_rate: float,
                       hit_len: float | None = None, max_lead: int | None = None) -> float:
@@ -1143,11 +1134,7 @@ def predicted_speedup(costs: dict, mode: str, r: int, wait: int, mat: float, hit
     >>> paper = dict(t_target=1.0, t_verify=1.0, t_draft=1 / 7)      # §3.1: a 7x cheaper draft, a GPU
     >>> round(predicted_speedup(paper, "parallel", 7, 7, mat=5.0, hit_rate=0.97), 2)
     4.85
-    >>> round(predicted_speedup(paper, "lockstep", 7, 7, mat=5.0, hit_rate=0.97), 2)
-    2.5
     >>> cpu = dict(t_target=60, t_verify=87, t_draft=24)     # in ms (only ratios count); all hits
-    >>> round(predicted_speedup(cpu, "parallel", 3, 3, mat=4.0, hit_rate=1.0, hit_len=4), 2)
-    2.5
     >>> round(predicted_speedup(cpu, "parallel", 3, 3, mat=4.0, hit_rate=1.0, hit_len=4, max_lead=6), 2)
     2.16
     """
@@ -1161,15 +1148,6 @@ def predicted_speedup(costs: dict, mode: str, r: int, wait: int, mat: float, hit
     hit = max(t_v + d * t_d, hit_layers * t_d)
     miss = t_v + wait * t_d
     return mat * t_t / (hit_rate * hit + (1 - hit_rate) * miss)
-
-def per_call(speedup: float, t_target: float, t_prefill: float) -> float:
-    """A step's speedup over a typical call, the draft's prefill included.
-
-    >>> round(per_call(1.5, 0.05, 1.0), 2)        # 128 tokens: 6.4 s greedy, 4.27 s + 1 s
-    1.22
-    """
-    greedy = TYPICAL_NEW_TOKENS * t_target
-    return greedy / (greedy / speedup + t_prefill)
 
 def walk_chains(agreement: Sequence[Sequence[int]], q_hit: int, q_miss: int) -> tuple[float, float]:
     """(mat, h): CARD's K = 1 chains walked over each answer's guesses (1: the draft guessed that
@@ -1199,15 +1177,13 @@ def walk_chains(agreement: Sequence[Sequence[int]], q_hit: int, q_miss: int) -> 
 
 @dataclass
 class DraftMeasure:
-    """One draft's measurements, in seconds: a K-node layer and the prefill of a typical prompt, each
-    on every thread and on the draft process's share; per calibration answer, a 0/1 per token for
-    whether the draft guessed it."""
+    """A draft's measurements: its name (int8, self, a model), a K-node layer in seconds on every thread
+    and on the draft process's share, and per calibration answer a 0/1 a token: whether it guessed it."""
 
+    name: str
     on_all: float
     on_share: float
     agreement: list
-    prefill_all: float = 0.0
-    prefill_share: float = 0.0
 
 @dataclass
 class Prediction:
@@ -1228,48 +1204,42 @@ def verify_time(table: dict[int, float], n: int) -> float:
     slope = (table[sizes[-1]] - table[sizes[-2]]) / (sizes[-1] - sizes[-2])
     return table[sizes[-1]] + slope * (n - sizes[-1])
 
-def choose(cfg: CardConfig, t_target: float, t_verify: dict, drafts: dict[str, DraftMeasure],
+def choose(cfg: CardConfig, t_target: float, t_verify: dict, draft: DraftMeasure,
            can_split: bool) -> Prediction:
-    """The fastest predicted configuration: cfg's draft, mode and ratio where given, every candidate
-    where BEST (ratio "auto": §3.1's rule). t_verify = {"all": {n: s}, "share": {n: s}}: the target's
+    """The fastest predicted configuration: cfg's mode and ratio where given, every candidate where
+    BEST (ratio "auto": §3.1's rule). t_verify = {"all": {n: s}, "share": {n: s}}: the target's
     forward over n tokens on every thread, and on what the parallel mode leaves it. can_split: a draft
     process can run beside the target. Ties go to the smaller r."""
-    names = list(drafts) if cfg.draft == BEST else [cfg.draft]
     if cfg.mode != BEST:
         modes = [cfg.mode]
     elif can_split:
         modes = ["parallel", "lockstep"]
     else:
         modes = ["lockstep"]
+    if cfg.ratio == BEST:
+        ratios = BEST_RATIOS
+    elif cfg.ratio == "auto":  # §3.1's rule, as measure_ratio takes it
+        ratios = [max(1, math.ceil(t_target / draft.on_all))]
+    else:
+        ratios = [int(cfg.ratio)]
     best = None
-    for name in names:
-        measured = drafts[name]
-        for mode in modes:
-            split = mode == "parallel" and can_split
-            t_draft = measured.on_share if split else measured.on_all
-            t_prefill = measured.prefill_share if split else measured.prefill_all
-            times = t_verify["share" if split else "all"]
-            if cfg.ratio == BEST:
-                ratios = BEST_RATIOS
-            elif cfg.ratio == "auto":  # §3.1's rule, as measure_ratio takes it
-                ratios = [max(1, math.ceil(t_target / measured.on_all))]
-            else:
-                ratios = [int(cfg.ratio)]
-            for r in ratios:
-                max_lead = 2 * r if cfg.max_lead is None else cfg.max_lead  # as the draft process
-                wait = min(r if cfg.wait is None else cfg.wait, max_lead)
-                q = r  # lockstep: r layers from a restarted cache, every step
-                after_miss = r
-                if mode == "parallel":  # a hit answers with what the draft drafted meanwhile, at most r
-                    q = min(r, max(wait, math.floor(verify_time(times, r + 1) / t_draft)))
-                    after_miss = min(wait, r)  # the query answers once the restarted cache leads by w
-                mat, hit_rate = walk_chains(measured.agreement, q, after_miss)
-                costs = {"t_target": t_target, "t_verify": verify_time(times, q + 1), "t_draft": t_draft}
-                per_step = predicted_speedup(costs, mode, r, wait, mat, hit_rate, hit_len=q + 1,
-                                             max_lead=max_lead)
-                speed = per_call(per_step, t_target, t_prefill)
-                if best is None or speed > best.speedup + 1e-9:
-                    best = Prediction(name, mode, r, speed, t_target, t_draft)
+    for mode in modes:
+        split = mode == "parallel" and can_split
+        t_draft = draft.on_share if split else draft.on_all
+        times = t_verify["share" if split else "all"]
+        for r in ratios:
+            max_lead = 2 * r if cfg.max_lead is None else cfg.max_lead  # as the draft process
+            wait = min(r if cfg.wait is None else cfg.wait, max_lead)
+            q = r  # lockstep: r layers from a restarted cache, every step
+            after_miss = r
+            if mode == "parallel":  # a hit answers with what the draft drafted meanwhile, at most r
+                q = min(r, max(wait, math.floor(verify_time(times, r + 1) / t_draft)))
+                after_miss = min(wait, r)  # the query answers once the restarted cache leads by w
+            mat, hit_rate = walk_chains(draft.agreement, q, after_miss)
+            costs = {"t_target": t_target, "t_verify": verify_time(times, q + 1), "t_draft": t_draft}
+            speed = predicted_speedup(costs, mode, r, wait, mat, hit_rate, hit_len=q + 1, max_lead=max_lead)
+            if best is None or speed > best.speedup + 1e-9:
+                best = Prediction(draft.name, mode, r, speed, t_target, t_draft)
     return best
 
 class CardWillNotWin(UserWarning):
@@ -1304,12 +1274,15 @@ def choose_configuration(model, tok, cfg: CardConfig, name: str, measured: tuple
     best = choose(cfg, *(measured or measure_for_choice(model, tok, cfg, name)), can_split)
     if best.speedup < 1.0:
         say_it_cannot_win(best)
+    if cfg.ratio == "auto":
+        print(f"[card] --ratio auto: measured r = {best.ratio}", file=sys.stderr)
     return dataclasses.replace(cfg, draft=best.draft, mode=best.mode, ratio=best.ratio)
 
 def measure_for_choice(model, tok, cfg: CardConfig, name: str) -> tuple:
-    """t_target, t_verify and each candidate draft's DraftMeasure, measured once per machine and kept
-    on disk (verify.measured_costs, keyed by the target: a draft's numbers need no draft built).
-    t_target is t_verify's one-token forward: one sweep, so that a passing slowdown moves both."""
+    """(t_target, t_verify, the draft's DraftMeasure), measured once per machine and kept on disk
+    (verify.measured_costs). t_target is t_verify's one-token forward: one sweep, so that a passing
+    slowdown moves both. The draft: cfg's, or where BEST the int8 one on a CPU and the self-draft on
+    a GPU (int8 has CPU kernels only; TUTORIAL.md §4.6 says why not the self-draft on a CPU)."""
     threads = torch.get_num_threads()
     share = max(1, threads // 2)
     left = max(1, threads - share)  # the target's threads beside the draft process
@@ -1318,20 +1291,13 @@ def measure_for_choice(model, tok, cfg: CardConfig, name: str) -> tuple:
     for side, n_threads in (("all", threads), ("share", left)):
         measure = functools.partial(with_threads, n_threads, verify.measure_step_times, model, sizes)
         t_verify[side] = verify.measured_costs(model, ("card: verify", sizes, n_threads), measure)
-    if cfg.draft != BEST:
-        specs = [cfg.draft]
-    elif model.device.type == "cpu":
-        specs = ["int8", "self"]  # torch's dynamic int8 has CPU kernels only
-    else:
-        specs = ["self"]
-    drafts = {}
-    answers = []  # the target's greedy answers to CALIBRATION: generated once, for the first draft
-    for spec in specs:
-        what = ("card: a draft", spec, cfg.draft_dtype, cfg.K, share, CALIBRATION, CALIBRATION_TOKENS,
-                TYPICAL_PROMPT_TOKENS)
-        measure = functools.partial(measure_draft, model, tok, cfg, spec, name, share, answers)
-        drafts[spec] = DraftMeasure(*verify.measured_costs(model, what, measure))
-    return t_verify["all"][1], t_verify, drafts
+    spec = cfg.draft
+    if spec == BEST:
+        spec = "int8" if model.device.type == "cpu" else "self"
+    what = ("card: a draft", spec, cfg.draft_dtype, cfg.K, share, CALIBRATION, CALIBRATION_TOKENS)
+    measure = functools.partial(measure_draft, model, tok, dataclasses.replace(cfg, draft=spec), name, share)
+    draft = DraftMeasure(spec, *verify.measured_costs(model, what, measure))
+    return t_verify["all"][1], t_verify, draft
 
 def with_threads(threads: int, function, *args):
     """function(*args) with torch on `threads` threads."""
@@ -1343,21 +1309,19 @@ def with_threads(threads: int, function, *args):
         torch.set_num_threads(before)
 
 @torch.no_grad()
-def measure_draft(model, tok, cfg: CardConfig, spec: str, name: str, share: int,
-                  answers: list) -> list:
-    """DraftMeasure's fields, in order, for one draft. The agreement: the draft stepped one token at a
-    time through each calibration prompt and the target's answer (`answers`, filled here if empty)."""
+def measure_draft(model, tok, cfg: CardConfig, name: str, share: int) -> list:
+    """DraftMeasure's measured fields for cfg.draft: a layer on every thread and on `share`; the
+    agreement, the draft stepped one token at a time through each calibration prompt and the target's
+    greedy answer to it."""
     tok = tok or verify.tokenizer_of(model, instead="card_config (a CardConfig with draft, mode and ratio)")
-    draft = load_draft(model, tok, dataclasses.replace(cfg, draft=spec), name)
-    sizes = [cfg.K, TYPICAL_PROMPT_TOKENS]  # a layer; a forward as long as a prefill of a typical prompt
-    on_all = verify.measure_step_times(draft, sizes, 256, 2)
-    on_share = with_threads(share, verify.measure_step_times, draft, sizes, 256, 2)
-    prompts_ids = [verify.encode_prompt(tok, prompt) for prompt in CALIBRATION]
-    if not answers:
-        eos = verify.eos_ids_of(model, tok)
-        answers.extend(verify.hf_generate(model, ids, CALIBRATION_TOKENS, eos) for ids in prompts_ids)
+    draft = load_draft(model, tok, cfg, name)
+    on_all = verify.measure_step_times(draft, [cfg.K], repeats=3)[cfg.K]
+    on_share = with_threads(share, verify.measure_step_times, draft, [cfg.K], 256, 3)[cfg.K]
+    eos = verify.eos_ids_of(model, tok)
     agreement = []
-    for prompt_ids, answer in zip(prompts_ids, answers):
+    for prompt in CALIBRATION:
+        prompt_ids = verify.encode_prompt(tok, prompt)
+        answer = verify.hf_generate(model, prompt_ids, CALIBRATION_TOKENS, eos)
         cache = verify.new_cache(draft, len(prompt_ids) + len(answer) + 1)
         guess = int(verify.prefill(draft, cache, prompt_ids)[-1].argmax())  # for answer[0]
         right = []
@@ -1365,8 +1329,7 @@ def measure_draft(model, tok, cfg: CardConfig, spec: str, name: str, share: int,
             right.append(int(guess == token))
             guess = int(verify.tree_forward(draft, cache, Tree.chain(token, []))[-1].argmax())
         agreement.append(right)
-    return [on_all[cfg.K], on_share[cfg.K], agreement, on_all[TYPICAL_PROMPT_TOKENS],
-            on_share[TYPICAL_PROMPT_TOKENS]]
+    return [on_all, on_share, agreement]
 
 def parallel_possible(model) -> bool:
     """Two cores at least (or a GPU) and a program a draft process can be spawned from."""
@@ -1391,9 +1354,8 @@ def custom_generate(model, input_ids, logits_processor, stopping_criteria, gener
 
     Keywords of this method, passed to model.generate beside its own:
         - card_config: a CardConfig (default: CardConfig.for_device(model.device): on a CPU the
-          draft, the mode and r predicted fastest on this machine (section 5b), from step times
-          and agreements measured once per machine and kept in ~/.cache/specdec-reference, or
-          $SPECDEC_CACHE; one line on stderr where none beats plain decoding)
+          mode and r predicted fastest on this machine (section 5b), measured once and kept in
+          ~/.cache/specdec-reference or $SPECDEC_CACHE; one line on stderr where CARD cannot win)
         - draft_model: a draft model with the model's tokenizer, or a running card.DraftProcess
           (default: the draft the config names, built at the model's first call; in parallel mode
           its process serves the model's later calls too and ends with the model, at exit or on
@@ -1432,8 +1394,8 @@ def make_parser():
         help="the target model (same as --model)")
     add("--draft",
         help="the draft: int8 (the target's linear layers in int8; CPU), self (the target's "
-        "weights in --draft-dtype), a model name/path with the same tokenizer, or best (the "
-        "fastest predicted on this machine, section 5b)" + default("draft"))
+        "weights in --draft-dtype), a model name/path with the same tokenizer, or best (int8 on a "
+        "CPU, self on a GPU)" + default("draft"))
     add("--draft-dtype", choices=["auto", "float32", "bfloat16", "float16"],
         help="the dtype of --draft self or a named draft (default: bfloat16)")
     add("--K", type=int, help="K, the primary cache size: candidates kept per layer (Eq. 7)"
