@@ -23,8 +23,10 @@ The paper, section by section, and where it is here (this file's sections in bra
     §2.4            correction: keep the subtree, or restart     Drafter.correct                [2]
     §2, Figure 2    draft, query, verify, correct: the loop      Drafter.draft, .query [2],
                                                                  generate                       [3]
+    §1, §2          the parallel mode: the draft keeps drafting  draft_continuously             [3b]
+                    while the target verifies, and answers
     §3.1            r, the communication ratio; K and k          CardConfig                     [0]
-                    r's rule, ceil(t_target / t_draft)           measure_ratio (below the banner) [5]
+                    r's rule, ceil(t_target / t_draft)           measure_ratio                  [0]
     beyond the paper: the draft in its own process (parallel)    DraftProcess                   [4]
                       drafts derived from the target (int8)      int8_draft, load_draft         [5]
                       the mode and r by their predicted speed    predicted_speedup, choose,     [5b]
@@ -141,6 +143,17 @@ class CardConfig:
                 raise verify.UserError(f"--{name.replace('_', '-')} must be at least {low} (got {v})")
         if self.mode not in ("lockstep", "parallel", BEST):
             raise verify.UserError(f"--mode must be lockstep, parallel or best (got {self.mode!r})")
+
+# §3.1's rule for r: how many draft layers fit in one target step, measured once per machine.
+
+def step_time(model, n: int) -> float:
+    """One forward over n new tokens after 256 cached ones (kept on disk: verify.measured_costs)."""
+    measure = functools.partial(verify.measure_step_times, model, [n], repeats=3)
+    return verify.measured_costs(model, ("step times", [n], 256, 3), measure)[n]
+
+def measure_ratio(model, draft, K: int) -> int:
+    """§3.1's r = ceil(t_target / t_draft): how many K-node draft layers fit in one one-token target step."""
+    return max(1, math.ceil(step_time(model, 1) / step_time(draft, K)))
 
 # ---- 1. The candidate cache (§2.2) -------------------------------------------------------------------------
 #
@@ -603,39 +616,69 @@ def generate(model, prompt_ids: Sequence[int], max_new_tokens: int, eos_ids: Seq
                      verified_per_step=gen.extra["verified"] / steps)
     return gen
 
-# ---- Beyond the paper --------------------------------------------------------------------------------------
-# ---- 4. The draft in its own process: the parallel mode's protocol -----------------------------------------
+# ---- 3b. The draft's side of the parallel mode (§1, §2: "the draft model continuously generates") --------
 #
-# Why a process and not a thread: a small model's step is mostly host work, and two threads of one
-# process take turns on the GIL. The published code also runs two processes. They share
-# only a pipe, and the messages are token ids (a few hundred bytes; with show, the cache too: K ids
-# and sigmas per layer), never tensors:
+# The draft never waits for the target: in its own process (section 4) it drafts a layer whenever the
+# cache leads the verified text by fewer than max_lead layers, and between two layers it reads the
+# target's messages, which are token ids (with show, the cache too), never tensors:
 #
 #   target -> draft   ("start", run, text, capacity, max_lead, show)   a new prompt: a new Drafter
-#                     ("correct", run, accepted, bonus)           CORRECT the cache (§2.4)
-#                     ("query", run, r, wait)    answer once the cache leads by wait (or max_lead)
-#                     ("done",)                  generate() returned: stop drafting, keep the model
-#                     ("stop",)                  exit
-#   draft -> target   ("ready",)                 once, after start-up
-#                     ("chain", run, tokens, statistics, shown)   the queried chain, Drafter.statistics()
-#                                                and .shown(): the cache (as_ids) if show, else {}
-#                     ("error", "ValueError: ...")            the draft failed; it then exits
-# `run` numbers the generate() calls, so an answer that an earlier, interrupted call left behind is
-# dropped. Between two messages the process drafts: one layer, then it looks at the pipe again.
+#                     ("correct", run, accepted, bonus)   CORRECT the cache (§2.4)
+#                     ("query", run, r, wait)             answer once the cache leads by wait (or max_lead)
+#                     ("done",)                           generate() returned: stop drafting
+#                     ("stop",)                           exit
+#   draft -> target   ("chain", run, tokens, statistics, shown)   the queried chain, with Drafter's
+#                                                                  statistics() and shown()
+# `run` numbers the generate() calls, so an answer that an interrupted call left behind is dropped.
+
+def draft_continuously(conn, draft, K: int, k: int, correct: bool) -> None:
+    """The draft's loop in its own process: DRAFT, answer QUERIES, CORRECT, until "stop" (EOFError once
+    the target's process is gone)."""
+    drafter, max_lead, run, asked = None, 0, None, None
+    while True:
+        # QUERY, once the cache leads by far enough
+        if asked is not None and drafter.lead() >= min(asked[1], max_lead):
+            conn.send(("chain", run, drafter.query(asked[0]), drafter.statistics(), drafter.shown()))
+            asked = None
+        if drafter is not None and drafter.lead() < max_lead and not conn.poll():
+            drafter.step()  # DRAFT: nothing is asked of us right now, so one more layer
+            continue
+        msg = conn.recv()  # idle, or a message is waiting
+        if msg[0] == "stop":
+            return
+        if msg[0] == "done":  # wait for the next prompt
+            drafter = None
+            asked = None
+        elif msg[0] == "start":
+            _, run, text, capacity, max_lead, show = msg
+            drafter = Drafter(draft, K, k, correct)
+            asked = None
+            drafter.start(text, capacity, max_lead, show=show)
+        elif msg[0] == "correct":
+            _, run, accepted, bonus = msg
+            drafter.correct(accepted, bonus)  # CORRECT (§2.4)
+        elif msg[0] == "query":
+            _, run, r, wait = msg
+            asked = (r, wait)
+
+# ---- Beyond the paper --------------------------------------------------------------------------------------
+# ---- 4. The draft in its own process -----------------------------------------------------------------------
+#
+# A process, not a thread: a small model's step is mostly host work, and two threads of one process
+# take turns on the GIL (the published code runs two processes too). They share a pipe and section
+# 3b's messages, and two more from the draft: ("ready",) once it is up, ("error", "ValueError: ...")
+# where it failed (it then exits).
 
 class DraftProcessError(verify.UserError):
-    """The draft process died or failed (a UserError: the CLI prints it as one line and exits
-    non-zero)."""
+    """The draft process died or failed (the CLI prints it as one line and exits non-zero)."""
 
-# Python's "spawn" starts the draft process as a fresh interpreter that imports the program's main
-# module again (under the name __mp_main__) and so runs its top level once more. A script that calls
-# model.generate at its top level, with no `if __name__ == "__main__":` guard around the call, would
-# run that call again in the child, whose start of a process of its own Python refuses (a page of
-# traceback); a program read from stdin cannot be imported again at all. Such a caller gets
-# lockstep (the same tokens, the draft in this process), said in one line. Code from `python -c`,
-# a REPL or a notebook has no main file to run again: it gets the parallel mode.
+# "spawn" starts the draft process as a fresh interpreter that imports the main module again, running
+# its top level once more: a script that calls model.generate at its top level, outside an `if
+# __name__ == "__main__":` block, would make that call again in the child (a page of traceback), and a
+# program read from stdin cannot be imported at all. Such a caller gets lockstep, said in one line.
 
 LOCKSTEP_SAID: list[str] = []  # cannot_spawn's line, once per process
+GUARDS = ("__name__ == '__main__'", "'__main__' == __name__")  # as ast.unparse writes them
 
 def cannot_spawn() -> bool:
     """Whether a spawned draft process would fail to start from this call (the first time, the
@@ -654,15 +697,14 @@ def spawn_obstacle() -> str | None:
     if spec is not None and spec.name.split(".")[-1] == "__main__":
         return None  # but not a package's __main__ (multiprocessing.spawn's own rule)
     path = spec.origin if spec is not None else getattr(main, "__file__", None)
-    if path is None:
+    if path is None:  # python -c, a REPL, a notebook: nothing to run again
         return None
     if not os.path.isfile(path):
         return f"the main program ({path}) is not a file that the draft process can import"
     frame = sys._getframe(1)
     while frame is not None and not (frame.f_code.co_name == "<module>" and frame.f_globals is vars(main)):
         frame = frame.f_back
-    # not from the main file's top level: from a function it calls later, or typed at a REPL
-    # (python -i) in the main module's namespace
+    # not from the main file's top level: from a function it calls later, or typed at python -i
     if frame is None or os.path.abspath(frame.f_code.co_filename) != os.path.abspath(path):
         return None
     try:
@@ -670,67 +712,33 @@ def spawn_obstacle() -> str | None:
             module = ast.parse(f.read())
     except (SyntaxError, ValueError):
         return f"{os.path.basename(path)} cannot be read to find its `if __name__ == \"__main__\":` guard"
-    line = frame.f_lineno
-    if any(is_main_guard(node) and node.lineno <= line <= node.end_lineno for node in module.body):
+    guards = [node for node in module.body if isinstance(node, ast.If) and ast.unparse(node.test) in GUARDS]
+    if any(node.lineno <= frame.f_lineno <= node.end_lineno for node in guards):
         return None
     return (f"{os.path.basename(path)} calls generate at its top level, which the draft process would run "
             'again; put the call under `if __name__ == "__main__":`')
 
-def is_main_guard(node) -> bool:
-    """`if __name__ == "__main__":` (either way round)."""
-    if not isinstance(node, ast.If) or not isinstance(node.test, ast.Compare):
-        return False
-    sides = [node.test.left, *node.test.comparators]
-    names = [side.id for side in sides if isinstance(side, ast.Name)]
-    texts = [side.value for side in sides if isinstance(side, ast.Constant)]
-    return names == ["__name__"] and texts == ["__main__"] and isinstance(node.test.ops[0], ast.Eq)
+def parallel_possible(model) -> bool:
+    """Two cores at least (or a GPU) and a program a draft process can be spawned from."""
+    if model.device.type != "cpu":
+        return not cannot_spawn()
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return min(cores, torch.get_num_threads()) >= 2 and not cannot_spawn()
 
 def _draft_process(conn, K: int, k: int, correct: bool, threads: int | None) -> None:
     """The draft process's whole life (spawned by DraftProcess)."""
-    # Ctrl-C reaches us too; the target's process stops us
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches us too; the target's process stops us
     torch.set_grad_enabled(False)
-    drafter, max_lead, run, asked = None, 0, None, None
     try:
-        # the draft model, its tensors in shared memory
-        engine, build, (kind, payload) = conn.recv()
+        engine, int8, (kind, payload) = conn.recv()  # the model, its tensors in shared memory
         draft = assemble(*payload) if kind == "parts" else payload
-        # its share of the cores first: the target may be decoding meanwhile (a DraftProcess not
-        # waited for), and threads that outnumber the cores spin against each other
-        if threads:
+        if threads:  # our share of the cores first: the target may be decoding meanwhile
             torch.set_num_threads(threads)
-        # an int8 draft is quantized here, with the parent's quantized engine
-        if build is not None:
+        if int8:  # the target came: quantized here, with the parent's quantized engine
             torch.backends.quantized.engine = engine
-            draft = build(draft)
+            draft = int8_draft(draft)
         conn.send(("ready",))
-        while True:
-            # QUERY, once far enough
-            if asked is not None and drafter.lead() >= min(asked[1], max_lead):
-                conn.send(("chain", run, drafter.query(asked[0]), drafter.statistics(),
-                           drafter.shown()))
-                asked = None
-            if drafter is not None and drafter.lead() < max_lead and not conn.poll():
-                drafter.step()  # nothing asked of us right now: draft one more layer
-                continue
-            # idle, or a message is waiting. EOFError once the target's process is gone
-            msg = conn.recv()
-            if msg[0] == "stop":
-                return
-            # the target's generate() returned: stop drafting, wait for the next prompt
-            if msg[0] == "done":
-                drafter, asked = None, None
-            elif msg[0] == "start":
-                _, run, text, capacity, max_lead, show = msg
-                drafter = Drafter(draft, K, k, correct)
-                asked = None
-                drafter.start(text, capacity, max_lead, show=show)
-            elif msg[0] == "correct":
-                _, run, accepted, bonus = msg
-                drafter.correct(accepted, bonus)  # CORRECT (§2.4)
-            elif msg[0] == "query":
-                _, run, r, wait = msg
-                asked = (r, wait)
+        draft_continuously(conn, draft, K, k, correct)
     except (EOFError, OSError):
         return  # the target's process is gone: nothing left to draft for
     except BaseException as e:  # reported to the target, which raises DraftProcessError
@@ -738,106 +746,82 @@ def _draft_process(conn, K: int, k: int, correct: bool, threads: int | None) -> 
             conn.send(("error", f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"))
 
 def _stop_process(process, conn, child_end) -> None:
-    """Ask the draft process to stop, else kill it: at close(), at garbage collection and at
-    exit."""
+    """Ask the draft process to stop, else kill it: at close(), garbage collection and exit."""
     child_end.close()  # (already closed once the process started)
     if process.pid is None:  # never started (wait=False, and no run came)
         conn.close()
         return
     with contextlib.suppress(Exception):
         conn.send(("stop",))
-    # subtle: the draft reads its messages between two layers, one forward at most
-    process.join(timeout=5)
+    process.join(timeout=5)  # subtle: the draft reads messages between two layers, one forward at most
     if process.is_alive():
         process.kill()
         process.join()
     conn.close()
 
 class DraftProcess:
-    """The draft model in its own process (the parallel mode). Starting one takes seconds, so a
-    caller that decodes many prompts starts it once (generate() given a plain model starts one per
-    call):
+    """The draft model in its own process (the parallel mode). Starting one takes seconds, so a caller
+    that decodes many prompts starts it once (generate() given a plain model starts one per call):
 
         with card.DraftProcess(draft, cfg) as proc:      # cfg: the K, k and correction it drafts with
             for ids in prompts: card.generate(target, ids, 128, eos, cfg, draft=proc)
 
     It stops at close(), garbage collection or exit, and by itself if its parent dies. wait=False
-    returns before the process is up: generate() then verifies no draft (a plain step) until it is
-    (custom_generate's first call streams at once this way)."""
+    returns before the process is up: generate() verifies no draft (a plain step) until it is, so a
+    first call streams at once. int8=True: `draft` is the target, which the process quantizes."""
 
-    def __init__(self, draft, cfg: "CardConfig", threads: int | None = None, wait: bool = True):
+    def __init__(self, draft, cfg: CardConfig, threads: int | None = None, wait=True, int8=False):
         reason = spawn_obstacle()
         if reason is not None:  # before Python prints a page of traceback from the child
             raise verify.UserError(f"a DraftProcess cannot start here: {reason}")
-        # what crosses to the process (held weakly), and what the process does with it
-        build = None
-        source = weakref.ref(draft)
-        if hasattr(draft, "card_rebuild"):  # an int8 draft: the target's weights, quantized there
-            build, source = draft.card_rebuild
-        if source() is None:
-            raise verify.UserError("the int8 draft's target model is gone: build the draft again")
-        ctx = torch.multiprocessing.get_context("spawn")  # fork is unsafe with threads and CUDA
-        self._model = draft  # the draft's weights here (an Int8Plan: built only if asked, see model)
+        # subtle: an int8 model cannot cross (its tensors do not rebuild from shared memory): its
+        # float32 target crosses, to be quantized there. Weakly: a kept process must not keep the model
+        self.int8 = int8 or hasattr(draft, "int8_of")
+        self.source = draft.int8_of if hasattr(draft, "int8_of") else weakref.ref(draft)
+        self._model = None if int8 else draft  # the draft's weights here (int8=True: made when asked)
         self.drafts_with = (cfg.K, cfg.k, cfg.correct)  # what its Drafter is made with
-        # on a CPU: half the threads (on 2 cores: one)
-        if threads is None and draft.device.type == "cpu":
+        if threads is None and draft.device.type == "cpu":  # on a CPU half the threads (2 cores: one)
             threads = max(1, torch.get_num_threads() // 2)
         self.threads = threads
         self.run = 0  # generate() calls served so far
         self.busy = threading.Lock()  # one generate() at a time: a second thread's call waits
         self.wait = 0  # layers the cache must lead by before a query is answered (serving() sets it)
+        ctx = torch.multiprocessing.get_context("spawn")  # fork is unsafe with threads and CUDA
         self.conn, self._child_end = ctx.Pipe()
         self.process = ctx.Process(target=_draft_process, name="card-draft", daemon=True,
                                    args=(self._child_end, cfg.K, cfg.k, cfg.correct, threads))
         self._stop = weakref.finalize(self, _stop_process, self.process, self.conn, self._child_end)
-        # The model goes through the pipe as its parts (portable()), its tensors in shared memory
-        # (CUDA: IPC). subtle, three traps: (1) not the module, whose hooks are often unpicklable;
-        # (2) not as a Process argument: pickled at start(), such a tensor is freed before the child
-        # opens it; (3) an int8 draft cannot make the trip, so the child quantizes its own copy of
-        # the target (int8_draft's card_rebuild).
-        # wait=False: return now, and let generate() decode without drafts until the process is
-        # up (its imports and its own quantization take seconds: a first call streams at once).
-        # The process is spawned, and the parts go, at the first start() then, after the prompt's
-        # first token: a process starting beside the prefill would take a core from it, and so would
-        # moving the weights into shared memory.
+        self.sent = False
         self.ready = False
-        self.engine = torch.backends.quantized.engine
-        self.unsent = (build, source)  # weakly: a kept process must not keep the model
+        # wait=False: spawned and sent at the first start(), after the prompt's first token (a process
+        # starting beside the prefill would take a core from it)
         if wait:
             self._send_model()
             self._receive("ready")
             self.ready = True
 
-    def _start_process(self) -> None:
-        """Spawn the process, once."""
-        if self.process.pid is not None:
+    def _send_model(self) -> None:
+        """Spawn the process and send it the draft's parts (or the target's, to quantize), once.
+        subtle: through the pipe, not as a Process argument: pickled at start(), its shared tensors
+        would be freed before the child opens them."""
+        if self.sent:
             return
+        if self.source() is None:
+            raise verify.UserError("the draft's model is gone before its process got it")
         self.process.start()
-        # subtle: now only the child holds that end, so its death reads here as EOF
-        self._child_end.close()
+        self._child_end.close()  # subtle: now only the child holds that end: its death reads as EOF
+        self._send((torch.backends.quantized.engine, self.int8, portable(self.source())))
+        self.sent = True
 
     def alive(self) -> bool:
-        """Running, or not yet spawned (wait=False before its first run): not dead."""
+        """Not dead: running, or not yet spawned (wait=False)."""
         return self.process.pid is None or self.process.is_alive()
-
-    def _send_model(self) -> None:
-        """Spawn the process if it is not yet, and send the draft's parts (or the target's, to be
-        quantized there), once."""
-        if self.unsent is None:
-            return
-        self._start_process()
-        build, source = self.unsent
-        if source() is None:
-            raise verify.UserError("the draft's model is gone before its process got it")
-        self._send((self.engine, build, portable(source())))
-        self.unsent = None
 
     @property
     def model(self):
-        """The draft's weights in this process (lockstep, measuring). An int8 draft that the process
-        quantized for itself (Int8Plan) is copied here only when asked."""
-        if isinstance(self._model, Int8Plan):
-            self._model = self._model.build()
+        """The draft's weights in this process (lockstep, measuring; int8=True: quantized if asked)."""
+        if self._model is None:
+            self._model = int8_draft(self.source())
         return self._model
 
     def started(self) -> bool:
@@ -872,8 +856,7 @@ class DraftProcess:
 
     def _receive(self, kind: str) -> tuple:
         while True:
-            # wakes as soon as a message arrives; checks the draft lives
-            while not self.conn.poll(0.05):
+            while not self.conn.poll(0.05):  # wakes as soon as a message comes; checks the draft lives
                 if not self.process.is_alive():
                     self._died()
             msg = self._next_message()
@@ -883,11 +866,9 @@ class DraftProcess:
     @contextlib.contextmanager
     def serving(self, cfg: CardConfig):
         """For one generate() call: a query waits until the cache leads by cfg.wait layers (None: r),
-        the target takes the threads this process leaves (a CPU has only so many cores), and
-        afterwards the process stops drafting."""
+        the target takes the threads this process leaves, and afterwards the process stops drafting."""
         if self.drafts_with != (cfg.K, cfg.k, cfg.correct):
-            K, k, correct = self.drafts_with
-            raise verify.UserError(f"this DraftProcess drafts with K={K}, k={k}, correct={correct}, "
+            raise verify.UserError(f"this DraftProcess drafts with (K, k, correct) = {self.drafts_with}, "
                                    "unlike the config")
         with self.busy:
             self.wait = cfg.ratio if cfg.wait is None else cfg.wait
@@ -943,18 +924,17 @@ class DraftProcess:
     def __exit__(self, *exc):
         self.close()
 
-# ---- 5. Drafts derived from the target ---------------------------------------------------------------------
+# ---- 5. Drafts derived from the target, and the set-up ---------------------------------------------------
 #
-# CARD needs a draft CHEAPER than the target (r = t_target / t_draft > 1) that often agrees with it.
-# No second model is available offline, so the drafts are derived from the target (`--draft`):
-#   int8       the target's linear layers in dynamic int8: several times cheaper on a CPU, often right (CPU)
-#   self       the target's weights in --draft-dtype (bfloat16): the best acceptance, but hardly cheaper
-#   NAME/PATH  any model with the same tokenizer, in --draft-dtype (a real small/large pair).
+# CARD needs a draft CHEAPER than the target that often agrees with it. No second model is available
+# offline, so the drafts are derived from the target (`--draft`): int8 (its linear layers in dynamic
+# int8: several times cheaper on a CPU, often right), self (its weights in --draft-dtype: the best
+# acceptance, hardly cheaper), or NAME/PATH: any model with the same tokenizer (a real pair).
 
 def portable(model) -> tuple[str, object]:
     """What a model is made of, for another process: ("parts", (class, config, tensors, buffers,
-    generation config)) for a transformers model, to be put together again by assemble(); anything
-    else as it is."""
+    generation config)) for a transformers model, put together again by assemble(); anything else
+    as it is. subtle: not the module itself, whose hooks are often unpicklable."""
     from transformers import PreTrainedModel
 
     if not isinstance(model, PreTrainedModel):
@@ -964,8 +944,8 @@ def portable(model) -> tuple[str, object]:
 
 def assemble(cls, config, tensors: dict, buffers: dict, generation_config):
     """A model of class `cls` whose tensors ARE the given ones: a skeleton on the meta device (no
-    memory, no initialization) handed the tensors; buffers outside the state dict
-    (rotary frequencies) set one by one."""
+    memory, no initialization) handed the tensors; buffers outside the state dict (rotary
+    frequencies) set one by one."""
     with torch.device("meta"):
         model = cls(config)
     model.load_state_dict(tensors, strict=False, assign=True)  # assign: keep these tensors, no copy
@@ -978,41 +958,21 @@ def assemble(cls, config, tensors: dict, buffers: dict, generation_config):
     model.generation_config = generation_config
     return model.eval()
 
-def int8_draft(model, copy_model: bool = True):
-    """The target with every nn.Linear in torch's dynamic int8 (weights per output channel), a copy
-    (the draft process quantizes the module it assembled in place: copy_model=False)."""
+def int8_draft(model):
+    """A copy of the target with every nn.Linear in torch's dynamic int8 (weights per channel)."""
     if model.device.type != "cpu":
-        raise verify.UserError("--draft int8 runs on a CPU only (torch's dynamic quantization has no GPU "
-                               "kernels)")
+        raise verify.UserError("--draft int8 runs on a CPU only (torch's dynamic quantization has no "
+                               "GPU kernels)")
     from torch.ao.quantization import per_channel_dynamic_qconfig, quantize_dynamic
 
     with warnings.catch_warnings():
-        # note: torch >= 2.10 marks torch.ao.quantization deprecated
-        warnings.simplefilter("ignore")
-        draft = quantize_dynamic(copy.deepcopy(model) if copy_model else model,
-                                 {torch.nn.Linear: per_channel_dynamic_qconfig}, dtype=torch.qint8)
-    # how DraftProcess rebuilds it in the draft process (see there): Int8Plan's recipe, which holds
-    # the model weakly (a draft kept for the model by verify.prepare_once must not keep it alive)
-    draft.card_rebuild = Int8Plan(model).card_rebuild
+        warnings.simplefilter("ignore")  # note: torch >= 2.10 marks torch.ao.quantization deprecated
+        draft = quantize_dynamic(model, {torch.nn.Linear: per_channel_dynamic_qconfig}, dtype=torch.qint8)
+    draft.int8_of = weakref.ref(model)  # what a DraftProcess sends instead (weakly: see there)
     return draft
 
-class Int8Plan:
-    """The int8 draft of `model`, not built in this process: what a DraftProcess sends so that its
-    process quantizes its own copy (as for int8_draft's card_rebuild), and build() for a copy here
-    when one is asked for (DraftProcess.model). Saves the seconds of quantizing a copy nobody uses."""
-
-    def __init__(self, model):
-        self.card_rebuild = (functools.partial(int8_draft, copy_model=False), weakref.ref(model))
-        self.device = model.device
-
-    def build(self):
-        target = self.card_rebuild[1]()
-        if target is None:
-            raise verify.UserError("the int8 draft's target model is gone: build the draft again")
-        return int8_draft(target)
-
 def load_draft(model, tok, cfg: CardConfig, target_name: str = verify.DEFAULT_MODEL):
-    """The draft cfg.draft names (see the table above), on the target's device."""
+    """The draft cfg.draft names (see above), on the target's device."""
     if cfg.draft == "int8":
         return int8_draft(model)
     if cfg.draft == "self":
@@ -1025,26 +985,12 @@ def load_draft(model, tok, cfg: CardConfig, target_name: str = verify.DEFAULT_MO
         raise verify.UserError(f"--draft {cfg.draft} and --target {target_name} do not share a vocabulary")
     return draft
 
-def step_time(model, n: int) -> float:
-    """One forward over n new tokens after 256 cached ones, measured once per machine
-    (verify.measured_costs)."""
-    measure = functools.partial(verify.measure_step_times, model, [n], repeats=3)
-    return verify.measured_costs(model, ("step times", [n], 256, 3), measure)[n]
-
-def measure_ratio(model, draft, K: int) -> int:
-    """§3.1's r = ceil(t_target / t_draft): how many K-node draft layers fit in one one-token target
-    step."""
-    return max(1, math.ceil(step_time(model, 1) / step_time(draft, K)))
-
 def prepare(model, tok, cfg: CardConfig, name: str = verify.DEFAULT_MODEL,
             draft=None, wait: bool = True) -> tuple[CardConfig, dict]:
-    """The set-up before the first call, untimed, like loading (custom_generate's through
-    verify.prepare_once, which keeps it for the model's later calls): what cfg leaves 'best' chosen
-    (section 5b), the draft cfg names unless `draft` is given (tok None: the model's own tokenizer
-    checks a named draft's vocabulary), r if 'auto', and in parallel mode the draft's process
-    (wait=False: not waited for; the first steps go without drafts). An int8 draft is quantized by
-    that process alone (Int8Plan). The process ends with what holds it, or at exit."""
-    if draft is None:  # our choice by the cost model (section 5b), of what is BEST in cfg
+    """The set-up before the first call, untimed, like loading: what cfg leaves BEST (section 5b), the
+    draft cfg names unless `draft` is given, r if "auto", and in parallel mode the draft's process
+    (wait=False: not waited for). tok None: the model's own tokenizer checks a named draft's vocabulary."""
+    if draft is None:  # our choice by the cost model (section 5b)
         cfg = choose_configuration(model, tok, cfg, name)
     else:  # a draft of the caller's, not measured here: fixed defaults for what is BEST
         fixed = {}
@@ -1055,11 +1001,10 @@ def prepare(model, tok, cfg: CardConfig, name: str = verify.DEFAULT_MODEL,
         if cfg.ratio == BEST:
             fixed["ratio"] = 5
         cfg = dataclasses.replace(cfg, **fixed)
-    built = draft is None
-    in_process = built and cfg.mode == "parallel" and not cannot_spawn()
-    if in_process and cfg.draft == "int8" and cfg.ratio != "auto":
-        draft = Int8Plan(model)  # no copy here: the draft process quantizes its own
-    elif built:
+    in_process = draft is None and cfg.mode == "parallel" and not cannot_spawn()
+    # an int8 draft in its process needs no copy here: the process quantizes its own
+    quantized_there = in_process and cfg.draft == "int8" and cfg.ratio != "auto"
+    if draft is None and not quantized_there:
         named = cfg.draft not in ("int8", "self")
         tok = tok or (verify.tokenizer_of(model, instead="draft_model") if named else None)
         draft = load_draft(model, tok, cfg, name)
@@ -1068,76 +1013,52 @@ def prepare(model, tok, cfg: CardConfig, name: str = verify.DEFAULT_MODEL,
         cfg = dataclasses.replace(cfg, ratio=measure_ratio(model, draft_weights, cfg.K))
         print(f"[card] --ratio auto: measured r = {cfg.ratio}", file=sys.stderr)
     if in_process:
-        draft = DraftProcess(draft, cfg, wait=wait)
+        draft = DraftProcess(model if quantized_there else draft, cfg, wait=wait, int8=quantized_there)
     return cfg, {"draft": draft}
 
 def prepare_without_waiting(model, tok, cfg: CardConfig, name: str = verify.DEFAULT_MODEL, draft=None):
-    """prepare(), but a draft process it starts is not waited for: custom_generate's set-up, so
-    that a program's first call streams its first token at once."""
+    """prepare() for custom_generate: a process it starts is not waited for (the first call streams)."""
     return prepare(model, tok, cfg, name, draft=draft, wait=False)
 
 # ---- 5b. Which configuration, on this machine: a cost model (ours) -----------------------------------------
 #
-# On a CPU the draft process takes half the cores, so CARD wins only where the draft steps faster on
-# half of them than the target does on all. The CPU default therefore predicts the speed of each mode
-# and r from step times measured here once (kept on disk), runs the fastest, and says in one line
-# where none beats plain decoding. Per step, with K = 1 (TUTORIAL.md §4.6 derives it):
-#
-#     lockstep   t = r·t_draft + t_verify(r + 1)
-#     parallel   a hit:  t = max(t_verify(q + 1) + d·t_draft, (q + 1)·t_draft)
-#                a miss: t = t_verify(q + 1) + w·t_draft
-#     speedup = mat · t_target / t,   t averaged over hits and misses by the hit rate h
-#
-# q: the chain a query answers with; w: the layers it waits for (cfg.wait); d: the layers a hit still
-# waits for, the cache having stopped max_lead layers ahead. mat (tokens a step) and h come from
-# walking CARD's chains over the draft's guesses of the target's own answers (walk_chains).
+# On a CPU the draft process takes half the cores, so CARD wins only where the draft steps faster on half
+# of them than the target does on all. The CPU default predicts each mode's and r's speed from step times
+# measured here once (kept on disk), runs the fastest, and says in one line where none beats plain
+# decoding. The model is predicted_speedup's, per step, then per call with the draft's prefill (choose);
+# TUTORIAL.md §4.6 derives it. mat (tokens a step) and h (the hit rate) come from walking CARD's chains
+# over the draft's guesses of the target's own answers (walk_chains).
 
 BEST_RATIOS = range(1, 9)  # the r the choice tries
-# the calibration prompts: one per category of the tuning half of prompts/ (question ids 1, 5, ...,
-# 25), so that the agreement is that of mixed use
-PASSAGE = ('The lighthouse on Karsk Point was built in 1871 after three ships were lost on '
-           'the reef in a single winter. Its first keeper, Ingrid Holm, kept a logbook for '
-           'thirty-two years, recording the weather every four hours, the ships that passed, '
-           'and the birds that struck the lantern glass during the autumn migration. The '
-           'original light burned whale oil and was visible for fourteen nautical miles. In '
-           '1904 it was converted to kerosene, which gave a brighter and steadier flame, and '
-           'the range grew to nineteen miles. Electricity reached the point only in 1952, '
-           "when a cable was laid along the causeway; the same year the keeper's cottage was "
-           'enlarged to house a radio operator. The light was automated in 1987 and the last '
-           'keeper, Tomas Brekke, moved to the mainland town of Solvik, where he opened a '
-           "small museum with the logbooks, a brass fog horn, and the lantern's first Fresnel"
-           ' lens. Today the tower is owned by the Karsk Heritage Trust. Visitors can climb '
-           'its 113 steps from May to September, but the tower is closed on Mondays and '
-           'whenever the wind exceeds 60 kilometres per hour. The trust funds repairs from '
-           'ticket sales and from an annual swim across the bay, held on the first Saturday '
-           'of August, in which about two hundred people take part.')
+TYPICAL_TOKENS = 128  # the call the choice is made for: its prompt and its answer (about bench/'s)
+# the draft's guesses are counted on the target's greedy answers to one prompt per category of the
+# tuning half of the shipped prompts (shortened), cut at CALIBRATION_TOKENS
+PASSAGE = ("The lighthouse on Karsk Point was built in 1871 after three ships were lost on the reef. "
+           "Its first keeper, Ingrid Holm, kept a logbook for thirty-two years. It was automated in "
+           "1987. Visitors can climb its 113 steps from May to September, except on Mondays.")
 CALIBRATION = (
     "Write a short, friendly email to a neighbour inviting them to a garden barbecue on Saturday.",
-    'Translate the following German sentence into English: "Der Zug nach Berlin hat heute wegen eines '
-    'Sturms zwei Stunden Verspätung."',
+    'Translate into English: "Der Zug nach Berlin hat heute wegen eines Sturms zwei Stunden Verspätung."',
     "Summarize the following text in three sentences.\n\n" + PASSAGE,
     "What is the difference between weather and climate?",
     "A shop sells pencils at 3 for 45 cents. How much do 12 pencils cost? Explain step by step.",
-    "Answer the question using only the passage.\n\nPassage: " + PASSAGE + "\n\nQuestion: When can visitors "
-    "climb the Karsk Point lighthouse, and what did the last keeper do after it was automated?",
-    "Write a Python function is_palindrome(s) that ignores case and spaces, with a docstring and two "
-    "example calls.",
+    f"Answer using only the passage.\n\nPassage: {PASSAGE}\n\nQuestion: When can visitors climb it?",
+    "Write a Python function is_palindrome(s) that ignores case and spaces, with two example calls.",
 )
-CALIBRATION_TOKENS = 48  # the agreement is counted on the target's greedy answer to each, cut here
+CALIBRATION_TOKENS = 48
 
 def predicted_speedup(costs: dict, mode: str, r: int, wait: int, mat: float, hit_rate: float,
                       hit_len: float | None = None, max_lead: int | None = None) -> float:
-    """The model above, per step; costs = {"t_target", "t_verify", "t_draft"} in seconds (t_verify of
-    the verified chain); hit_len = the layers a hit consumes (default mat); max_lead = the most layers
-    the cache leads by (default: no bound, so d = 0).
+    """The model per step, with K = 1:
 
-    >>> paper = dict(t_target=1.0, t_verify=1.0, t_draft=1 / 7)      # §3.1: a 7x cheaper draft, a GPU
-    >>> round(predicted_speedup(paper, "parallel", 7, 7, mat=5.0, hit_rate=0.97), 2)
-    4.85
-    >>> cpu = dict(t_target=60, t_verify=87, t_draft=24)     # in ms (only ratios count); all hits
-    >>> round(predicted_speedup(cpu, "parallel", 3, 3, mat=4.0, hit_rate=1.0, hit_len=4, max_lead=6), 2)
-    2.16
-    """
+        lockstep   t = r·t_draft + t_verify(r + 1)
+        parallel   a hit:  t = max(t_verify(q + 1) + d·t_draft, (q + 1)·t_draft)
+                   a miss: t = t_verify(q + 1) + w·t_draft
+        speedup = mat·t_target / t,   t averaged over hits and misses by the hit rate h
+
+    q: the chain a query answers with; w: the layers it waits for; d: the layers a hit still waits for,
+    the cache having stopped max_lead layers ahead (max_lead None: no bound, d = 0); hit_len: the
+    layers a hit consumes (default mat). costs = {"t_target", "t_verify", "t_draft"} in seconds."""
     t_t = costs["t_target"]
     t_v = costs["t_verify"]
     t_d = costs["t_draft"]
@@ -1151,13 +1072,8 @@ def predicted_speedup(costs: dict, mode: str, r: int, wait: int, mat: float, hit
 
 def walk_chains(agreement: Sequence[Sequence[int]], q_hit: int, q_miss: int) -> tuple[float, float]:
     """(mat, h): CARD's K = 1 chains walked over each answer's guesses (1: the draft guessed that
-    token). The walk starts after an answer's first token (the target's, from its prefill). A step
-    verifies q_hit tokens after a hit, q_miss after a miss, accepts up to the first wrong guess and
-    emits the bonus token; a hit when the draft guessed the whole chain and the bonus.
-
-    >>> walk_chains([[1, 1, 1, 0, 1, 1, 1, 1]], q_hit=3, q_miss=2)
-    (2.3333333333333335, 0.3333333333333333)
-    """
+    token). A step verifies q_hit tokens after a hit, q_miss after a miss, accepts up to the first
+    wrong guess and emits the bonus token; a hit when the draft guessed the chain and the bonus."""
     steps = emitted = hits = 0
     for answer in agreement:
         pos = 1  # answer[0] came from the target's prefill
@@ -1177,79 +1093,76 @@ def walk_chains(agreement: Sequence[Sequence[int]], q_hit: int, q_miss: int) -> 
 
 @dataclass
 class DraftMeasure:
-    """A draft's measurements: its name (int8, self, a model), a K-node layer in seconds on every thread
-    and on the draft process's share, and per calibration answer a 0/1 a token: whether it guessed it."""
+    """A draft's name, its K-node layer and its prefill of TYPICAL_TOKENS in seconds on every
+    thread and on the draft process's share, and per calibration answer a 0/1 a token: guessed or not."""
 
     name: str
     on_all: float
     on_share: float
     agreement: list
+    prefill_all: float = 0.0
+    prefill_share: float = 0.0
 
 @dataclass
 class Prediction:
-    """A configuration, its predicted speed over plain decoding, and the step times behind it."""
+    """A configuration, its predicted speedup, plain decoding's step and a draft layer (s)."""
 
     draft: str
     mode: str
     ratio: int
     speedup: float
-    t_target: float  # plain decoding's step, on every thread
-    t_draft: float  # a draft layer, on the threads the draft gets in this mode
+    t_target: float
+    t_draft: float
 
 def verify_time(table: dict[int, float], n: int) -> float:
     """t_verify(n) from the measured sizes, the last slope continued past them."""
-    if n in table:
-        return table[n]
     sizes = sorted(table)
     slope = (table[sizes[-1]] - table[sizes[-2]]) / (sizes[-1] - sizes[-2])
-    return table[sizes[-1]] + slope * (n - sizes[-1])
+    return table.get(n, table[sizes[-1]] + slope * (n - sizes[-1]))
 
 def choose(cfg: CardConfig, t_target: float, t_verify: dict, draft: DraftMeasure,
            can_split: bool) -> Prediction:
-    """The fastest predicted configuration: cfg's mode and ratio where given, every candidate where
-    BEST (ratio "auto": §3.1's rule). t_verify = {"all": {n: s}, "share": {n: s}}: the target's
-    forward over n tokens on every thread, and on what the parallel mode leaves it. can_split: a draft
-    process can run beside the target. Ties go to the smaller r."""
+    """The fastest predicted of cfg's mode and r (every candidate where BEST; "auto": §3.1's rule),
+    ties to the smaller r. t_verify = {"all": {n: s}, "share": {n: s}}: the target's forward over n
+    tokens on every thread and on what the parallel mode leaves it; can_split: a process can run."""
+    modes = ["parallel", "lockstep"] if can_split else ["lockstep"]
     if cfg.mode != BEST:
         modes = [cfg.mode]
-    elif can_split:
-        modes = ["parallel", "lockstep"]
-    else:
-        modes = ["lockstep"]
-    if cfg.ratio == BEST:
-        ratios = BEST_RATIOS
-    elif cfg.ratio == "auto":  # §3.1's rule, as measure_ratio takes it
+    ratios = BEST_RATIOS
+    if cfg.ratio == "auto":  # as measure_ratio takes it
         ratios = [max(1, math.ceil(t_target / draft.on_all))]
-    else:
+    elif cfg.ratio != BEST:
         ratios = [int(cfg.ratio)]
+    greedy = TYPICAL_TOKENS * t_target  # a typical call's time, plain
     best = None
     for mode in modes:
         split = mode == "parallel" and can_split
         t_draft = draft.on_share if split else draft.on_all
+        t_prefill = draft.prefill_share if split else draft.prefill_all
         times = t_verify["share" if split else "all"]
         for r in ratios:
             max_lead = 2 * r if cfg.max_lead is None else cfg.max_lead  # as the draft process
             wait = min(r if cfg.wait is None else cfg.wait, max_lead)
             q = r  # lockstep: r layers from a restarted cache, every step
             after_miss = r
-            if mode == "parallel":  # a hit answers with what the draft drafted meanwhile, at most r
+            if mode == "parallel":  # a hit: what was drafted during the verification; a miss: w layers
                 q = min(r, max(wait, math.floor(verify_time(times, r + 1) / t_draft)))
-                after_miss = min(wait, r)  # the query answers once the restarted cache leads by w
+                after_miss = min(wait, r)
             mat, hit_rate = walk_chains(draft.agreement, q, after_miss)
             costs = {"t_target": t_target, "t_verify": verify_time(times, q + 1), "t_draft": t_draft}
-            speed = predicted_speedup(costs, mode, r, wait, mat, hit_rate, hit_len=q + 1, max_lead=max_lead)
+            per_step = predicted_speedup(costs, mode, r, wait, mat, hit_rate, q + 1, max_lead)
+            speed = greedy / (greedy / per_step + t_prefill)
             if best is None or speed > best.speedup + 1e-9:
                 best = Prediction(draft.name, mode, r, speed, t_target, t_draft)
     return best
 
 class CardWillNotWin(UserWarning):
-    """No configuration CARD can run here is predicted to beat plain decoding. A warning, so that
-    python -W ignore (or warnings.filterwarnings) silences it; printed as one line, once a process."""
+    """Nothing CARD can run here is predicted to beat plain decoding (python -W ignore silences it)."""
 
 SAID_WILL_NOT_WIN: list[str] = []
 
 def say_it_cannot_win(best: Prediction) -> None:
-    """The one line, on stderr, once per process, unless the caller turned this warning off."""
+    """The one line on stderr, once per process, unless the caller's warnings filters turn it off."""
     if SAID_WILL_NOT_WIN:
         return
     line = (f"[card] on this machine CARD is predicted at {best.speedup:.2f}x plain decoding at best "
@@ -1259,14 +1172,13 @@ def say_it_cannot_win(best: Prediction) -> None:
     SAID_WILL_NOT_WIN.append(line)
     with warnings.catch_warnings(record=True) as caught:  # the caller's filters decide; we print
         warnings.warn(line, CardWillNotWin, stacklevel=2)
-    if any(issubclass(w.category, CardWillNotWin) for w in caught):
+    if caught:
         print(line, file=sys.stderr)
 
 def choose_configuration(model, tok, cfg: CardConfig, name: str, measured: tuple | None = None,
                          can_split: bool | None = None) -> CardConfig:
-    """cfg with its BEST fields chosen on this machine's measurements (kept on disk: a second call
-    measures nothing), and the one line where none beats plain decoding; cfg itself, measuring
-    nothing, where nothing is BEST. The tests inject measured (measure_for_choice's) and can_split."""
+    """cfg with its BEST fields chosen on this machine (the one line where none beats plain decoding),
+    or cfg itself, measuring nothing, where nothing is BEST. Tests inject measured and can_split."""
     if BEST not in (cfg.draft, cfg.mode, cfg.ratio):
         return cfg
     if can_split is None:
@@ -1279,10 +1191,8 @@ def choose_configuration(model, tok, cfg: CardConfig, name: str, measured: tuple
     return dataclasses.replace(cfg, draft=best.draft, mode=best.mode, ratio=best.ratio)
 
 def measure_for_choice(model, tok, cfg: CardConfig, name: str) -> tuple:
-    """(t_target, t_verify, the draft's DraftMeasure), measured once per machine and kept on disk
-    (verify.measured_costs). t_target is t_verify's one-token forward: one sweep, so that a passing
-    slowdown moves both. The draft: cfg's, or where BEST the int8 one on a CPU and the self-draft on
-    a GPU (int8 has CPU kernels only; TUTORIAL.md §4.6 says why not the self-draft on a CPU)."""
+    """(t_target, t_verify, the draft's DraftMeasure), kept on disk. t_target is t_verify's one-token
+    forward (one sweep: a passing slowdown moves both). A BEST draft: int8 on a CPU, else self."""
     threads = torch.get_num_threads()
     share = max(1, threads // 2)
     left = max(1, threads - share)  # the target's threads beside the draft process
@@ -1294,7 +1204,8 @@ def measure_for_choice(model, tok, cfg: CardConfig, name: str) -> tuple:
     spec = cfg.draft
     if spec == BEST:
         spec = "int8" if model.device.type == "cpu" else "self"
-    what = ("card: a draft", spec, cfg.draft_dtype, cfg.K, share, CALIBRATION, CALIBRATION_TOKENS)
+    what = ("card: a draft", spec, cfg.draft_dtype, cfg.K, share, CALIBRATION, CALIBRATION_TOKENS,
+            TYPICAL_TOKENS)
     measure = functools.partial(measure_draft, model, tok, dataclasses.replace(cfg, draft=spec), name, share)
     draft = DraftMeasure(spec, *verify.measured_costs(model, what, measure))
     return t_verify["all"][1], t_verify, draft
@@ -1310,13 +1221,13 @@ def with_threads(threads: int, function, *args):
 
 @torch.no_grad()
 def measure_draft(model, tok, cfg: CardConfig, name: str, share: int) -> list:
-    """DraftMeasure's measured fields for cfg.draft: a layer on every thread and on `share`; the
-    agreement, the draft stepped one token at a time through each calibration prompt and the target's
-    greedy answer to it."""
+    """DraftMeasure's fields for cfg.draft (a forward of a prompt's length stands for its prefill); the
+    agreement: the draft stepped through each calibration prompt and the target's answer to it."""
     tok = tok or verify.tokenizer_of(model, instead="card_config (a CardConfig with draft, mode and ratio)")
     draft = load_draft(model, tok, cfg, name)
-    on_all = verify.measure_step_times(draft, [cfg.K], repeats=3)[cfg.K]
-    on_share = with_threads(share, verify.measure_step_times, draft, [cfg.K], 256, 3)[cfg.K]
+    sizes = [cfg.K, TYPICAL_TOKENS]
+    on_all = verify.measure_step_times(draft, sizes, repeats=3)
+    on_share = with_threads(share, verify.measure_step_times, draft, sizes, 256, 3)
     eos = verify.eos_ids_of(model, tok)
     agreement = []
     for prompt in CALIBRATION:
@@ -1329,14 +1240,8 @@ def measure_draft(model, tok, cfg: CardConfig, name: str, share: int) -> list:
             right.append(int(guess == token))
             guess = int(verify.tree_forward(draft, cache, Tree.chain(token, []))[-1].argmax())
         agreement.append(right)
-    return [on_all, on_share, agreement]
-
-def parallel_possible(model) -> bool:
-    """Two cores at least (or a GPU) and a program a draft process can be spawned from."""
-    if model.device.type != "cpu":
-        return not cannot_spawn()
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    return min(cores, torch.get_num_threads()) >= 2 and not cannot_spawn()
+    n = TYPICAL_TOKENS
+    return [on_all[cfg.K], on_share[cfg.K], agreement, on_all[n], on_share[n]]
 
 # ---- 6. From model.generate: the drop-in (verify.py section 13 reads the call) -----------------------------
 
@@ -1349,17 +1254,15 @@ def custom_generate(model, input_ids, logits_processor, stopping_criteria, gener
 
     Returns what model.generate returns (prompt + new tokens), honouring its GenerationConfig, its
     stopping criteria (per emitted token) and its streamer, and refusing in one line what it cannot
-    reproduce (verify.check_generate_call). note: not transformers' assistant_model, which is its
-    own speculative decoding.
+    reproduce (verify.check_generate_call). (Not transformers' assistant_model, its own method.)
 
     Keywords of this method, passed to model.generate beside its own:
-        - card_config: a CardConfig (default: CardConfig.for_device(model.device): on a CPU the
-          mode and r predicted fastest on this machine (section 5b), measured once and kept in
+        - card_config: a CardConfig (default: CardConfig.for_device(model.device); on a CPU the mode
+          and r predicted fastest here (section 5b), measured once and kept in
           ~/.cache/specdec-reference or $SPECDEC_CACHE; one line on stderr where CARD cannot win)
         - draft_model: a draft model with the model's tokenizer, or a running card.DraftProcess
-          (default: the draft the config names, built at the model's first call; in parallel mode
-          its process serves the model's later calls too and ends with the model, at exit or on
-          Ctrl-C). A draft model given drafts in a process started for that call alone.
+          (default: the config's, built at the model's first call; its process serves the model's
+          later calls and ends with it). A draft model given drafts in a process for that call alone.
         - seed: the sampling noise's key under do_sample=True (default: drawn from torch's
           generator, so torch.manual_seed repeats a call)
     """
@@ -1390,18 +1293,15 @@ def make_parser():
     default = functools.partial(verify.defaults_help, CardConfig)  # ' (default: ...)' for a help line
     g = parser.add_argument_group("CARD (the paper's names; CUDA: CardConfig.gpu(); CPU: .cpu())")
     add = g.add_argument
-    add("--target", dest="model", default=argparse.SUPPRESS,
-        help="the target model (same as --model)")
+    add("--target", dest="model", default=argparse.SUPPRESS, help="the target model (same as --model)")
     add("--draft",
         help="the draft: int8 (the target's linear layers in int8; CPU), self (the target's "
         "weights in --draft-dtype), a model name/path with the same tokenizer, or best (int8 on a "
         "CPU, self on a GPU)" + default("draft"))
     add("--draft-dtype", choices=["auto", "float32", "bfloat16", "float16"],
         help="the dtype of --draft self or a named draft (default: bfloat16)")
-    add("--K", type=int, help="K, the primary cache size: candidates kept per layer (Eq. 7)"
-        + default("K"))
-    add("--k", type=int, help="k, children proposed per node from the draft's top-k (Eq. 2)"
-        + default("k"))
+    add("--K", type=int, help="K, the primary cache size: candidates kept per layer (Eq. 7)" + default("K"))
+    add("--k", type=int, help="k, children proposed per node from the draft's top-k (Eq. 2)" + default("k"))
     add("--ratio",
         help="r, the communication ratio: chain length per target step; auto = §3.1's rule, "
         "ceil(t_target / t_draft), measured; best = the cost model's choice" + default("ratio"))
