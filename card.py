@@ -104,8 +104,8 @@ class CardConfig:
     def paper(cls, draft: str = "self") -> "CardConfig":
         """§3.1 for a 1B draft: K = 100, in parallel, and r by §3.1's own rule, r = ceil(t_target /
         t_draft), measured once per machine ("auto"). The paper's 1B draft beside a 70B target gives 7;
-        the self-draft (the target's own weights in bfloat16) gives about 1 on a GPU and 1-2 on a
-        CPU, so a fixed r = 7 would make the target wait for seven draft layers a step.
+        the self-draft (the target's own weights in bfloat16) is hardly cheaper than the target, so a
+        fixed r = 7 would make the target wait for seven draft layers a step.
         note: the paper gives no value for Eq. 2's k; its reference code expands each node by its
         own top-K, i.e. k = K (10^4 candidates per layer)."""
         return cls(ratio="auto", draft=draft)
@@ -118,14 +118,14 @@ class CardConfig:
     @classmethod
     def gpu(cls) -> "CardConfig":
         """The CUDA default: §3.1's 1B-draft numbers (K = 100, r = 7) with the self-draft.
-        deviation: not §3.1's rule for this draft (that is paper()); no GPU run has tuned it."""
+        deviation: not §3.1's rule for this draft (that is paper())."""
         return cls(K=100, k=100, ratio=7)
 
     @classmethod
     def cpu(cls) -> "CardConfig":
-        """A one-node-wide cache (CARD's loop, not its width) whose query waits 3 layers, chosen on
-        the tuning half of the shipped prompts (RESULTS.md, "CARD"); the int8 draft; the mode and r
-        chosen at set-up by their predicted speed on this machine (section 5b)."""
+        """A one-node-wide cache (CARD's loop, not its width) whose query waits 3 layers (RESULTS.md,
+        "CARD on a CPU"); the int8 draft; the mode and r chosen at set-up by their predicted speed on
+        this machine (section 5b)."""
         return cls(K=1, k=1, ratio=BEST, mode=BEST, wait=3, draft=BEST)
 
     @classmethod
@@ -530,9 +530,8 @@ class Drafter:
 #             per step. Deterministic, what the authors' code effectively does (both sides block on
 #             each other over NCCL), and what the tests pin down.
 #   parallel  a DraftProcess (section 4): one passed in, or one started for this call. The same
-#             Drafter in its own process, drafting all the time while it leads the verified text by
-#             fewer than max_lead layers, so after a hit the next chain is (partly) ready when the
-#             target asks:
+#             Drafter in its own process (section 3b), drafting while the target verifies, so after a
+#             hit the next chain is (partly) ready when the target asks:
 #
 #     target:  query ─> verify the chain (r + 1 rows) ─────────────> correct, query ─> verify ...
 #     draft:   answer   layer  layer  layer  layer (below the chain)  answer          layer ...
@@ -560,8 +559,8 @@ def generate(model, prompt_ids: Sequence[int], max_new_tokens: int, eos_ids: Seq
              on_step=None, stop=None) -> Generation:
     """CARD decoding. `model` is the target, `draft` the draft model (same tokenizer; `load_draft`
     builds the one cfg names) or a running DraftProcess. Both modes emit the same tokens, greedy or
-    sampled: the target decides every one. The loop reads as lockstep; in parallel mode (the CPU
-    default) `drafter` is a DraftProcess: draft(r) returns at once (its process drafts all the
+    sampled: the target decides every one. The loop reads as lockstep; in parallel mode `drafter`
+    is a DraftProcess: draft(r) returns at once (its process drafts all the
     time) and query(r) waits on the pipe for the chain."""
     cfg.check()
     if draft is None or cfg.ratio in ("auto", BEST) or cfg.mode == BEST:
@@ -618,9 +617,11 @@ def generate(model, prompt_ids: Sequence[int], max_new_tokens: int, eos_ids: Seq
 
 # ---- 3b. The draft's side of the parallel mode (§1, §2: "the draft model continuously generates") --------
 #
-# The draft never waits for the target: in its own process (section 4) it drafts a layer whenever the
-# cache leads the verified text by fewer than max_lead layers, and between two layers it reads the
-# target's messages, which are token ids (with show, the cache too), never tensors:
+# The draft does not wait for the target's verification: in its own process (section 4) it drafts a
+# layer whenever the cache leads the verified text by fewer than max_lead layers, and between two
+# layers it reads the target's messages, which are token ids (with show, the cache too), never tensors.
+# deviation: a query waits until the cache leads by `wait` layers (the paper's "never wait" is 0), and
+# max_lead is the reference code's 2r:
 #
 #   target -> draft   ("start", run, text, capacity, max_lead, show)   a new prompt: a new Drafter
 #                     ("correct", run, accepted, bonus)   CORRECT the cache (§2.4)
@@ -678,7 +679,7 @@ class DraftProcessError(verify.UserError):
 # program read from stdin cannot be imported at all. Such a caller gets lockstep, said in one line.
 
 LOCKSTEP_SAID: list[str] = []  # cannot_spawn's line, once per process
-GUARDS = ("__name__ == '__main__'", "'__main__' == __name__")  # as ast.unparse writes them
+GUARDS = ("__name__ == '__main__'", "'__main__' == __name__")
 
 def cannot_spawn() -> bool:
     """Whether a spawned draft process would fail to start from this call (the first time, the
@@ -712,6 +713,7 @@ def spawn_obstacle() -> str | None:
             module = ast.parse(f.read())
     except (SyntaxError, ValueError):
         return f"{os.path.basename(path)} cannot be read to find its `if __name__ == \"__main__\":` guard"
+    # subtle: ast.unparse writes either quote style and either order as one of GUARDS
     guards = [node for node in module.body if isinstance(node, ast.If) and ast.unparse(node.test) in GUARDS]
     if any(node.lineno <= frame.f_lineno <= node.end_lineno for node in guards):
         return None
@@ -808,8 +810,9 @@ class DraftProcess:
             return
         if self.source() is None:
             raise verify.UserError("the draft's model is gone before its process got it")
-        self.process.start()
-        self._child_end.close()  # subtle: now only the child holds that end: its death reads as EOF
+        if self.process.pid is None:  # (a send that failed leaves it started)
+            self.process.start()
+            self._child_end.close()  # subtle: now only the child holds that end: its death reads as EOF
         self._send((torch.backends.quantized.engine, self.int8, portable(self.source())))
         self.sent = True
 
@@ -820,6 +823,8 @@ class DraftProcess:
     @property
     def model(self):
         """The draft's weights in this process (lockstep, measuring; int8=True: quantized if asked)."""
+        if self._model is None and self.source() is None:
+            raise verify.UserError("the int8 draft's target model is gone: build the draft again")
         if self._model is None:
             self._model = int8_draft(self.source())
         return self._model
@@ -928,7 +933,7 @@ class DraftProcess:
 #
 # CARD needs a draft CHEAPER than the target that often agrees with it. No second model is available
 # offline, so the drafts are derived from the target (`--draft`): int8 (its linear layers in dynamic
-# int8: several times cheaper on a CPU, often right), self (its weights in --draft-dtype: the best
+# int8: cheaper on a CPU, close to the target), self (its weights in --draft-dtype: the best
 # acceptance, hardly cheaper), or NAME/PATH: any model with the same tokenizer (a real pair).
 
 def portable(model) -> tuple[str, object]:
@@ -1022,17 +1027,15 @@ def prepare_without_waiting(model, tok, cfg: CardConfig, name: str = verify.DEFA
 
 # ---- 5b. Which configuration, on this machine: a cost model (ours) -----------------------------------------
 #
-# On a CPU the draft process takes half the cores, so CARD wins only where the draft steps faster on half
-# of them than the target does on all. The CPU default predicts each mode's and r's speed from step times
-# measured here once (kept on disk), runs the fastest, and says in one line where none beats plain
-# decoding. The model is predicted_speedup's, per step, then per call with the draft's prefill (choose);
-# TUTORIAL.md §4.6 derives it. mat (tokens a step) and h (the hit rate) come from walking CARD's chains
-# over the draft's guesses of the target's own answers (walk_chains).
+# On a CPU the draft process takes half the cores, so CARD wins only where the draft steps faster on
+# half of them than the target does on all. The CPU default predicts each mode's and r's speed from
+# step times measured here once (kept on disk), runs the fastest, and says in one line where none beats
+# plain decoding: predicted_speedup per step, choose per call; TUTORIAL.md §4.6 derives the model.
 
 BEST_RATIOS = range(1, 9)  # the r the choice tries
-TYPICAL_TOKENS = 128  # the call the choice is made for: its prompt and its answer (about bench/'s)
+TYPICAL_TOKENS = 128  # the call the choice is made for: a typical prompt and answer, in tokens
 # the draft's guesses are counted on the target's greedy answers to one prompt per category of the
-# tuning half of the shipped prompts (shortened), cut at CALIBRATION_TOKENS
+# tuning half of the shipped prompts (short versions of them), cut at CALIBRATION_TOKENS
 PASSAGE = ("The lighthouse on Karsk Point was built in 1871 after three ships were lost on the reef. "
            "Its first keeper, Ingrid Holm, kept a logbook for thirty-two years. It was automated in "
            "1987. Visitors can climb its 113 steps from May to September, except on Mondays.")
@@ -1240,8 +1243,7 @@ def measure_draft(model, tok, cfg: CardConfig, name: str, share: int) -> list:
             right.append(int(guess == token))
             guess = int(verify.tree_forward(draft, cache, Tree.chain(token, []))[-1].argmax())
         agreement.append(right)
-    n = TYPICAL_TOKENS
-    return [on_all[cfg.K], on_share[cfg.K], agreement, on_all[n], on_share[n]]
+    return [on_all[cfg.K], on_share[cfg.K], agreement, on_all[TYPICAL_TOKENS], on_share[TYPICAL_TOKENS]]
 
 # ---- 6. From model.generate: the drop-in (verify.py section 13 reads the call) -----------------------------
 

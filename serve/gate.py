@@ -2,7 +2,7 @@
 """
 serve/gate.py -- the batch gate: how many of its draft tokens each row of a serving engine's
 batch is sent, decided every step from the step times measured in the server and each draft
-token's chance of being accepted. serve/vllm_proposers.py feeds it; it knows nothing of vLLM.
+token's chance of being accepted. serve/vllm_proposers.py feeds it; it imports nothing of vLLM.
 
 A step is one forward over every running request, one token a row plus the drafts sent, and
 takes t = a + c·B + b·D over B rows and D draft tokens. A step expected to emit S tokens (a bonus
@@ -52,10 +52,10 @@ class BatchGate:
     {0: 1, 1: 0}
     """
 
-    def __init__(self, slots: int | None = None, times: StepTimes | None = None):
+    def __init__(self, slots: int | None = None):
         self.slots = slots
         self.idle_value = IDLE_VALUE  # bench/serve_sim.py tries others
-        self.times = StepTimes() if times is None else times
+        self.times = StepTimes()
         self.acceptance = Acceptance()
         self.clock = time.perf_counter  # the stand-in batchers put a simulated clock here
         self.last_start: float | None = None  # when the step in progress started
@@ -66,7 +66,7 @@ class BatchGate:
         cost = self.times.fit()
         value = self.token_value(len(rows) if batch is None else batch)  # an accepted token's worth
         emitted = float(len(rows))  # S: each row's bonus token (a row without a draft included)
-        seconds = cost.fixed + cost.per_row * len(rows)  # t: one token a row
+        seconds = cost.seconds(len(rows), 0)  # t: one token a row
         # every draft token of every row, the surest first. subtle: P_j never rises along a chain
         # and ties sort by j, so a row is sent a prefix of its draft; the bar b·S / t only rises (a
         # token is sent only when it lifts S / t), so once one token fails every later one does too
@@ -83,8 +83,8 @@ class BatchGate:
         return lengths
 
     def worth_drafting(self, rows: int, batch: int | None = None) -> bool:
-        """Whether choose() would send any of drafts sure to be accepted, on `rows` rows. If not, it
-        sends nothing whatever the drafts, and the proposer need not draft."""
+        """Whether choose() would send any token if each of `rows` rows had a one-token draft sure to
+        be accepted. If not, it sends nothing whatever the drafts, and the proposer need not draft."""
         sure = {row: [1.0] for row in range(rows)}
         return any(self.choose(sure, batch).values())
 
@@ -131,7 +131,7 @@ PRIOR_HALF_LIFE = 32  # steps: the row prior's weight halves after this many...
 PRIOR_FLOOR = 1e-3  # ...down to this share of it
 DRAFT_PRIOR_TOKENS = 8.0  # b = c weighs as much as this many steps of one draft token each, always
 HALF_LIFE = 256  # steps: a measured step's weight halves after this many more
-SLOWEST = 3.0  # a step over 3x its predicted time (a pause, a page fault) counts as 3x...
+SLOWEST = 3.0  # a step over SLOWEST times its predicted time (a pause, a page fault) counts as that...
 SETTLED_STEPS = 8  # ...once this many steps have been fitted
 
 
@@ -210,9 +210,11 @@ class StepTimes:
 # and a chain's token j is accepted with chance P_j = p_1 · ... · p_j. Every draft is scored once
 # the text after it is known, sent or not: a row whose drafts choose() holds back keeps being
 # measured, and is sent them once they prove good. subtle: where worth_drafting() says no, no
-# draft is made and nothing new is counted; that answer reads only the step times and the batch
-# size, so drafting resumes when those let a sure token pay. Sampled too: a draft x sent without
-# probabilities is accepted as often as the target draws x, so as often as a held-back x comes true.
+# draft is made and nothing new is counted, and nothing probes; that answer reads only the step
+# times and the batch size, so drafting resumes when those let a sure token pay: the batch size
+# changes, or b's measured steps age out (HALF_LIFE) toward its prior b = c. Sampled too: a draft
+# x sent without probabilities is accepted as often as the target draws x, so as often as a
+# held-back x comes true.
 
 SHRINK = 4.0  # a request's own trials weigh against this many of the server's
 

@@ -80,6 +80,7 @@ REPORT_EVERY = 30.0  # seconds between two of the gate's summary lines
 OPTIONS_KEY = "specdec"
 PROPOSERS = {"ngram": "NgramProposer", "cacheback": "CachebackProposer"}
 CACHEBACK_PRESETS = cacheback.PRESETS  # CachebackConfig.cpu() and .paper()
+DEFAULT_PRESET = "cpu"
 TABLE_SCOPES = ("request", "server")
 GATES = ("on", "off")
 
@@ -103,7 +104,7 @@ class ServeOptions:
 
     method: str
     k: int
-    preset: str | None = None  # Cacheback's: None = cpu
+    preset: str | None = None  # Cacheback's: None = DEFAULT_PRESET
     table: str = "request"
     gate: str = "on"
     log: str | None = None
@@ -174,8 +175,13 @@ def engine_args(method: str, k: int, **options) -> dict:
 # its signal, the key under which the gate counts how often such tokens are accepted (serve/gate.py,
 # section 3; each draft() says what its keys hold). subtle: each part of a key splits the counts
 # further (each bucket learns from fewer tokens, and a new one starts at 1/2), so each part is kept
-# only where it made the proposers faster in bench/serve_sim.py on the tuning half (RESULTS.md,
-# "Batch 4 against suffix"). The numbers in a key are labels the gate looks up, not magnitudes.
+# for its measured gain (RESULTS.md, "Batch 4 against suffix"). The numbers in a key are labels the gate looks up, not magnitudes:
+# each stops at a last bucket, which the larger values share.
+
+COUNT_BUCKETS = 3  # the n-gram's count of the drafted token after its context: 1, 2, 3 or more
+PLACE_BUCKETS = 2  # its place in the chain: 0, 1, 2 or later
+DEPTH_BUCKETS = 4  # a Cacheback token's depth in its tree: 1, 2, 3, 4 or deeper
+SIBLING_BUCKETS = 2  # its parent's other children: 0, 1, 2 or more
 
 
 class RequestState:
@@ -249,7 +255,7 @@ class NgramRequest(RequestState):
             counts = self.predictor.tables[order - 2][ngram_predictor.fnv1a_64(context[-(order - 1):])]
             seen = sum(counts.values())  # how often the context was seen, whatever followed
             share = 2 if counts[token] == seen else int(2 * counts[token] >= seen)
-            keys.append(("ngram", order, min(counts[token], 3), share, min(place, 2)))
+            keys.append(("ngram", order, min(counts[token], COUNT_BUCKETS), share, min(place, PLACE_BUCKETS)))
             context.append(token)  # the predictor chains its own guesses
         return DraftRecord(len(self.text), [token for token, _ in drafted], keys)
 
@@ -294,7 +300,8 @@ class CachebackRequest(RequestState):
         for node in nodes:
             table, _rank, _pos, fanout = tree.origins[node]
             siblings = len(tree.children[tree.parents[node]]) - 1  # its parent's other children
-            keys.append(("cacheback", table, fanout, min(tree.depths[node], 4), min(siblings, 2)))
+            keys.append(("cacheback", table, fanout, min(tree.depths[node], DEPTH_BUCKETS),
+                         min(siblings, SIBLING_BUCKETS)))
         return DraftRecord(len(self.text), [tree.tokens[node] for node in nodes], keys)
 
 # ---- 3. Which request a row holds --------------------------------------------------------------------------
@@ -447,8 +454,7 @@ class ChainProposer:
         cap = schedule_cap(self.schedule, len(sampled_token_ids), self.k)
         # where not even a sure token would pay for its share of this step, the gate sends nothing
         # whatever the drafts are: skip drafting (the requests still learn and score their old
-        # drafts). subtle: no new draft is then scored, but this answer reads only the step times
-        # and the batch size, so drafting resumes once those let a sure token pay (gate.py, sec. 3)
+        # drafts; when drafting resumes: serve/gate.py, section 3)
         worth_drafting = self.gate.worth_drafting(len(states), batch=len(sampled_token_ids))
         self.undrafted_steps += bool(states) and not worth_drafting
         drafts = {}
@@ -574,7 +580,7 @@ class CachebackProposer(ChainProposer):
 
     def __init__(self, vllm_config):
         super().__init__(vllm_config)
-        self.cfg = getattr(cacheback.CachebackConfig, self.options.preset or "cpu")()
+        self.cfg = getattr(cacheback.CachebackConfig, self.options.preset or DEFAULT_PRESET)()
         self.frozen = None
         if self.cfg.frozen != "none":
             self.frozen = load_frozen_for(vllm_config, self.cfg)
@@ -697,8 +703,8 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("-k", "--num-speculative-tokens", type=int, required=True, dest="k",
                    help="the longest chain drafted per step (vLLM's num_speculative_tokens)")
     p.add_argument("--preset", choices=CACHEBACK_PRESETS, default=defaults["preset"],
-                   help="Cacheback's configuration (default: cpu; paper adds the frozen table, "
-                        "which corpus/ holds)")
+                   help=f"Cacheback's configuration (default: {DEFAULT_PRESET}; paper adds the "
+                        "frozen table, which corpus/ holds)")
     p.add_argument("--table", choices=TABLE_SCOPES, default=defaults["table"],
                    help="request: a table per request, as generate() keeps it; server: one table "
                         "shared by all requests (default: %(default)s)")

@@ -126,9 +126,15 @@ def test_with_free_slots_an_accepted_token_counts_for_less():
     full = gate.choose(rows, batch=8)  # the same 4 drafted rows among 8 running: nobody is let in
     assert idle == best(batch_gate.IDLE_VALUE) and full == best(1.0)
     assert sum(idle.values()) < sum(full.values())
-    assert batch_gate.BatchGate(slots=None, times=gate.times).choose(rows) == full  # slots unknown: requests wait
+    assert gated(batch_gate.BatchGate(slots=None), gate.times).choose(rows) == full  # slots unknown: requests wait
     alone = gate.choose({0: rows[0]})
-    assert alone == batch_gate.BatchGate(slots=1, times=gate.times).choose({0: rows[0]}) == {0: 3}
+    assert alone == gated(batch_gate.BatchGate(slots=1), gate.times).choose({0: rows[0]}) == {0: 3}
+
+
+def gated(gate, times):
+    """The gate, deciding by the given step times."""
+    gate.times = times
+    return gate
 
 
 class KnownCost:
@@ -145,11 +151,11 @@ def test_the_rule_by_hand():
     """46 ms + 6 ms a row + 6 ms a draft token. One row, P = 0.8, 0.5, 0.2: S, t = 1, 52 ms: 0.8 > 6·1/52 = 0.12,
     sent; 1.8, 58 ms: 0.5 > 6·1.8/58 = 0.19, sent; 2.3, 64 ms: 0.2 < 6·2.3/64 = 0.22, not. Eight such rows: the
     bar starts at 6·8/94 = 0.51 and is 6·14.4/142 = 0.61 once every row's 0.8 is in: no 0.5 passes."""
-    gate = batch_gate.BatchGate(times=KnownCost(0.046, 0.006, 0.006))
+    gate = gated(batch_gate.BatchGate(), KnownCost(0.046, 0.006, 0.006))
     assert gate.choose({0: [0.8, 0.5, 0.2]}) == {0: 2}
     assert gate.choose({row: [0.8, 0.5, 0.2] for row in range(8)}) == {row: 1 for row in range(8)}
     # two rows of 8 slots, nobody waiting: 0.5·0.8·58 > 6·2 sends the 0.8; then 0.5·0.3·64 = 9.6 < 6·2.4 = 14.4
-    idle = batch_gate.BatchGate(slots=8, times=KnownCost(0.046, 0.006, 0.006))
+    idle = gated(batch_gate.BatchGate(slots=8), KnownCost(0.046, 0.006, 0.006))
     assert idle.choose({0: [0.8], 1: [0.3]}) == {0: 1, 1: 0}
     assert idle.choose({0: [0.8], 1: [0.3]}, batch=8) == {0: 1, 1: 1}  # every slot full: 0.3 > 6·2.8/64 = 0.26
     assert batch_gate.AllDrafts().choose({0: [0.1, 0.01], 1: []}) == {0: 2, 1: 0}
@@ -159,12 +165,12 @@ def test_worth_drafting_by_hand():
     """50 ms + 2.5 ms a row + 4 ms a draft token, 16 slots. A sure token pays where value·(a + c·B) > b·B:
     14 of 16 rows, nobody waiting: 0.5·85 = 42.5 < 56, no; the same 14 with every slot full: 85 > 56, yes;
     8 rows: 0.5·70 = 35 > 32, yes; 10 rows: 0.5·75 = 37.5 < 40, no; one row counts whole: 52.5 > 4."""
-    gate = batch_gate.BatchGate(slots=16, times=KnownCost(0.050, 0.0025, 0.004))
+    gate = gated(batch_gate.BatchGate(slots=16), KnownCost(0.050, 0.0025, 0.004))
     assert not gate.worth_drafting(14, batch=14)
     assert gate.worth_drafting(14, batch=16)
     assert gate.worth_drafting(8) and not gate.worth_drafting(10)
     assert gate.worth_drafting(1) and not gate.worth_drafting(0)
-    assert batch_gate.BatchGate(slots=None, times=gate.times).worth_drafting(14)  # slots unknown: requests wait
+    assert gated(batch_gate.BatchGate(slots=None), gate.times).worth_drafting(14)  # slots unknown: requests wait
     assert batch_gate.AllDrafts().worth_drafting(3) and not batch_gate.AllDrafts().worth_drafting(0)
 
 
