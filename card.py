@@ -682,8 +682,7 @@ LOCKSTEP_SAID: list[str] = []  # cannot_spawn's line, once per process
 GUARDS = ("__name__ == '__main__'", "'__main__' == __name__")
 
 def cannot_spawn() -> bool:
-    """Whether a spawned draft process would fail to start from this call (the first time, the
-    reason in one line on stderr)."""
+    """Whether a draft process spawned from this call would fail (the first time: why, on stderr)."""
     reason = spawn_obstacle()
     if reason is not None and not LOCKSTEP_SAID:
         LOCKSTEP_SAID.append(reason)
@@ -732,8 +731,8 @@ def _draft_process(conn, K: int, k: int, correct: bool, threads: int | None) -> 
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches us too; the target's process stops us
     torch.set_grad_enabled(False)
     try:
-        engine, int8, (kind, payload) = conn.recv()  # the model, its tensors in shared memory
-        draft = assemble(*payload) if kind == "parts" else payload
+        engine, int8, parts = conn.recv()  # the model, its tensors in shared memory
+        draft = assemble(*parts)
         if threads:  # our share of the cores first: the target may be decoding meanwhile
             torch.set_num_threads(threads)
         if int8:  # the target came: quantized here, with the parent's quantized engine
@@ -931,21 +930,15 @@ class DraftProcess:
 
 # ---- 5. Drafts derived from the target, and the set-up ---------------------------------------------------
 #
-# CARD needs a draft CHEAPER than the target that often agrees with it. No second model is available
-# offline, so the drafts are derived from the target (`--draft`): int8 (its linear layers in dynamic
-# int8: cheaper on a CPU, close to the target), self (its weights in --draft-dtype: the best
-# acceptance, hardly cheaper), or NAME/PATH: any model with the same tokenizer (a real pair).
+# No second model is available offline, so CARD's cheaper draft is derived from the target (`--draft`):
+# int8 (its linear layers in dynamic int8: cheaper on a CPU, close to the target), self (its weights in
+# --draft-dtype: the best acceptance, hardly cheaper), or NAME/PATH, any model with its tokenizer.
 
-def portable(model) -> tuple[str, object]:
-    """What a model is made of, for another process: ("parts", (class, config, tensors, buffers,
-    generation config)) for a transformers model, put together again by assemble(); anything else
-    as it is. subtle: not the module itself, whose hooks are often unpicklable."""
-    from transformers import PreTrainedModel
-
-    if not isinstance(model, PreTrainedModel):
-        return "module", model
-    return "parts", (type(model), model.config, model.state_dict(), dict(model.named_buffers()),
-                     model.generation_config)
+def portable(model) -> tuple:
+    """A transformers model's parts for another process, which assemble() puts together. subtle: not
+    the module itself, whose hooks are often unpicklable."""
+    return (type(model), model.config, model.state_dict(), dict(model.named_buffers()),
+            model.generation_config)
 
 def assemble(cls, config, tensors: dict, buffers: dict, generation_config):
     """A model of class `cls` whose tensors ARE the given ones: a skeleton on the meta device (no
@@ -998,14 +991,10 @@ def prepare(model, tok, cfg: CardConfig, name: str = verify.DEFAULT_MODEL,
     if draft is None:  # our choice by the cost model (section 5b)
         cfg = choose_configuration(model, tok, cfg, name)
     else:  # a draft of the caller's, not measured here: fixed defaults for what is BEST
-        fixed = {}
-        if cfg.draft == BEST:
-            fixed["draft"] = "given"
+        cfg = dataclasses.replace(cfg, draft="given" if cfg.draft == BEST else cfg.draft,
+                                  ratio=5 if cfg.ratio == BEST else cfg.ratio)
         if cfg.mode == BEST:
-            fixed["mode"] = "parallel" if parallel_possible(model) else "lockstep"
-        if cfg.ratio == BEST:
-            fixed["ratio"] = 5
-        cfg = dataclasses.replace(cfg, **fixed)
+            cfg = dataclasses.replace(cfg, mode="parallel" if parallel_possible(model) else "lockstep")
     in_process = draft is None and cfg.mode == "parallel" and not cannot_spawn()
     # an int8 draft in its process needs no copy here: the process quantizes its own
     quantized_there = in_process and cfg.draft == "int8" and cfg.ratio != "auto"
@@ -1035,18 +1024,33 @@ def prepare_without_waiting(model, tok, cfg: CardConfig, name: str = verify.DEFA
 BEST_RATIOS = range(1, 9)  # the r the choice tries
 TYPICAL_TOKENS = 128  # the call the choice is made for: a typical prompt and answer, in tokens
 # the draft's guesses are counted on the target's greedy answers to one prompt per category of the
-# tuning half of the shipped prompts (short versions of them), cut at CALIBRATION_TOKENS
-PASSAGE = ("The lighthouse on Karsk Point was built in 1871 after three ships were lost on the reef. "
-           "Its first keeper, Ingrid Holm, kept a logbook for thirty-two years. It was automated in "
-           "1987. Visitors can climb its 113 steps from May to September, except on Mondays.")
+# tuning half of the shipped prompts (question ids 1, 5, ..., 25), cut at CALIBRATION_TOKENS
+PASSAGE = ('The lighthouse on Karsk Point was built in 1871 after three ships were lost on the reef'
+           ' in a single winter. Its first keeper, Ingrid Holm, kept a logbook for thirty-two '
+           'years, recording the weather every four hours, the ships that passed, and the birds '
+           'that struck the lantern glass during the autumn migration. The original light burned '
+           'whale oil and was visible for fourteen nautical miles. In 1904 it was converted to '
+           'kerosene, which gave a brighter and steadier flame, and the range grew to nineteen '
+           'miles. Electricity reached the point only in 1952, when a cable was laid along the '
+           "causeway; the same year the keeper's cottage was enlarged to house a radio operator. "
+           'The light was automated in 1987 and the last keeper, Tomas Brekke, moved to the '
+           'mainland town of Solvik, where he opened a small museum with the logbooks, a brass fog '
+           "horn, and the lantern's first Fresnel lens. Today the tower is owned by the Karsk "
+           'Heritage Trust. Visitors can climb its 113 steps from May to September, but the tower '
+           'is closed on Mondays and whenever the wind exceeds 60 kilometres per hour. The trust '
+           'funds repairs from ticket sales and from an annual swim across the bay, held on the '
+           'first Saturday of August, in which about two hundred people take part.')
 CALIBRATION = (
     "Write a short, friendly email to a neighbour inviting them to a garden barbecue on Saturday.",
-    'Translate into English: "Der Zug nach Berlin hat heute wegen eines Sturms zwei Stunden Verspätung."',
+    'Translate the following German sentence into English: "Der Zug nach Berlin hat heute wegen eines '
+    'Sturms zwei Stunden Verspätung."',
     "Summarize the following text in three sentences.\n\n" + PASSAGE,
     "What is the difference between weather and climate?",
     "A shop sells pencils at 3 for 45 cents. How much do 12 pencils cost? Explain step by step.",
-    f"Answer using only the passage.\n\nPassage: {PASSAGE}\n\nQuestion: When can visitors climb it?",
-    "Write a Python function is_palindrome(s) that ignores case and spaces, with two example calls.",
+    "Answer the question using only the passage.\n\nPassage: " + PASSAGE + "\n\nQuestion: When can visitors "
+    "climb the Karsk Point lighthouse, and what did the last keeper do after it was automated?",
+    "Write a Python function is_palindrome(s) that ignores case and spaces, with a docstring and two "
+    "example calls.",
 )
 CALIBRATION_TOKENS = 48
 
@@ -1096,8 +1100,7 @@ def walk_chains(agreement: Sequence[Sequence[int]], q_hit: int, q_miss: int) -> 
 
 @dataclass
 class DraftMeasure:
-    """A draft's name, its K-node layer and its prefill of TYPICAL_TOKENS in seconds on every
-    thread and on the draft process's share, and per calibration answer a 0/1 a token: guessed or not."""
+    """A draft's K-node layer and prefill (seconds, all threads and its share); per answer, 0/1 a token."""
 
     name: str
     on_all: float
@@ -1119,9 +1122,8 @@ class Prediction:
 
 def verify_time(table: dict[int, float], n: int) -> float:
     """t_verify(n) from the measured sizes, the last slope continued past them."""
-    sizes = sorted(table)
-    slope = (table[sizes[-1]] - table[sizes[-2]]) / (sizes[-1] - sizes[-2])
-    return table.get(n, table[sizes[-1]] + slope * (n - sizes[-1]))
+    *_, below, top = sorted(table)
+    return table.get(n, table[top] + (table[top] - table[below]) / (top - below) * (n - top))
 
 def choose(cfg: CardConfig, t_target: float, t_verify: dict, draft: DraftMeasure,
            can_split: bool) -> Prediction:

@@ -175,8 +175,8 @@ def engine_args(method: str, k: int, **options) -> dict:
 # its signal, the key under which the gate counts how often such tokens are accepted (serve/gate.py,
 # section 3; each draft() says what its keys hold). subtle: each part of a key splits the counts
 # further (each bucket learns from fewer tokens, and a new one starts at 1/2), so each part is kept
-# for its measured gain (RESULTS.md, "Batch 4 against suffix"). The numbers in a key are labels the gate looks up, not magnitudes:
-# each stops at a last bucket, which the larger values share.
+# for its measured gain (RESULTS.md, "Batch 4 against suffix"). The numbers in a key are labels
+# the gate looks up, not magnitudes: each stops at a last bucket, which the larger values share.
 
 COUNT_BUCKETS = 3  # the n-gram's count of the drafted token after its context: 1, 2, 3 or more
 PLACE_BUCKETS = 2  # its place in the chain: 0, 1, 2 or later
