@@ -30,7 +30,7 @@ speculation (the speedup at batch sizes above 1; the median of the repetitions, 
 SpecBench's speedup (the mean of per-prompt tokens/s over no speculation's mean: a ratio of means); vLLM's own
 counters (drafts, draft tokens, accepted tokens; mean acceptance length = 1 + accepted / drafts); and whether
 every output is no speculation's, token for token. Eager mode (enforce_eager) by default: a compiled engine
-(--compile) takes about two minutes more to start (RESULTS.md, "Serving with vLLM"). --one-process runs each
+(--compile) takes about two minutes more to start (serve/README.md). --one-process runs each
 engine inside this process (vLLM's uni executor) instead of vLLM's default engine-core process and worker
 process: on two cores the default's worker computes on one core while its engine-core process spins on the
 other, and no speculation ran 1.55x as fast in one process at batch 16, side by side (RESULTS.md, "Serving

@@ -67,8 +67,8 @@ class Costs:
 
 COSTS = {
     # vLLM's default set-up (engine-core and worker processes) on the AVX-512 EPYC at 14 rows: 83 ms
-    # a step without drafts, about 2.3 ms a row, 3-5 ms a draft token (RESULTS.md, "Serving under
-    # load on the AVX-512 EPYC")
+    # a step without drafts, about 2.3 ms a row, 3-5 ms a draft token (RESULTS.md, "The gate when
+    # nobody waits")
     "two-process": Costs(a=0.051, row=0.0023, token=0.004),
     # vLLM in one process (the uni executor) on the same CPU at four rows: the gate's own fits in the
     # server (31 ms + 1.8 ms a row + 1.5-1.7 ms a draft token), rounded; a draft token about 4% of a

@@ -39,7 +39,7 @@ import verify  # noqa: E402
 BENCH_ROWS = {
     "report": os.path.join(ROOT, "bench", "results", "figures-report-cpu.jsonl"),
     "long": os.path.join(ROOT, "bench", "results", "fafo-long-steps-cpu.jsonl"),
-    "serve": os.path.join(ROOT, "bench", "results", "serve-together-rotated-avx512-one-process.jsonl"),
+    "serve": os.path.join(ROOT, "bench", "results", "serve-together-one-process.jsonl"),
 }
 ALLOWED, DENIED = "#2b6cb0", "#f2f2f2"  # one colour pair for every mask figure
 

@@ -7,9 +7,9 @@
 
 Both are in SpecBench's question.jsonl format: {"question_id", "category", "turns"}, the first turn
 the prompt. The split in two halves is a fact about the prompts, so it lives here: every default was
-chosen on the tuning half and every table reports the other (RESULTS.md, "Tuning half, reporting
-half"). bench/, tools/ and the tests read this package; it imports nothing of the project's but
-verify (its one-line error).
+chosen on the tuning half and every table reports the other (RESULTS.md, "Conventions"). bench/,
+tools/ and the tests read this package; it imports nothing of the project's but verify (its
+one-line error).
 
     >>> [split_of(i) for i in (1, 2, 3, 4)]
     ['tune', 'report', 'tune', 'report']

@@ -124,11 +124,11 @@ def _root() -> str:
     return os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def test_readme_lists_exactly_what_verify_refuses():
-    """verify.REFUSED is the one list of refusals; README's copy (between its markers) says the same."""
+def test_the_tutorial_lists_exactly_what_verify_refuses():
+    """verify.REFUSED is the one list of refusals; TUTORIAL §1.9's copy (between its markers) says the same."""
     import os
 
-    with open(os.path.join(_root(), "README.md"), encoding="utf-8") as f:
+    with open(os.path.join(_root(), "TUTORIAL.md"), encoding="utf-8") as f:
         readme = f.read()
     block = readme.split("<!-- refused: verify.REFUSED -->")[1].split("<!-- /refused -->")[0]
     items = [" ".join(item.split()) for item in block.strip().removeprefix("- ").split("\n- ")]
@@ -146,3 +146,197 @@ def test_every_python_file_carries_the_licence():
     for name in files:
         with open(os.path.join(_root(), name), encoding="utf-8") as f:
             assert f.readline() == "# SPDX-License-Identifier: MIT\n", name
+
+
+# ---- the documents' links, and the results they cite ----------------------------------------------------------
+
+DOCUMENTS = ("README.md", "serve/README.md", "TUTORIAL.md", "RESULTS.md")
+# where a file of bench/results/ may be read by name: the scripts and the tests (not the results themselves)
+READERS = ("bench/", "tools/", "tests/", "docs/", "Makefile")
+
+
+def _tracked() -> list[str]:
+    import subprocess
+
+    out = subprocess.run(["git", "ls-files"], cwd=_root(), capture_output=True, text=True)
+    if out.returncode != 0:
+        pytest.skip("not a git checkout")
+    return out.stdout.split()
+
+
+def _read(path: str) -> str:
+    import os
+
+    with open(os.path.join(_root(), path), encoding="utf-8") as f:
+        return f.read()
+
+
+def _outside_code_blocks(text: str) -> list[str]:
+    """A markdown file's lines outside fenced code blocks (where `# x` is no heading and `[a](b)` no link)."""
+    lines = []
+    fenced = False
+    for line in text.splitlines():
+        if line.lstrip().startswith(("```", "~~~")):
+            fenced = not fenced
+        elif not fenced:
+            lines.append(line)
+    return lines
+
+
+def heading_anchors(text: str) -> set[str]:
+    """The anchors GitHub gives a markdown file's headings: the text lowercased, every character but letters,
+    digits, `_`, hyphens and spaces dropped, spaces made hyphens; a repeated heading gets -1, -2, ...
+
+    >>> sorted(heading_anchors("## 1.9 Called by `model.generate`: what it does\\n## A b\\n## A b\\n"))
+    ['19-called-by-modelgenerate-what-it-does', 'a-b', 'a-b-1']
+    """
+    anchors = set()
+    seen = {}
+    for line in _outside_code_blocks(text):
+        m = re.match(r" {0,3}#{1,6}\s+(.*?)\s*#*\s*$", line)
+        if not m:
+            continue
+        title = re.sub(r"!?\[([^\]]*)\]\([^)]*\)", r"\1", m.group(1))  # a link in a heading: its text
+        slug = re.sub(r"[^\w\- ]", "", title.lower()).replace(" ", "-")
+        n = seen.get(slug, 0)
+        seen[slug] = n + 1
+        anchors.add(slug if n == 0 else f"{slug}-{n}")
+    return anchors
+
+
+def relative_links(text: str) -> list[tuple[str, str]]:
+    """(text, target) of each markdown link `[text](target)` (an image's too) outside code, but web links."""
+    links = []
+    for line in _outside_code_blocks(text):
+        line = re.sub(r"`[^`]*`", "", line)  # an inline code span holds no link
+        for m in re.finditer(r"!?\[([^\]]*)\]\(([^)\s]+)\)", line):
+            if not re.match(r"[a-z][a-z0-9+.-]*:", m.group(2)):  # http:, https:, mailto: ...
+                links.append((m.group(1), m.group(2)))
+    return links
+
+
+def broken_links(document: str) -> list[str]:
+    """What is wrong with each relative link of one document (a path from the repository's root)."""
+    import os
+    from urllib.parse import unquote
+
+    root = _root()
+    wrong = []
+    for text, target in relative_links(_read(document)):
+        path, _, anchor = target.partition("#")
+        file = os.path.normpath(os.path.join(os.path.dirname(document), unquote(path))) if path else document
+        where = f"{document}: [{text}]({target})"
+        if file.startswith("..") or not os.path.exists(os.path.join(root, file)):
+            wrong.append(f"{where} points at {file}, which does not exist")
+        elif anchor and file.endswith(".md") and unquote(anchor) not in heading_anchors(_read(file)):
+            wrong.append(f"{where}: {file} has no heading whose anchor is #{anchor}")
+    return wrong
+
+
+def test_every_link_between_the_documents_resolves():
+    """Each relative link of README.md, serve/README.md, TUTORIAL.md and RESULTS.md names a file that exists,
+    and its #anchor, into a markdown file, a heading of that file."""
+    import os
+
+    documents = [d for d in DOCUMENTS if os.path.exists(os.path.join(_root(), d))]
+    assert "serve/README.md" in documents, "serve/README.md, the serving guide README.md links to, is missing"
+    wrong = [problem for document in documents for problem in broken_links(document)]
+    assert not wrong, "broken links:\n" + "\n".join(wrong)
+    assert any(target.partition("#")[0] == "serve/README.md" for _, target in relative_links(_read("README.md"))), \
+        "README.md links to serve/README.md"
+
+
+def test_the_readmes_python_blocks_parse():
+    """README.md's and serve/README.md's ```python blocks are Python a reader can paste."""
+    for document in ("README.md", "serve/README.md"):
+        blocks = re.findall(r"^```python\n(.*?)^```", _read(document), flags=re.M | re.S)
+        for i, block in enumerate(blocks):
+            try:
+                ast.parse(block)
+            except SyntaxError as e:
+                raise AssertionError(f"{document}: python block {i + 1} does not parse: {e}") from None
+
+
+def results_citations(text: str) -> set[str]:
+    """The paths under bench/results/ a text names (`{a,b}` expanded; a placeholder such as NAME or <name>
+    skipped), each without its trailing punctuation.
+
+    >>> sorted(results_citations("see bench/results/serve-offline-{tune,report}.md. And bench/results/NAME.jsonl"))
+    ['bench/results/serve-offline-report.md', 'bench/results/serve-offline-tune.md']
+    """
+    cited = set()
+    for m in re.finditer(r"bench/results/([\w.{},*/-]*)([<$]?)", text):
+        rest = m.group(1).rstrip(".,/")
+        if not rest or m.group(2) or any(re.fullmatch(r"[A-Z]{2,}", part.partition(".")[0])
+                                         for part in rest.split("/")):
+            continue
+        brace = re.search(r"\{([^{}]*)\}", rest)
+        names = [rest[:brace.start()] + alt + rest[brace.end():] for alt in brace.group(1).split(",")] \
+            if brace else [rest]
+        cited.update("bench/results/" + name for name in names)
+    return cited
+
+
+def _stem(path: str) -> str:
+    """A path without its extension: a benchmark's --out, whose rows (.jsonl), table (.md) and chart (.png)
+    share it."""
+    import os
+
+    return os.path.splitext(path)[0]
+
+
+def test_every_result_results_md_cites_exists():
+    """A path RESULTS.md names under bench/results/ is a committed file, a folder of them, a pattern that
+    matches some, or a benchmark's --out (its .jsonl, .md or .png committed)."""
+    import fnmatch
+
+    files = [f for f in _tracked() if f.startswith("bench/results/")]
+    missing = []
+    for path in sorted(results_citations(_read("RESULTS.md"))):
+        if "*" in path:
+            found = any(fnmatch.fnmatch(f, path) for f in files)
+        else:
+            found = any(f == path or f.startswith(path + "/") or _stem(f) == path for f in files)
+        if not found:
+            missing.append(path)
+    assert not missing, "RESULTS.md cites what bench/results/ does not hold: " + ", ".join(missing)
+
+
+def _names(path: str, text: str) -> bool:
+    """Whether a text names a file of bench/results/: its name (`kv-long-after.md`), or one of its folders
+    below bench/results/ (`second-read`), standing alone."""
+    import os
+
+    names = [os.path.basename(path), *os.path.dirname(path).split("/")[2:]]
+    return any(re.search(rf"(?<![\w-]){re.escape(name)}(?![\w-])", text) for name in names)
+
+
+def test_every_committed_result_is_cited_or_read():
+    """Each file in bench/results/ is cited by RESULTS.md (its path, its name, its folder, or a sibling of the
+    same run: the rows and chart behind a cited table) or named by a script or a test that reads it."""
+    import fnmatch
+
+    tracked = _tracked()
+    files = [f for f in tracked if f.startswith("bench/results/")]
+    results = _read("RESULTS.md")
+    cited = results_citations(results)
+    readers = "\n".join(_read(f) for f in tracked if f.startswith(READERS) and not f.startswith("bench/results/")
+                        and not f.endswith((".png", ".gz")))
+
+    patterns = set(re.findall(r"(?<![\w/-])([\w.-]*\*[\w.*-]*\.(?:md|jsonl|png|txt))", results))  # `kv-*.md`
+
+    def named(f: str) -> bool:
+        parts = f.split("/")
+        folders = {"/".join(parts[:i]) for i in range(3, len(parts))}  # bench/results/X/..., not bench/results
+        return _stem(f) in {_stem(c) for c in cited} or bool(folders & cited) or _names(f, results) or \
+            any(fnmatch.fnmatch(f, c) for c in cited) or any(fnmatch.fnmatch(parts[-1], p) for p in patterns)
+
+    def is_cited(f: str) -> bool:  # the file, or another of its run (the same path but the extension)
+        return any(named(g) for g in files if _stem(g) == _stem(f))
+
+    def is_read(f: str) -> bool:
+        return _names(f, readers) or re.search(rf"{re.escape(_stem(f))}(?![\w-])", readers) is not None
+
+    orphans = [f for f in files if not is_cited(f) and not is_read(f)]
+    assert not orphans, f"in bench/results/ but neither cited by RESULTS.md nor read by a script or test " \
+                        f"({len(orphans)}): " + ", ".join(orphans)

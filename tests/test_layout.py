@@ -1,8 +1,9 @@
 # SPDX-License-Identifier: MIT
-"""The layout a newcomer reads: README's layout section lists every tracked file (and marks the files that read
-tools/methods.py); every module has one name; imports only go down (the method files import verify.py alone,
-nothing below bench/ imports it, a path insertion happens only in a script's entry point); and a method added to
-tools/methods.py reaches every list made per method, or this file names where it is missing."""
+"""The layout a newcomer reads: README's layout section names every folder, every top-level .py file and every
+script, and nothing that is not there (and marks the files it names that read tools/methods.py); every module
+has one name; imports only go down (the method files import verify.py alone, nothing below bench/ imports it, a
+path insertion happens only in a script's entry point); and a method added to tools/methods.py reaches every
+list made per method, or this file names where it is missing."""
 
 import ast
 import importlib
@@ -46,22 +47,48 @@ def layout_entries() -> dict[str, str]:
     return entries
 
 
-def test_readme_layout_lists_every_tracked_file():
+def entry_points(files: list[str]) -> list[str]:
+    """The files a reader runs, outside tests/: a Python file with a `__main__` guard, or a shell script."""
+    points = []
+    for path in files:
+        if path.startswith("tests/") or not path.endswith((".py", ".sh")):
+            continue
+        if path.endswith(".sh"):
+            points.append(path)
+            continue
+        with open(os.path.join(ROOT, path), encoding="utf-8") as f:
+            tree = ast.parse(f.read())
+        if any(isinstance(node, ast.If) and is_main_guard(node.test) for node in tree.body):
+            points.append(path)
+    return points
+
+
+def test_readme_layout_names_every_folder_and_entry_point():
+    """One line per folder and entry point: every top-level folder, every top-level .py file and every script
+    is named, and every path named is a tracked file, or a folder or pattern that holds some."""
+    import fnmatch
+
     files = tracked()
     entries = layout_entries()
-    covered = set()
+    wrong = []
     for path in entries:
-        if path.endswith("/*"):  # every file in the folder
-            inside = [f for f in files if f.startswith(path[:-1])]
-            assert inside, f"README's layout names {path}, which holds no tracked file"
-            covered.update(inside)
-        elif path.endswith("/"):  # a folder's heading
-            assert os.path.isdir(os.path.join(ROOT, path)), f"README's layout names {path}, which is not a folder"
+        if "*" in path:
+            found = any(fnmatch.fnmatch(f, path) for f in files)
+        elif path.endswith("/"):
+            found = any(f.startswith(path) for f in files)
         else:
-            assert path in files, f"README's layout names {path}, which is not a tracked file"
-            covered.add(path)
-    missing = [f for f in files if f not in covered]
-    assert not missing, f"tracked but not in README's layout: {', '.join(missing)}"
+            found = path in files
+        if not found:
+            wrong.append(f"README's layout names {path}, which is not in the repository")
+    folders = sorted({f.split("/")[0] + "/" for f in files if "/" in f})
+    for folder in folders:
+        if not any(path == folder or path.startswith(folder) for path in entries):
+            wrong.append(f"README's layout does not name the folder {folder}")
+    for path in [f for f in files if "/" not in f and f.endswith(".py")] + entry_points(files):
+        if path not in entries:
+            wrong.append(f"README's layout does not name {path}" + ("" if "/" not in path else
+                                                                       " (a script: it has a __main__ guard)"))
+    assert not wrong, "\n".join(wrong)
 
 
 def reads_the_methods_table(path: str) -> bool:
@@ -80,9 +107,11 @@ def reads_the_methods_table(path: str) -> bool:
 
 
 def test_readme_layout_marks_the_files_that_read_the_methods_table():
-    files = [f for f in tracked() if f.endswith((".py", ".sh")) and f != "tools/methods.py"]
+    """Of the files the layout names, the ones that read tools/methods.py are marked, and only they."""
+    entries = layout_entries()
+    files = [f for f in tracked() if f in entries and f.endswith((".py", ".sh")) and f != "tools/methods.py"]
     readers = {f for f in files if reads_the_methods_table(f)}
-    marked = {path for path, text in layout_entries().items() if "(methods.py)" in text or "; methods.py)" in text}
+    marked = {path for path, text in entries.items() if "(methods.py)" in text or "; methods.py)" in text}
     assert readers == marked, f"read tools/methods.py but not marked: {sorted(readers - marked)}; marked but do " \
                               f"not: {sorted(marked - readers)}"
 
