@@ -95,9 +95,7 @@ class CardConfig:
     # paper: its "never wait" is 0 (the chain is whatever the cache holds); r matches the
     # communication ratio's intent, r draft layers per target step (TUTORIAL.md §4.5)
     wait: int | None = None
-    # the draft prepare() builds: int8, self or a model name (section 5); "best": int8 on a CPU,
-    # self on a GPU (section 5b)
-    draft: str = "self"
+    draft: str = "self"  # the draft prepare() builds: int8, self or a model name (section 5)
     draft_dtype: str = "bfloat16"  # the dtype of draft "self" or a named draft
 
     @classmethod
@@ -126,7 +124,7 @@ class CardConfig:
         """A one-node-wide cache (CARD's loop, not its width) whose query waits 3 layers (RESULTS.md,
         "CARD on a CPU"); the int8 draft; the mode and r chosen at set-up by their predicted speed on
         this machine (section 5b)."""
-        return cls(K=1, k=1, ratio=BEST, mode=BEST, wait=3, draft=BEST)
+        return cls(K=1, k=1, ratio=BEST, mode=BEST, wait=3, draft="int8")
 
     @classmethod
     def for_device(cls, device) -> "CardConfig":
@@ -991,8 +989,7 @@ def prepare(model, tok, cfg: CardConfig, name: str = verify.DEFAULT_MODEL,
     if draft is None:  # our choice by the cost model (section 5b)
         cfg = choose_configuration(model, tok, cfg, name)
     else:  # a draft of the caller's, not measured here: fixed defaults for what is BEST
-        cfg = dataclasses.replace(cfg, draft="given" if cfg.draft == BEST else cfg.draft,
-                                  ratio=5 if cfg.ratio == BEST else cfg.ratio)
+        cfg = dataclasses.replace(cfg, ratio=5 if cfg.ratio == BEST else cfg.ratio)
         if cfg.mode == BEST:
             cfg = dataclasses.replace(cfg, mode="parallel" if parallel_possible(model) else "lockstep")
     in_process = draft is None and cfg.mode == "parallel" and not cannot_spawn()
@@ -1017,70 +1014,43 @@ def prepare_without_waiting(model, tok, cfg: CardConfig, name: str = verify.DEFA
 # ---- 5b. Which configuration, on this machine: a cost model (ours) -----------------------------------------
 #
 # On a CPU the draft process takes half the cores, so CARD wins only where the draft steps faster on
-# half of them than the target does on all. The CPU default predicts each mode's and r's speed from
-# step times measured here once (kept on disk), runs the fastest, and says in one line where none beats
-# plain decoding: predicted_speedup per step, choose per call; TUTORIAL.md §4.6 derives the model.
+# half of them than the target does on all. The CPU default measures step times once per machine,
+# predicts each mode's and r's speed (TUTORIAL.md §4.6), runs the fastest, and says in one line where
+# none beats plain decoding.
 
 BEST_RATIOS = range(1, 9)  # the r the choice tries
 TYPICAL_TOKENS = 128  # the call the choice is made for: a typical prompt and answer, in tokens
-# the draft's guesses are counted on the target's greedy answers to one prompt per category of the
-# tuning half of the shipped prompts (question ids 1, 5, ..., 25), cut at CALIBRATION_TOKENS
-PASSAGE = ('The lighthouse on Karsk Point was built in 1871 after three ships were lost on the reef'
-           ' in a single winter. Its first keeper, Ingrid Holm, kept a logbook for thirty-two '
-           'years, recording the weather every four hours, the ships that passed, and the birds '
-           'that struck the lantern glass during the autumn migration. The original light burned '
-           'whale oil and was visible for fourteen nautical miles. In 1904 it was converted to '
-           'kerosene, which gave a brighter and steadier flame, and the range grew to nineteen '
-           'miles. Electricity reached the point only in 1952, when a cable was laid along the '
-           "causeway; the same year the keeper's cottage was enlarged to house a radio operator. "
-           'The light was automated in 1987 and the last keeper, Tomas Brekke, moved to the '
-           'mainland town of Solvik, where he opened a small museum with the logbooks, a brass fog '
-           "horn, and the lantern's first Fresnel lens. Today the tower is owned by the Karsk "
-           'Heritage Trust. Visitors can climb its 113 steps from May to September, but the tower '
-           'is closed on Mondays and whenever the wind exceeds 60 kilometres per hour. The trust '
-           'funds repairs from ticket sales and from an annual swim across the bay, held on the '
-           'first Saturday of August, in which about two hundred people take part.')
+# the draft's guesses are counted on the target's greedy answers, cut at CALIBRATION_TOKENS, to one
+# prompt per category of the shipped prompts' tuning half (but for two that quote a long passage)
 CALIBRATION = (
     "Write a short, friendly email to a neighbour inviting them to a garden barbecue on Saturday.",
     'Translate the following German sentence into English: "Der Zug nach Berlin hat heute wegen eines '
     'Sturms zwei Stunden Verspätung."',
-    "Summarize the following text in three sentences.\n\n" + PASSAGE,
     "What is the difference between weather and climate?",
     "A shop sells pencils at 3 for 45 cents. How much do 12 pencils cost? Explain step by step.",
-    "Answer the question using only the passage.\n\nPassage: " + PASSAGE + "\n\nQuestion: When can visitors "
-    "climb the Karsk Point lighthouse, and what did the last keeper do after it was automated?",
     "Write a Python function is_palindrome(s) that ignores case and spaces, with a docstring and two "
     "example calls.",
 )
 CALIBRATION_TOKENS = 48
 
 def predicted_speedup(costs: dict, mode: str, r: int, wait: int, mat: float, hit_rate: float,
-                      hit_len: float | None = None, max_lead: int | None = None) -> float:
-    """The model per step, with K = 1:
-
-        lockstep   t = r·t_draft + t_verify(r + 1)
-        parallel   a hit:  t = max(t_verify(q + 1) + d·t_draft, (q + 1)·t_draft)
-                   a miss: t = t_verify(q + 1) + w·t_draft
-        speedup = mat·t_target / t,   t averaged over hits and misses by the hit rate h
-
-    q: the chain a query answers with; w: the layers it waits for; d: the layers a hit still waits for,
-    the cache having stopped max_lead layers ahead (max_lead None: no bound, d = 0); hit_len: the
-    layers a hit consumes (default mat). costs = {"t_target", "t_verify", "t_draft"} in seconds."""
-    t_t = costs["t_target"]
+                      hit_len: float, max_lead: int) -> float:
+    """A step's speedup over plain decoding (TUTORIAL.md §4.6): mat tokens a step, hit_rate of the
+    steps hits, each consuming hit_len layers of a cache at most max_lead layers ahead. costs =
+    {"t_target", "t_verify", "t_draft"} in seconds."""
     t_v = costs["t_verify"]
     t_d = costs["t_draft"]
+    plain = mat * costs["t_target"]  # the time plain decoding takes for mat tokens
     if mode == "lockstep":
-        return mat * t_t / (r * t_d + t_v)
-    hit_layers = mat if hit_len is None else hit_len
-    d = 0.0 if max_lead is None else max(0.0, wait + hit_layers - max_lead)
-    hit = max(t_v + d * t_d, hit_layers * t_d)
+        return plain / (r * t_d + t_v)
+    d = max(0.0, wait + hit_len - max_lead)  # the layers a hit still waits for
+    hit = max(t_v + d * t_d, hit_len * t_d)
     miss = t_v + wait * t_d
-    return mat * t_t / (hit_rate * hit + (1 - hit_rate) * miss)
+    return plain / (hit_rate * hit + (1 - hit_rate) * miss)
 
 def walk_chains(agreement: Sequence[Sequence[int]], q_hit: int, q_miss: int) -> tuple[float, float]:
-    """(mat, h): CARD's K = 1 chains walked over each answer's guesses (1: the draft guessed that
-    token). A step verifies q_hit tokens after a hit, q_miss after a miss, accepts up to the first
-    wrong guess and emits the bonus token; a hit when the draft guessed the chain and the bonus."""
+    """(mat, hit rate): CARD's K = 1 steps walked over each answer (1: the draft guessed that token),
+    a chain of q_hit after a hit, q_miss after a miss; a hit: the chain and the bonus guessed."""
     steps = emitted = hits = 0
     for answer in agreement:
         pos = 1  # answer[0] came from the target's prefill
@@ -1100,25 +1070,14 @@ def walk_chains(agreement: Sequence[Sequence[int]], q_hit: int, q_miss: int) -> 
 
 @dataclass
 class DraftMeasure:
-    """A draft's K-node layer and prefill (seconds, all threads and its share); per answer, 0/1 a token."""
+    """A draft's K-node layer and prefill in seconds, on all threads and on its share; per
+    calibration answer, 0/1 a token: the draft guessed it or not."""
 
-    name: str
     on_all: float
     on_share: float
     agreement: list
     prefill_all: float = 0.0
     prefill_share: float = 0.0
-
-@dataclass
-class Prediction:
-    """A configuration, its predicted speedup, plain decoding's step and a draft layer (s)."""
-
-    draft: str
-    mode: str
-    ratio: int
-    speedup: float
-    t_target: float
-    t_draft: float
 
 def verify_time(table: dict[int, float], n: int) -> float:
     """t_verify(n) from the measured sizes, the last slope continued past them."""
@@ -1126,113 +1085,89 @@ def verify_time(table: dict[int, float], n: int) -> float:
     return table.get(n, table[top] + (table[top] - table[below]) / (top - below) * (n - top))
 
 def choose(cfg: CardConfig, t_target: float, t_verify: dict, draft: DraftMeasure,
-           can_split: bool) -> Prediction:
-    """The fastest predicted of cfg's mode and r (every candidate where BEST; "auto": §3.1's rule),
-    ties to the smaller r. t_verify = {"all": {n: s}, "share": {n: s}}: the target's forward over n
-    tokens on every thread and on what the parallel mode leaves it; can_split: a process can run."""
+           can_split: bool) -> tuple[float, CardConfig]:
+    """(speedup, cfg with the fastest predicted of its mode and r: every candidate where BEST), ties
+    to the smaller r. t_verify = {"all": {n: s}, "share": {n: s}}: the target's forward over n tokens
+    on every thread and on what a draft process leaves it; can_split: a draft process can run."""
     modes = ["parallel", "lockstep"] if can_split else ["lockstep"]
-    if cfg.mode != BEST:
-        modes = [cfg.mode]
-    ratios = BEST_RATIOS
-    if cfg.ratio == "auto":  # as measure_ratio takes it
-        ratios = [max(1, math.ceil(t_target / draft.on_all))]
-    elif cfg.ratio != BEST:
-        ratios = [int(cfg.ratio)]
+    modes = modes if cfg.mode == BEST else [cfg.mode]
+    ratios = BEST_RATIOS if cfg.ratio == BEST else [cfg.ratio]
     greedy = TYPICAL_TOKENS * t_target  # a typical call's time, plain
-    best = None
+    best = (0.0, cfg)
     for mode in modes:
-        split = mode == "parallel" and can_split
+        split = mode == "parallel" and can_split  # the draft in its process, on its share of the threads
         t_draft = draft.on_share if split else draft.on_all
         t_prefill = draft.prefill_share if split else draft.prefill_all
         times = t_verify["share" if split else "all"]
         for r in ratios:
             max_lead = 2 * r if cfg.max_lead is None else cfg.max_lead  # as the draft process
             wait = min(r if cfg.wait is None else cfg.wait, max_lead)
-            q = r  # lockstep: r layers from a restarted cache, every step
-            after_miss = r
+            q_hit = q_miss = r  # lockstep: r layers from a restarted cache, every step
             if mode == "parallel":  # a hit: what was drafted during the verification; a miss: w layers
-                q = min(r, max(wait, math.floor(verify_time(times, r + 1) / t_draft)))
-                after_miss = min(wait, r)
-            mat, hit_rate = walk_chains(draft.agreement, q, after_miss)
-            costs = {"t_target": t_target, "t_verify": verify_time(times, q + 1), "t_draft": t_draft}
-            per_step = predicted_speedup(costs, mode, r, wait, mat, hit_rate, q + 1, max_lead)
-            speed = greedy / (greedy / per_step + t_prefill)
-            if best is None or speed > best.speedup + 1e-9:
-                best = Prediction(draft.name, mode, r, speed, t_target, t_draft)
+                q_hit = min(r, max(wait, math.floor(verify_time(times, r + 1) / t_draft)))
+                q_miss = min(wait, r)
+            mat, hit_rate = walk_chains(draft.agreement, q_hit, q_miss)
+            costs = {"t_target": t_target, "t_verify": verify_time(times, q_hit + 1), "t_draft": t_draft}
+            per_step = predicted_speedup(costs, mode, r, wait, mat, hit_rate, q_hit + 1, max_lead)
+            speedup = greedy / (greedy / per_step + t_prefill)  # the draft prefills once a call
+            if speedup > best[0] + 1e-9:
+                best = (speedup, dataclasses.replace(cfg, mode=mode, ratio=r))
     return best
 
 class CardWillNotWin(UserWarning):
     """Nothing CARD can run here is predicted to beat plain decoding (python -W ignore silences it)."""
 
-SAID_WILL_NOT_WIN: list[str] = []
+SAID_WILL_NOT_WIN: list[str] = []  # the line, once said in this process
 
-def say_it_cannot_win(best: Prediction) -> None:
-    """The one line on stderr, once per process, unless the caller's warnings filters turn it off."""
-    if SAID_WILL_NOT_WIN:
-        return
-    line = (f"[card] on this machine CARD is predicted at {best.speedup:.2f}x plain decoding at best "
-            f"({best.draft} draft, {best.mode}, r = {best.ratio}): a draft step takes "
-            f"{1000 * best.t_draft:.1f} ms, a plain step of the target {1000 * best.t_target:.1f} ms; "
-            "another core, a smaller draft or a GPU would help; it runs the fastest of them anyway")
-    SAID_WILL_NOT_WIN.append(line)
-    with warnings.catch_warnings(record=True) as caught:  # the caller's filters decide; we print
-        warnings.warn(line, CardWillNotWin, stacklevel=2)
-    if caught:
-        print(line, file=sys.stderr)
-
-def choose_configuration(model, tok, cfg: CardConfig, name: str, measured: tuple | None = None,
-                         can_split: bool | None = None) -> CardConfig:
-    """cfg with its BEST fields chosen on this machine (the one line where none beats plain decoding),
-    or cfg itself, measuring nothing, where nothing is BEST. Tests inject measured and can_split."""
-    if BEST not in (cfg.draft, cfg.mode, cfg.ratio):
+def choose_configuration(model, tok, cfg: CardConfig, name: str) -> CardConfig:
+    """cfg with its BEST fields chosen on this machine, or cfg itself, measuring nothing, where nothing
+    is BEST."""
+    if BEST not in (cfg.mode, cfg.ratio):
         return cfg
-    if can_split is None:
-        can_split = cfg.mode != "lockstep" and parallel_possible(model)
-    best = choose(cfg, *(measured or measure_for_choice(model, tok, cfg, name)), can_split)
-    if best.speedup < 1.0:
-        say_it_cannot_win(best)
-    if cfg.ratio == "auto":
-        print(f"[card] --ratio auto: measured r = {best.ratio}", file=sys.stderr)
-    return dataclasses.replace(cfg, draft=best.draft, mode=best.mode, ratio=best.ratio)
+    can_split = cfg.mode != "lockstep" and parallel_possible(model)
+    t_target, t_verify, draft = measure_for_choice(model, tok, cfg, name)
+    if cfg.ratio == "auto":  # §3.1's rule, as measure_ratio takes it
+        cfg = dataclasses.replace(cfg, ratio=max(1, math.ceil(t_target / draft.on_all)))
+        print(f"[card] --ratio auto: measured r = {cfg.ratio}", file=sys.stderr)
+    speedup, chosen = choose(cfg, t_target, t_verify, draft, can_split)
+    t_draft = draft.on_share if chosen.mode == "parallel" and can_split else draft.on_all
+    line = (f"[card] on this machine CARD is predicted at {speedup:.2f}x plain decoding at best "
+            f"({chosen.draft} draft, {chosen.mode}, r = {chosen.ratio}): a draft step takes "
+            f"{1000 * t_draft:.1f} ms, a plain step of the target {1000 * t_target:.1f} ms; "
+            "another core, a smaller draft or a GPU would help; it runs the fastest of them anyway")
+    if speedup < 1.0 and not SAID_WILL_NOT_WIN:
+        SAID_WILL_NOT_WIN.append(line)
+        with warnings.catch_warnings(record=True) as caught:  # the caller's filters decide; we print
+            warnings.warn(line, CardWillNotWin, stacklevel=2)
+        if caught:
+            print(line, file=sys.stderr)
+    return chosen
 
 def measure_for_choice(model, tok, cfg: CardConfig, name: str) -> tuple:
-    """(t_target, t_verify, the draft's DraftMeasure), kept on disk. t_target is t_verify's one-token
-    forward (one sweep: a passing slowdown moves both). A BEST draft: int8 on a CPU, else self."""
+    """(t_target, t_verify, DraftMeasure of cfg.draft), kept on disk (verify.measured_costs). t_target
+    is t_verify's one-token forward: one sweep, so a passing slowdown moves both."""
     threads = torch.get_num_threads()
-    share = max(1, threads // 2)
-    left = max(1, threads - share)  # the target's threads beside the draft process
+    share = max(1, threads // 2)  # the draft process's threads (DraftProcess); the target keeps the rest
     sizes = [1] + [r + 1 for r in BEST_RATIOS]
     t_verify = {}
-    for side, n_threads in (("all", threads), ("share", left)):
-        measure = functools.partial(with_threads, n_threads, verify.measure_step_times, model, sizes)
-        t_verify[side] = verify.measured_costs(model, ("card: verify", sizes, n_threads), measure)
-    spec = cfg.draft
-    if spec == BEST:
-        spec = "int8" if model.device.type == "cpu" else "self"
-    what = ("card: a draft", spec, cfg.draft_dtype, cfg.K, share, CALIBRATION, CALIBRATION_TOKENS,
+    for side, side_threads in (("all", threads), ("share", max(1, threads - share))):
+        measure = functools.partial(verify.measure_step_times, model, sizes, threads=side_threads)
+        t_verify[side] = verify.measured_costs(model, ("card: verify", sizes, side_threads), measure)
+    what = ("card: a draft", cfg.draft, cfg.draft_dtype, cfg.K, share, CALIBRATION, CALIBRATION_TOKENS,
             TYPICAL_TOKENS)
-    measure = functools.partial(measure_draft, model, tok, dataclasses.replace(cfg, draft=spec), name, share)
-    draft = DraftMeasure(spec, *verify.measured_costs(model, what, measure))
+    measure = functools.partial(measure_draft, model, tok, cfg, name, share)
+    draft = DraftMeasure(*verify.measured_costs(model, what, measure))
     return t_verify["all"][1], t_verify, draft
-
-def with_threads(threads: int, function, *args):
-    """function(*args) with torch on `threads` threads."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        return function(*args)
-    finally:
-        torch.set_num_threads(before)
 
 @torch.no_grad()
 def measure_draft(model, tok, cfg: CardConfig, name: str, share: int) -> list:
-    """DraftMeasure's fields for cfg.draft (a forward of a prompt's length stands for its prefill); the
+    """DraftMeasure's fields (a forward of a typical prompt's length stands for the prefill); the
     agreement: the draft stepped through each calibration prompt and the target's answer to it."""
-    tok = tok or verify.tokenizer_of(model, instead="card_config (a CardConfig with draft, mode and ratio)")
+    tok = tok or verify.tokenizer_of(model, instead="card_config (a CardConfig with its mode and ratio)")
     draft = load_draft(model, tok, cfg, name)
     sizes = [cfg.K, TYPICAL_TOKENS]
     on_all = verify.measure_step_times(draft, sizes, repeats=3)
-    on_share = with_threads(share, verify.measure_step_times, draft, sizes, 256, 3)
+    on_share = verify.measure_step_times(draft, sizes, repeats=3, threads=share)
     eos = verify.eos_ids_of(model, tok)
     agreement = []
     for prompt in CALIBRATION:
@@ -1300,8 +1235,7 @@ def make_parser():
     add("--target", dest="model", default=argparse.SUPPRESS, help="the target model (same as --model)")
     add("--draft",
         help="the draft: int8 (the target's linear layers in int8; CPU), self (the target's "
-        "weights in --draft-dtype), a model name/path with the same tokenizer, or best (int8 on a "
-        "CPU, self on a GPU)" + default("draft"))
+        "weights in --draft-dtype) or a model name/path with the same tokenizer" + default("draft"))
     add("--draft-dtype", choices=["auto", "float32", "bfloat16", "float16"],
         help="the dtype of --draft self or a named draft (default: bfloat16)")
     add("--K", type=int, help="K, the primary cache size: candidates kept per layer (Eq. 7)" + default("K"))

@@ -284,8 +284,7 @@ def model_forward(model, cache, **inputs):
 
 @torch.no_grad()
 def prefill(model, cache, prompt_ids: Sequence[int]) -> torch.Tensor:
-    """Run the prompt through the model, filling the cache. Returns the last position's logits
-    [V]."""
+    """Run the prompt through the model, filling the cache. Returns the last position's logits [V]."""
     ids = torch.tensor([list(prompt_ids)], device=model.device)  # [1, P]
     out = model_forward(model, cache, input_ids=ids, **last_logits_only(model))
     check_filled(cache, len(prompt_ids))
@@ -722,23 +721,28 @@ def sync(model) -> None:
         torch.cuda.synchronize()
 
 @torch.no_grad()
-def measure_step_times(model, sizes: Sequence[int], context: int = 256,
-                       repeats: int = 5) -> dict[int, float]:
-    """{n: seconds} for one verification forward over n new tokens after `context` cached tokens:
-    the fastest of `repeats` after a warm-up (the minimum is the least noisy estimate)."""
+def measure_step_times(model, sizes: Sequence[int], context: int = 256, repeats: int = 5,
+                       threads: int | None = None) -> dict[int, float]:
+    """{n: seconds} for one verification forward over n new tokens after `context` cached tokens on
+    `threads` CPU threads (None: as set), the fastest of `repeats` after a warm-up (the least noisy)."""
     prompt_ids = [i % model.config.vocab_size for i in range(1000, 1000 + context)]
     cache = new_cache(model)
     times = {}
-    prefill(model, cache, prompt_ids)
-    for n in sorted(set(sizes)):
-        ts = []
-        for _ in range(repeats + 1):
-            t0 = time.perf_counter()
-            tree_forward(model, cache, Tree.chain(prompt_ids[-1], [prompt_ids[-1]] * (n - 1)))
-            sync(model)
-            ts.append(time.perf_counter() - t0)
-            rollback(cache, context)
-        times[n] = min(ts[1:])
+    threads_before = torch.get_num_threads()
+    torch.set_num_threads(threads or threads_before)
+    try:
+        prefill(model, cache, prompt_ids)
+        for n in sorted(set(sizes)):
+            ts = []
+            for _ in range(repeats + 1):
+                t0 = time.perf_counter()
+                tree_forward(model, cache, Tree.chain(prompt_ids[-1], [prompt_ids[-1]] * (n - 1)))
+                sync(model)
+                ts.append(time.perf_counter() - t0)
+                rollback(cache, context)
+            times[n] = min(ts[1:])
+    finally:
+        torch.set_num_threads(threads_before)
     return times
 
 def measure_cost_curve(model, sizes: Sequence[int], context: int = 256,
@@ -763,8 +767,7 @@ def measure_cost_curve(model, sizes: Sequence[int], context: int = 256,
 # measure everything again (a measurement taken while the machine was busy stays until then).
 
 def costs_path() -> str:
-    """$SPECDEC_COSTS (the test suite keeps its own file), else cache_root()'s
-    measured-costs.json."""
+    """$SPECDEC_COSTS (the test suite keeps its own file), else cache_root()'s measured-costs.json."""
     return os.environ.get("SPECDEC_COSTS") or os.path.join(cache_root(), "measured-costs.json")
 
 def machine_key(model) -> dict:
@@ -791,8 +794,7 @@ def machine_key(model) -> dict:
             "int8_engine": torch.backends.quantized.engine, "python": platform.python_version()}
 
 def cpu_name() -> str:
-    """The CPU's model name and its vector instruction sets (two 'AMD EPYC' can differ in
-    AVX-512)."""
+    """The CPU's model name and its vector instruction sets (two 'AMD EPYC' can differ in AVX-512)."""
     import platform
 
     name = platform.processor() or platform.machine()

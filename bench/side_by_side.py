@@ -218,7 +218,7 @@ def make_runner(spec: str, model, tok, args, sampled: bool = False):
             setup = None
             if cfg.draft in ("int8", "self"):  # what the set-up predicted for the configuration (kept on disk)
                 measured = module.measure_for_choice(model, tok, asked, args.model)
-                setup = module.choose(cfg, *measured, can_split=cfg.mode == "parallel").speedup
+                setup = module.choose(cfg, *measured, can_split=cfg.mode == "parallel")[0]
             return lambda *a: _gen(card_predict(module, run(*a), costs, cfg, setup))
         return lambda *a: _gen(run(*a))
     raise verify.UserError(f"--methods: unknown method {name!r} (known: {', '.join(HF_METHODS + list(PROJECT_METHODS))})")
@@ -272,14 +272,9 @@ def card_costs(model, draft, cfg) -> dict:
     split = cfg.mode == "parallel" and draft.device.type == "cpu"
     half = max(1, main_threads // 2)  # the draft process's share (card.DraftProcess), the target the rest
     draft_threads, target_threads = (half, max(1, main_threads - half)) if split else (main_threads, main_threads)
-    try:
-        t_target = verify.measure_step_times(model, [1], repeats=3)[1]
-        torch.set_num_threads(target_threads)
-        t_verify = verify.measure_step_times(model, [cfg.ratio + 1], repeats=3)[cfg.ratio + 1]
-        torch.set_num_threads(draft_threads)
-        t_draft = verify.measure_step_times(draft, [cfg.K], repeats=3)[cfg.K]
-    finally:
-        torch.set_num_threads(main_threads)
+    t_target = verify.measure_step_times(model, [1], repeats=3)[1]
+    t_verify = verify.measure_step_times(model, [cfg.ratio + 1], repeats=3, threads=target_threads)[cfg.ratio + 1]
+    t_draft = verify.measure_step_times(draft, [cfg.K], repeats=3, threads=draft_threads)[cfg.K]
     return {"t_target": t_target, "t_verify": t_verify, "t_draft": t_draft}
 
 
@@ -293,7 +288,7 @@ def card_predict(card, gen, costs: dict, cfg, setup: float | None = None):
         wait = min(cfg.ratio if cfg.wait is None else cfg.wait, max_lead)  # as card.choose and the process
         gen.extra["predicted_speedup"] = card.predicted_speedup(
             costs, cfg.mode, cfg.ratio, wait, len(gen.tokens) / gen.target_forwards, gen.extra["hit_rate"],
-            hit_len=gen.extra["hit_tokens"] / hits if hits else None, max_lead=max_lead)
+            hit_len=gen.extra["hit_tokens"] / hits if hits else 0.0, max_lead=max_lead)
     return gen
 
 

@@ -406,15 +406,18 @@ def test_ratio_auto_is_the_ceiling_of_the_step_time_ratio(monkeypatch):
 
 def test_cost_model_by_hand():
     costs = dict(t_target=0.040, t_verify=0.060, t_draft=0.012)
+    # a hit consumes the 3.6 layers it emits, of a cache at most 8 layers ahead (no wait after a hit, d = 0)
+    steps = dict(hit_len=3.6, max_lead=8)
     # lockstep: 4 draft layers then a 5-row verification: 4 * 12 + 60 = 108 ms for 3.6 tokens; greedy: 3.6 * 40
-    assert card.predicted_speedup(costs, "lockstep", 4, 4, mat=3.6, hit_rate=0.5) == pytest.approx(144 / 108)
+    assert card.predicted_speedup(costs, "lockstep", 4, 4, mat=3.6, hit_rate=0.5, **steps) == pytest.approx(144 / 108)
     # parallel, half hits: a hit costs max(60, 3.6 * 12) = 60 ms; a miss 60 + 4 * 12 = 108 ms -> mean 84 ms
-    assert card.predicted_speedup(costs, "parallel", 4, 4, mat=3.6, hit_rate=0.5) == pytest.approx(144 / 84)
+    assert card.predicted_speedup(costs, "parallel", 4, 4, mat=3.6, hit_rate=0.5, **steps) == pytest.approx(144 / 84)
     # a draft too slow to keep up: a hit then costs the draft's 3.6 layers, not the verification
     slow = dict(costs, t_draft=0.030)
-    assert card.predicted_speedup(slow, "parallel", 4, 0, mat=3.6, hit_rate=1.0) == pytest.approx(144 / 108)
-    # ... and the layers a hit step consumes, if given: 5 layers to replace -> 150 ms
-    assert card.predicted_speedup(slow, "parallel", 4, 0, mat=3.6, hit_rate=1.0, hit_len=5) == pytest.approx(144 / 150)
+    assert card.predicted_speedup(slow, "parallel", 4, 0, mat=3.6, hit_rate=1.0, **steps) == pytest.approx(144 / 108)
+    # ... and the layers a hit step consumes: 5 layers to replace -> 150 ms
+    assert card.predicted_speedup(slow, "parallel", 4, 0, mat=3.6, hit_rate=1.0, hit_len=5,
+                                  max_lead=8) == pytest.approx(144 / 150)
     # d: a fast draft stops max_lead = 6 layers ahead; a hit takes 5 of them and the query waits for 4,
     # so 3 more layers are drafted after each hit: max(60 + 3 * 12, 5 * 12) = 96 ms
     assert card.predicted_speedup(costs, "parallel", 4, 4, mat=3.6, hit_rate=1.0, hit_len=5,
@@ -440,9 +443,16 @@ def injected(draft_ms: float, pattern=RIGHT_3_OF_4, target_ms: float = 45.0) -> 
     whose layer takes draft_ms on one thread, 15% less on two."""
     t_verify = {"all": {n: (target_ms + 3.6 * (n - 1)) / 1000 for n in range(1, 10)},
                 "share": {n: (target_ms + 7.5 * (n - 1)) / 1000 for n in range(1, 10)}}
-    draft = card.DraftMeasure("int8", on_all=draft_ms * 0.85 / 1000, on_share=draft_ms / 1000,
-                              agreement=guesses(pattern))
+    draft = card.DraftMeasure(on_all=draft_ms * 0.85 / 1000, on_share=draft_ms / 1000, agreement=guesses(pattern))
     return target_ms / 1000, t_verify, draft
+
+
+def chosen_on(monkeypatch, cfg, measured: tuple, can_split: bool):
+    """choose_configuration on a made-up machine: what measure_for_choice would return, and whether a draft
+    process can run there."""
+    monkeypatch.setattr(card, "measure_for_choice", lambda *args: measured)
+    monkeypatch.setattr(card, "parallel_possible", lambda model: can_split)
+    return card.choose_configuration(None, None, cfg, "m")
 
 
 @pytest.fixture
@@ -459,15 +469,23 @@ def test_the_choice_by_hand_lockstep():
     tokens (while the answer lasts) against plain steps of 50 ms. r = 8: 9 tokens for 80 + 130 ms, 2.14x; a
     smaller r pays the 50 ms fixed part of a verification more often (r = 1: 100 / 70 ms, 1.43x)."""
     cfg = dataclasses.replace(card.CardConfig.cpu(), mode="lockstep")
-    draft = card.DraftMeasure("int8", on_all=0.010, on_share=0.010, agreement=ALL_RIGHT)
-    best = card.choose(cfg, 0.050, LINEAR, draft, can_split=False)
+    draft = card.DraftMeasure(on_all=0.010, on_share=0.010, agreement=ALL_RIGHT)
+    speedup, best = card.choose(cfg, 0.050, LINEAR, draft, can_split=False)
     assert (best.draft, best.mode, best.ratio) == ("int8", "lockstep", 8)
-    assert best.speedup == pytest.approx(9 * 0.050 / (8 * 0.010 + 0.130))
-    one = card.choose(dataclasses.replace(cfg, ratio=1), 0.050, LINEAR, draft, can_split=False)
-    assert one.speedup == pytest.approx(2 * 0.050 / (0.010 + 0.060))
-    # §3.1's rule: r = ceil(t_target / t_draft) = ceil(50 / 10) = 5, 6 tokens for 50 + 100 ms
-    auto = card.choose(dataclasses.replace(cfg, ratio="auto"), 0.050, LINEAR, draft, can_split=False)
-    assert auto.ratio == 5 and auto.speedup == pytest.approx(6 * 0.050 / (5 * 0.010 + 0.100))
+    assert speedup == pytest.approx(9 * 0.050 / (8 * 0.010 + 0.130))
+    one, _ = card.choose(dataclasses.replace(cfg, ratio=1), 0.050, LINEAR, draft, can_split=False)
+    assert one == pytest.approx(2 * 0.050 / (0.010 + 0.060))
+
+
+def test_ratio_auto_with_the_mode_best_takes_the_papers_rule(fresh_warning_state, capsys, monkeypatch):
+    """§3.1's rule: r = ceil(t_target / t_draft) = ceil(50 / 10) = 5, said on stderr; only the mode is chosen."""
+    cfg = dataclasses.replace(card.CardConfig.cpu(), ratio="auto")
+    draft = card.DraftMeasure(on_all=0.010, on_share=0.010, agreement=ALL_RIGHT)
+    chosen = chosen_on(monkeypatch, cfg, (0.050, LINEAR, draft), can_split=False)
+    assert (chosen.mode, chosen.ratio) == ("lockstep", 5)
+    assert capsys.readouterr().err == "[card] --ratio auto: measured r = 5\n"
+    # lockstep with r = 5, every guess right: 6 tokens for 5 draft layers and a 6-token verification
+    assert card.choose(chosen, 0.050, LINEAR, draft, can_split=False)[0] == pytest.approx(6 * 0.050 / (5 * 0.010 + 0.100))
 
 
 def test_the_draft_prefill_is_charged_once_a_call():
@@ -475,10 +493,10 @@ def test_the_draft_prefill_is_charged_once_a_call():
     (6.4 s). Lockstep with r = 8 (the test above) runs 2.14x a step, a call 6.4 / 2.14 = 2.99 s; with the
     prefill 3.49 s, 1.84x. The same for every r, so the choice stays r = 8."""
     cfg = dataclasses.replace(card.CardConfig.cpu(), mode="lockstep")
-    draft = card.DraftMeasure("int8", on_all=0.010, on_share=0.010, agreement=ALL_RIGHT, prefill_all=0.5)
-    best = card.choose(cfg, 0.050, LINEAR, draft, can_split=False)
+    draft = card.DraftMeasure(on_all=0.010, on_share=0.010, agreement=ALL_RIGHT, prefill_all=0.5)
+    speedup, best = card.choose(cfg, 0.050, LINEAR, draft, can_split=False)
     assert best.ratio == 8
-    assert best.speedup == pytest.approx(6.4 / (6.4 / (9 * 0.050 / (8 * 0.010 + 0.130)) + 0.5))
+    assert speedup == pytest.approx(6.4 / (6.4 / (9 * 0.050 / (8 * 0.010 + 0.130)) + 0.5))
 
 
 def test_the_choice_by_hand_parallel():
@@ -490,47 +508,44 @@ def test_the_choice_by_hand_parallel():
     cfg = card.CardConfig(K=1, k=1, draft="int8", mode="parallel", ratio=3, wait=3)
     t_target, t_verify, draft = injected(15.9, [1])
     draft.agreement = [[1] * 17] * 3
-    best = card.choose(cfg, t_target, t_verify, draft, can_split=True)
-    assert best.speedup == pytest.approx(4 * 45 / 83.4)
-    assert best.t_draft == pytest.approx(0.0159)  # the draft's share of the threads, not all of them
+    speedup, best = card.choose(cfg, t_target, t_verify, draft, can_split=True)
+    assert speedup == pytest.approx(4 * 45 / 83.4)
 
 
-def test_a_slow_draft_gives_the_one_line_once(fresh_warning_state, capsys):
+def test_a_slow_draft_gives_the_one_line_once(fresh_warning_state, capsys, monkeypatch):
     """A draft step of 115 ms on one core (97.75 on two) beside a target step of 45 ms on two: nothing CARD can
     run here beats plain decoding. The least slow is lockstep with r = 1: with 3 of 4 guesses right, a chain
     of one token is accepted 3 times in 4 and a step emits 1.875 tokens (walk_chains), for one draft layer and
     a 2-token verification, 97.75 + 48.6 ms: 1.875·45 / 146.35 = 0.58x. One line on stderr, naming the
     prediction, both step times and what would help, once a process; CARD still runs, as predicted fastest."""
-    cfg = card.choose_configuration(None, None, card.CardConfig.cpu(), "m", measured=injected(115.0), can_split=True)
+    cfg = chosen_on(monkeypatch, card.CardConfig.cpu(), injected(115.0), can_split=True)
     err = capsys.readouterr().err
     assert err.count("\n") == 1
     assert err.startswith("[card] on this machine CARD is predicted at 0.58x plain decoding at best (int8 draft, "
                           "lockstep, r = 1): a draft step takes 97.8 ms, a plain step of the target 45.0 ms; "
                           "another core, a smaller draft or a GPU would help")
     assert (cfg.draft, cfg.mode, cfg.ratio) == ("int8", "lockstep", 1)
-    card.choose_configuration(None, None, card.CardConfig.cpu(), "m", measured=injected(115.0), can_split=True)
+    chosen_on(monkeypatch, card.CardConfig.cpu(), injected(115.0), can_split=True)
     assert capsys.readouterr().err == ""  # once a process
 
 
-def test_the_one_line_obeys_the_warnings_filters(fresh_warning_state, capsys):
+def test_the_one_line_obeys_the_warnings_filters(fresh_warning_state, capsys, monkeypatch):
     import warnings
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # as python -W ignore does
-        card.choose_configuration(None, None, card.CardConfig.cpu(), "m", measured=injected(115.0), can_split=True)
+        chosen_on(monkeypatch, card.CardConfig.cpu(), injected(115.0), can_split=True)
     assert capsys.readouterr().err == ""
 
 
-def test_a_fast_draft_chooses_parallel_and_says_nothing(fresh_warning_state, capsys):
+def test_a_fast_draft_chooses_parallel_and_says_nothing(fresh_warning_state, capsys, monkeypatch):
     """A draft that agrees often and whose three layers take about one verification: drafting while the target
     verifies hides them, and the parallel mode is predicted fastest."""
-    cfg = card.choose_configuration(None, None, card.CardConfig.cpu(), "m", measured=injected(15.9, RIGHT_15_OF_16),
-                                    can_split=True)
+    cfg = chosen_on(monkeypatch, card.CardConfig.cpu(), injected(15.9, RIGHT_15_OF_16), can_split=True)
     assert (cfg.draft, cfg.mode) == ("int8", "parallel")
     assert capsys.readouterr().err == ""
     # where no draft process can run beside the target (one core, an unguarded script): lockstep
-    single = card.choose_configuration(None, None, card.CardConfig.cpu(), "m",
-                                       measured=injected(11.0, RIGHT_7_OF_8), can_split=False)
+    single = chosen_on(monkeypatch, card.CardConfig.cpu(), injected(11.0, RIGHT_7_OF_8), can_split=False)
     assert single.mode == "lockstep"
 
 
@@ -542,14 +557,13 @@ def test_an_explicit_configuration_is_left_alone(fresh_warning_state, capsys, cf
     assert capsys.readouterr().err == ""
 
 
-def test_explicit_fields_are_kept_and_only_best_ones_chosen(fresh_warning_state):
+def test_explicit_fields_are_kept_and_only_best_ones_chosen(fresh_warning_state, monkeypatch):
     cfg = dataclasses.replace(card.CardConfig.cpu(), mode="lockstep")  # --mode lockstep, the rest best
-    chosen = card.choose_configuration(None, None, cfg, "m", measured=injected(11.0, RIGHT_7_OF_8), can_split=True)
+    chosen = chosen_on(monkeypatch, cfg, injected(11.0, RIGHT_7_OF_8), can_split=True)
     # a wrong guess every 8th token: chains of 7 (the longest that one wrong guess ends) emit the most a step
     assert (chosen.mode, chosen.draft, chosen.ratio) == ("lockstep", "int8", 7)
     fixed_r = dataclasses.replace(card.CardConfig.cpu(), ratio=12)  # beyond the measured sizes: extrapolated
-    assert card.choose_configuration(None, None, fixed_r, "m", measured=injected(11.0, RIGHT_7_OF_8),
-                                     can_split=True).ratio == 12
+    assert chosen_on(monkeypatch, fixed_r, injected(11.0, RIGHT_7_OF_8), can_split=True).ratio == 12
 
 
 def test_walked_chains_by_hand():
@@ -595,7 +609,7 @@ def test_the_choice_is_measured_on_the_real_model_once_per_machine(real, monkeyp
     cfg = dataclasses.replace(card.CardConfig.cpu(), draft="int8")
     t_target, t_verify, draft = card.measure_for_choice(model, tok, cfg, verify.DEFAULT_MODEL)
     assert t_target == t_verify["all"][1] and all(t > 0 for side in t_verify.values() for t in side.values())
-    assert draft.name == "int8" and draft.on_all > 0 and draft.on_share > 0
+    assert draft.on_all > 0 and draft.on_share > 0
 
     def share(d):
         assert len(d.agreement) == len(card.CALIBRATION)
