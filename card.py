@@ -1015,13 +1015,11 @@ def prepare_without_waiting(model, tok, cfg: CardConfig, name: str = verify.DEFA
 #
 # On a CPU the draft process takes half the cores, so CARD wins only where the draft steps faster on
 # half of them than the target does on all. The CPU default measures step times once per machine,
-# predicts each mode's and r's speed (TUTORIAL.md §4.6), runs the fastest, and says in one line where
-# none beats plain decoding.
+# runs the mode and r predicted fastest (TUTORIAL.md §4.6), saying where none beats plain decoding.
 
 BEST_RATIOS = range(1, 9)  # the r the choice tries
 TYPICAL_TOKENS = 128  # the call the choice is made for: a typical prompt and answer, in tokens
-# the draft's guesses are counted on the target's greedy answers, cut at CALIBRATION_TOKENS, to one
-# prompt per category of the shipped prompts' tuning half (but for two that quote a long passage)
+# one prompt per category of the shipped prompts' tuning half, but for the two that quote a passage
 CALIBRATION = (
     "Write a short, friendly email to a neighbour inviting them to a garden barbecue on Saturday.",
     'Translate the following German sentence into English: "Der Zug nach Berlin hat heute wegen eines '
@@ -1031,13 +1029,12 @@ CALIBRATION = (
     "Write a Python function is_palindrome(s) that ignores case and spaces, with a docstring and two "
     "example calls.",
 )
-CALIBRATION_TOKENS = 48
+CALIBRATION_TOKENS = 48  # the draft's guesses are counted on the target's greedy answers, cut here
 
 def predicted_speedup(costs: dict, mode: str, r: int, wait: int, mat: float, hit_rate: float,
                       hit_len: float, max_lead: int) -> float:
     """A step's speedup over plain decoding (TUTORIAL.md §4.6): mat tokens a step, hit_rate of the
-    steps hits, each consuming hit_len layers of a cache at most max_lead layers ahead. costs =
-    {"t_target", "t_verify", "t_draft"} in seconds."""
+    steps hits, each consuming hit_len layers of a cache at most max_lead ahead; costs in seconds."""
     t_v = costs["t_verify"]
     t_d = costs["t_draft"]
     plain = mat * costs["t_target"]  # the time plain decoding takes for mat tokens
@@ -1056,9 +1053,8 @@ def walk_chains(agreement: Sequence[Sequence[int]], q_hit: int, q_miss: int) -> 
         pos = 1  # answer[0] came from the target's prefill
         q = q_miss
         while pos < len(answer):
-            accepted = 0
-            while accepted < q and pos + accepted < len(answer) and answer[pos + accepted]:
-                accepted += 1
+            chain = answer[pos:pos + q]  # the draft's guesses this step verifies
+            accepted = chain.index(0) if 0 in chain else len(chain)  # up to its first wrong guess
             bonus = pos + accepted  # the token the target emits itself
             hit = accepted == q and bonus < len(answer) and answer[bonus] == 1
             steps += 1
@@ -1070,14 +1066,11 @@ def walk_chains(agreement: Sequence[Sequence[int]], q_hit: int, q_miss: int) -> 
 
 @dataclass
 class DraftMeasure:
-    """A draft's K-node layer and prefill in seconds, on all threads and on its share; per
-    calibration answer, 0/1 a token: the draft guessed it or not."""
-
-    on_all: float
-    on_share: float
-    agreement: list
-    prefill_all: float = 0.0
-    prefill_share: float = 0.0
+    on_all: float  # seconds a K-node draft layer takes on all threads
+    on_share: float  # the same on the draft process's share of them
+    agreement: list  # per calibration answer, per token: 1 where the draft guessed it, else 0
+    prefill_all: float = 0.0  # seconds the draft's prefill of a typical prompt takes on all threads
+    prefill_share: float = 0.0  # the same on its share
 
 def verify_time(table: dict[int, float], n: int) -> float:
     """t_verify(n) from the measured sizes, the last slope continued past them."""
@@ -1120,8 +1113,7 @@ class CardWillNotWin(UserWarning):
 SAID_WILL_NOT_WIN: list[str] = []  # the line, once said in this process
 
 def choose_configuration(model, tok, cfg: CardConfig, name: str) -> CardConfig:
-    """cfg with its BEST fields chosen on this machine, or cfg itself, measuring nothing, where nothing
-    is BEST."""
+    """cfg with its BEST fields chosen here (cfg itself, measuring nothing, where none is BEST)."""
     if BEST not in (cfg.mode, cfg.ratio):
         return cfg
     can_split = cfg.mode != "lockstep" and parallel_possible(model)
@@ -1156,13 +1148,10 @@ def measure_for_choice(model, tok, cfg: CardConfig, name: str) -> tuple:
     what = ("card: a draft", cfg.draft, cfg.draft_dtype, cfg.K, share, CALIBRATION, CALIBRATION_TOKENS,
             TYPICAL_TOKENS)
     measure = functools.partial(measure_draft, model, tok, cfg, name, share)
-    draft = DraftMeasure(*verify.measured_costs(model, what, measure))
-    return t_verify["all"][1], t_verify, draft
+    return t_verify["all"][1], t_verify, DraftMeasure(*verify.measured_costs(model, what, measure))
 
-@torch.no_grad()
 def measure_draft(model, tok, cfg: CardConfig, name: str, share: int) -> list:
-    """DraftMeasure's fields (a forward of a typical prompt's length stands for the prefill); the
-    agreement: the draft stepped through each calibration prompt and the target's answer to it."""
+    """DraftMeasure's fields in order (a forward over TYPICAL_TOKENS stands for the prefill)."""
     tok = tok or verify.tokenizer_of(model, instead="card_config (a CardConfig with its mode and ratio)")
     draft = load_draft(model, tok, cfg, name)
     sizes = [cfg.K, TYPICAL_TOKENS]
@@ -1174,12 +1163,11 @@ def measure_draft(model, tok, cfg: CardConfig, name: str, share: int) -> list:
         prompt_ids = verify.encode_prompt(tok, prompt)
         answer = verify.hf_generate(model, prompt_ids, CALIBRATION_TOKENS, eos)
         cache = verify.new_cache(draft, len(prompt_ids) + len(answer) + 1)
-        guess = int(verify.prefill(draft, cache, prompt_ids)[-1].argmax())  # for answer[0]
-        right = []
-        for token in answer:
-            right.append(int(guess == token))
-            guess = int(verify.tree_forward(draft, cache, Tree.chain(token, []))[-1].argmax())
-        agreement.append(right)
+        guesses = [int(verify.prefill(draft, cache, prompt_ids)[-1].argmax())]  # for answer[0]
+        for token in answer[:-1]:  # fed answer[i], the draft guesses answer[i + 1]
+            logits = verify.tree_forward(draft, cache, Tree.chain(token, []))
+            guesses.append(int(logits[-1].argmax()))
+        agreement.append([int(guess == token) for guess, token in zip(guesses, answer)])
     return [on_all[cfg.K], on_share[cfg.K], agreement, on_all[TYPICAL_TOKENS], on_share[TYPICAL_TOKENS]]
 
 # ---- 6. From model.generate: the drop-in (verify.py section 13 reads the call) -----------------------------
