@@ -1013,9 +1013,9 @@ def prepare_without_waiting(model, tok, cfg: CardConfig, name: str = verify.DEFA
 
 # ---- 5b. Which configuration, on this machine: a cost model (ours) -----------------------------------------
 #
-# On a CPU the draft process takes half the cores, so CARD wins only where the draft steps faster on
-# half of them than the target does on all. The CPU default measures step times once per machine,
-# runs the mode and r predicted fastest (TUTORIAL.md §4.6), saying where none beats plain decoding.
+# On a CPU the draft process takes half the cores: CARD wins only where the draft steps faster on half of
+# them than the target on all. So the CPU default runs the mode and r predicted fastest from step times
+# measured once per machine (TUTORIAL.md §4.6), and says so where none beats plain decoding.
 
 BEST_RATIOS = range(1, 9)  # the r the choice tries
 TYPICAL_TOKENS = 128  # the call the choice is made for: a typical prompt and answer, in tokens
@@ -1035,8 +1035,7 @@ def predicted_speedup(costs: dict, mode: str, r: int, wait: int, mat: float, hit
                       hit_len: float, max_lead: int) -> float:
     """A step's speedup over plain decoding (TUTORIAL.md §4.6): mat tokens a step, hit_rate of the
     steps hits, each consuming hit_len layers of a cache at most max_lead ahead; costs in seconds."""
-    t_v = costs["t_verify"]
-    t_d = costs["t_draft"]
+    t_v, t_d = costs["t_verify"], costs["t_draft"]
     plain = mat * costs["t_target"]  # the time plain decoding takes for mat tokens
     if mode == "lockstep":
         return plain / (r * t_d + t_v)
@@ -1122,12 +1121,12 @@ def choose_configuration(model, tok, cfg: CardConfig, name: str) -> CardConfig:
         cfg = dataclasses.replace(cfg, ratio=max(1, math.ceil(t_target / draft.on_all)))
         print(f"[card] --ratio auto: measured r = {cfg.ratio}", file=sys.stderr)
     speedup, chosen = choose(cfg, t_target, t_verify, draft, can_split)
-    t_draft = draft.on_share if chosen.mode == "parallel" and can_split else draft.on_all
-    line = (f"[card] on this machine CARD is predicted at {speedup:.2f}x plain decoding at best "
-            f"({chosen.draft} draft, {chosen.mode}, r = {chosen.ratio}): a draft step takes "
-            f"{1000 * t_draft:.1f} ms, a plain step of the target {1000 * t_target:.1f} ms; "
-            "another core, a smaller draft or a GPU would help; it runs the fastest of them anyway")
     if speedup < 1.0 and not SAID_WILL_NOT_WIN:
+        t_draft = draft.on_share if chosen.mode == "parallel" and can_split else draft.on_all
+        line = (f"[card] on this machine CARD is predicted at {speedup:.2f}x plain decoding at best "
+                f"({chosen.draft} draft, {chosen.mode}, r = {chosen.ratio}): a draft step takes "
+                f"{1000 * t_draft:.1f} ms, a plain step of the target {1000 * t_target:.1f} ms; "
+                "another core, a smaller draft or a GPU would help; it runs the fastest of them anyway")
         SAID_WILL_NOT_WIN.append(line)
         with warnings.catch_warnings(record=True) as caught:  # the caller's filters decide; we print
             warnings.warn(line, CardWillNotWin, stacklevel=2)
