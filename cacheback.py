@@ -100,16 +100,14 @@ class CachebackConfig:
         """§4's values, whole trees, and a frozen table. The paper's corpus (1% of OpenWebText) is
         not available offline; 'selfchat', the shipped corpus with the most accepted tokens, stands
         in. deviation: the frozen followers enter 'after' the dynamic tree, not at each node as in
-        the authors' code ('each-node'): at these settings the authors' order ties on accepted
-        tokens per step and loses on the per-prompt mean that SpecBench's speedup follows
-        (RESULTS.md, "Cacheback")."""
+        the authors' code ('each-node'): there they would take the budget of the text's own deeper
+        continuations (RESULTS.md, "The frozen table's order")."""
         return cls(frozen="selfchat")
 
     @classmethod
     def cpu(cls) -> "CachebackConfig":
         """A forward over many tokens is far from free on a CPU: small trees, cost pruning, a longer
-        leader, no frozen table; chosen on the tuning half of the shipped prompts (RESULTS.md,
-        "Cacheback")."""
+        leader, no frozen table (RESULTS.md, "Cacheback on a CPU: Table 1 and the CPU defaults")."""
         return cls(ll=2, tdl=16, crt=4, frozen="none", prune="cost")
 
     @classmethod
@@ -291,8 +289,8 @@ class DraftTree(Tree):
     inside its follower, and how many followers its leader had (0: one, 1: 2-3, 2: more).
 
     Why these buckets: an origin's rate is learned from the steps of one prompt, a few hundred
-    trials spread over every origin, so there must be few origins. FC = 4 to 16 followers per leader
-    puts ranks 4 and later in one bucket (rank 3: they are rarely reached and alike). A leader seen
+    trials spread over every origin, so there must be few origins. A tree of TDL tokens holds only
+    a leader's first few followers, so the 4th and later share one bucket (rank 3). A leader seen
     with one follower is a text repeating itself (the best bet), 2-3 a list or a template, more a
     common phrase ("of the") whose followers are weak guesses: three fanout buckets."""
 
@@ -587,8 +585,8 @@ def measure_cost(model, tdl: int) -> dict[int, float]:
 # follower fits; the one token left is never drafted, though the next follower's first token is
 # often right (it is the most recent continuation after the leader but one). 'cut' hangs the first
 # tokens of the follower that no longer fits, as many as the budget holds, and stops there. The
-# tables are the paper's. It accepts more where a budget holds few followers; at the presets' own
-# budgets (15 and 95) it gains nothing, so they keep 'whole' (RESULTS.md, "Cacheback").
+# tables are the paper's. 'cut' is for budgets that hold few followers; the presets, whose budgets
+# hold many, keep 'whole' (RESULTS.md, "Drafting quality offline").
 
 def hang_cut(tree: DraftTree, node: int, leader: tuple, follower: tuple, new: int, limit: int,
              origin: tuple, out: dict[int, tuple]) -> None:

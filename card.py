@@ -11,8 +11,7 @@ t(draft step), §3.1), VERIFIES that chain in one forward, then CORRECTS the cac
 that continues the accepted text, or restarts it on a miss (§2.4). Beyond the paper (below its
 banner): the draft's own process, drafts derived from the target (int8 on a CPU, bfloat16 on
 CUDA), and on a CPU the choice of mode and r by a cost model that predicts the speedup from step
-times measured on this machine, which says so in one line where CARD cannot win (RESULTS.md,
-"CARD").
+times measured on this machine, which says so in one line where CARD cannot win.
 
 The paper, section by section, and where it is here (this file's sections in brackets):
 
@@ -102,8 +101,8 @@ class CardConfig:
     def paper(cls, draft: str = "self") -> "CardConfig":
         """§3.1 for a 1B draft: K = 100, in parallel, and r by §3.1's own rule, r = ceil(t_target /
         t_draft), measured once per machine ("auto"). The paper's 1B draft beside a 70B target gives 7;
-        the self-draft (the target's own weights in bfloat16) is hardly cheaper than the target, so a
-        fixed r = 7 would make the target wait for seven draft layers a step.
+        for the self-draft (the target's own weights in bfloat16), hardly cheaper than the target,
+        the rule gives a small r.
         note: the paper gives no value for Eq. 2's k; its reference code expands each node by its
         own top-K, i.e. k = K (10^4 candidates per layer)."""
         return cls(ratio="auto", draft=draft)

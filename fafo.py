@@ -91,7 +91,7 @@ class FafoConfig:
     compress: str = "stream"
     sink: int = 4  # StreamingLLM: attention-sink tokens kept from the start
     # StreamingLLM and SnapKV: most recent positions kept (StreamingLLM: sink + recent = 256, two
-    # flex blocks: the budget every compression here gets on short prompts; the paper gives none)
+    # flex blocks, on short prompts; the paper gives no budget)
     recent: int = 252
     page_size: int = 16  # Quest: positions per page (Quest's own page size)
     top_pages: int = 16  # Quest: pages selected per step (16 x 16 = the same budget of 256)
@@ -104,8 +104,8 @@ class FafoConfig:
     attn: str = "dense"
     pool_cap: int | None = None  # k-grams kept per pool key, LRU (Appendix F; None: n)
     # what refreshes a k-gram in that LRU: "use", also being retrieved (Appendix F's
-    # "least-recently-used"), or "insert", only being filed again (Lookahead's code); the two
-    # draft alike, so the paper's rule is the default (RESULTS.md, "FAFO and Lookahead")
+    # "least-recently-used"), or "insert", only being filed again (Lookahead's code); the paper's
+    # rule is the default (RESULTS.md, "FAFO and Lookahead")
     pool_refresh: str = "use"
     # longest pool key, the "lookback window" of §4.3 (None: k; Lookahead: 1)
     lookback: int | None = None
@@ -123,15 +123,13 @@ class FafoConfig:
     @classmethod
     def gpu(cls) -> "FafoConfig":
         """The CUDA default: the paper's n and k with our m = 8; dense, the fastest back-end on a
-        GPU (RESULTS.md, "On one GPU"). deviation: m = 8, not paper()'s m = n: no GPU run has
-        compared the two."""
+        GPU (RESULTS.md, "On one GPU"). deviation: m = 8 (ours), not paper()'s m = n."""
         return cls()
 
     @classmethod
     def cpu(cls) -> "FafoConfig":
         """Every row costs time on a CPU, so a small step (22 rows), the split back-end, our budget
-        of 256 (StreamingLLM; Quest 4 pages of 16 = 64), chosen on the tuning halves of the shipped
-        short and long prompts (RESULTS.md, "FAFO and Lookahead")."""
+        of 256 (StreamingLLM; Quest 4 pages of 16 = 64); RESULTS.md, "FAFO and Lookahead"."""
         return cls(n_guess=4, k=3, m=3, top_pages=4, attn="split")
 
     @classmethod
@@ -535,9 +533,9 @@ class DenseKV:
     def forward(self, tokens, positions, hidden: bool = False, layout: StepLayout | None = None,
                 rows: Sequence[int] | None = None):
         """-> (logits [len(rows), V] of the input rows `rows` (None: all q), hidden states if
-        asked). note: the LM head (hidden x vocab per row, a fifth of a row's work here) runs on `rows`
-        only, through `logits_to_keep` (a 1D tensor of positions); a model without it computes every
-        row, and we pick."""
+        asked). note: the LM head (hidden x vocab per row, a large share of a small model's work)
+        runs on `rows` only, through `logits_to_keep` (a 1D tensor of positions); a model without it
+        computes every row, and we pick."""
         dev = self.model.device
         mask, attention = self.mask(layout or self.layout)
         only = {}  # logits of every row, unless rows are named
@@ -890,8 +888,8 @@ def attention_scale(model) -> float:
 # Every allowed (row, column) pair lies inside its group's block, so the two calls compute the dense
 # spec's masked attention; the guess rows' work drops from O(p) to O(|C(kv)|), on any device, with
 # no compile. note: SDPA's `enable_gqa=True` reads shared KV heads in place, where transformers'
-# SDPA copies each G times whenever a mask is given: this path is faster than dense even with
-# --compress none (compare like with like).
+# SDPA copies each G times whenever a mask is given: so split copies less than dense even with
+# --compress none, and FAFO is compared with Lookahead on the same back-end.
 
 def split_groups(allowed: np.ndarray, guess: np.ndarray, dtype, device="cpu") -> list[tuple]:
     """The dense spec mask `allowed` bool [q, n_keys] cut by rows: [(rows [r], cols [c] or None for

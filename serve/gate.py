@@ -35,7 +35,8 @@ import numpy as np
 # cannot tell which row ends last, so there an accepted token counts for IDLE_VALUE of one: the
 # rule reads IDLE_VALUE·P > b·S / t, with S = B + IDLE_VALUE·ΣP. A row alone is last: it counts 1.
 
-IDLE_VALUE = 0.5  # a compromise: a closed batch against requests arriving (bench/serve_sim.py)
+# a compromise between a closed batch and requests arriving (RESULTS.md, "The gate when nobody waits")
+IDLE_VALUE = 0.5
 
 
 class BatchGate:
@@ -125,7 +126,7 @@ class AllDrafts(BatchGate):
 # token's does not; it is outweighed only as draft tokens are measured, or the noise of the first
 # few steps with a draft in them would set b.
 
-PRIOR_SLOPE = 0.13  # c / a on a 2-core CPU (RESULTS.md, "Serving with vLLM")
+PRIOR_SLOPE = 0.13  # c / a, above a 2-core CPU's (RESULTS.md, "The gate when nobody waits")
 PRIOR_WEIGHT = 1 / 16  # the row prior's weight, times the mean tokens a step squared
 PRIOR_HALF_LIFE = 32  # steps: the row prior's weight halves after this many...
 PRIOR_FLOOR = 1e-3  # ...down to this share of it
@@ -210,8 +211,8 @@ class StepTimes:
 # and a chain's token j is accepted with chance P_j = p_1 · ... · p_j. Every draft is scored once
 # the text after it is known, sent or not: a row whose drafts choose() holds back keeps being
 # measured, and is sent them once they prove good. subtle: where worth_drafting() says no, no
-# draft is made and nothing new is counted, and nothing probes; that answer reads only the step
-# times and the batch size, so drafting resumes when those let a sure token pay: the batch size
+# draft is made (those made before are still scored) and nothing probes; that answer reads only
+# the step times and the batch size, so drafting resumes when those let a sure token pay: the batch size
 # changes, or b's measured steps age out (HALF_LIFE) toward its prior b = c. Sampled too: a draft
 # x sent without probabilities is accepted as often as the target draws x, so as often as a
 # held-back x comes true.

@@ -340,3 +340,18 @@ def test_every_committed_result_is_cited_or_read():
     orphans = [f for f in files if not is_cited(f) and not is_read(f)]
     assert not orphans, f"in bench/results/ but neither cited by RESULTS.md nor read by a script or test " \
                         f"({len(orphans)}): " + ", ".join(orphans)
+
+
+def test_every_section_a_file_cites_is_a_heading_of_results_md():
+    """A section the code or the documents cite (RESULTS.md, then its name in quotes; a comment may wrap it)
+    is a heading of RESULTS.md, or the start of one ("Drafting quality offline" for the heading that goes on
+    ": every drafter at budgets 4, 16 and 64")."""
+    headings = [line.lstrip("#").strip() for line in _read("RESULTS.md").splitlines() if line.startswith("#")]
+    cited = set()
+    for f in _tracked():
+        if f.endswith((".py", ".md")):
+            text = re.sub(r"\n\s*#?\s*", " ", _read(f))  # a citation wrapped across comment lines
+            cited.update(re.findall(r"RESULTS\.md[,:]? \(?\"([^\"]+)\"", text))
+    assert len(cited) >= 10
+    unknown = sorted(name for name in cited if not any(h.startswith(name) for h in headings))
+    assert not unknown, "RESULTS.md has no heading for: " + ", ".join(unknown)
