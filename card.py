@@ -1012,13 +1012,12 @@ def prepare_without_waiting(model, tok, cfg: CardConfig, name: str = verify.DEFA
 
 # ---- 5b. Which configuration, on this machine: a cost model (ours) -----------------------------------------
 #
-# On a CPU the draft process takes half the cores: CARD wins only where the draft steps faster on half of
-# them than the target on all. So the CPU default runs the mode and r predicted fastest from step times
-# measured once per machine (TUTORIAL.md §4.6), and says so where none beats plain decoding.
+# The CPU default runs the mode and r predicted fastest on this machine (TUTORIAL.md §4.6).
 
 BEST_RATIOS = range(1, 9)  # the r the choice tries
 TYPICAL_TOKENS = 128  # the call the choice is made for: a typical prompt and answer, in tokens
-# one prompt per category of the shipped prompts' tuning half, but for the two that quote a passage
+SAID_WILL_NOT_WIN: list[str] = []  # CardWillNotWin's line, once said in this process
+# the draft's guesses are counted on the target's answers to these prompts, cut at CALIBRATION_TOKENS
 CALIBRATION = (
     "Write a short, friendly email to a neighbour inviting them to a garden barbecue on Saturday.",
     'Translate the following German sentence into English: "Der Zug nach Berlin hat heute wegen eines '
@@ -1028,7 +1027,7 @@ CALIBRATION = (
     "Write a Python function is_palindrome(s) that ignores case and spaces, with a docstring and two "
     "example calls.",
 )
-CALIBRATION_TOKENS = 48  # the draft's guesses are counted on the target's greedy answers, cut here
+CALIBRATION_TOKENS = 48
 
 def predicted_speedup(costs: dict, mode: str, r: int, wait: int, mat: float, hit_rate: float,
                       hit_len: float, max_lead: int) -> float:
@@ -1108,8 +1107,6 @@ def choose(cfg: CardConfig, t_target: float, t_verify: dict, draft: DraftMeasure
 class CardWillNotWin(UserWarning):
     """Nothing CARD can run here is predicted to beat plain decoding (python -W ignore silences it)."""
 
-SAID_WILL_NOT_WIN: list[str] = []  # the line, once said in this process
-
 def choose_configuration(model, tok, cfg: CardConfig, name: str) -> CardConfig:
     """cfg with its BEST fields chosen here (cfg itself, measuring nothing, where none is BEST)."""
     if BEST not in (cfg.mode, cfg.ratio):
@@ -1134,8 +1131,7 @@ def choose_configuration(model, tok, cfg: CardConfig, name: str) -> CardConfig:
     return chosen
 
 def measure_for_choice(model, tok, cfg: CardConfig, name: str) -> tuple:
-    """(t_target, t_verify, DraftMeasure of cfg.draft), kept on disk (verify.measured_costs). t_target
-    is t_verify's one-token forward: one sweep, so a passing slowdown moves both."""
+    """(t_target, t_verify, DraftMeasure of cfg.draft), kept on disk (verify.measured_costs)."""
     threads = torch.get_num_threads()
     share = max(1, threads // 2)  # the draft process's threads (DraftProcess); the target keeps the rest
     sizes = [1] + [r + 1 for r in BEST_RATIOS]
@@ -1152,9 +1148,8 @@ def measure_draft(model, tok, cfg: CardConfig, name: str, share: int) -> list:
     """DraftMeasure's fields in order (a forward over TYPICAL_TOKENS stands for the prefill)."""
     tok = tok or verify.tokenizer_of(model, instead="card_config (a CardConfig with its mode and ratio)")
     draft = load_draft(model, tok, cfg, name)
-    sizes = [cfg.K, TYPICAL_TOKENS]
-    on_all = verify.measure_step_times(draft, sizes, repeats=3)
-    on_share = verify.measure_step_times(draft, sizes, repeats=3, threads=share)
+    on_all = verify.measure_step_times(draft, [cfg.K, TYPICAL_TOKENS], repeats=3)
+    on_share = verify.measure_step_times(draft, [cfg.K, TYPICAL_TOKENS], repeats=3, threads=share)
     eos = verify.eos_ids_of(model, tok)
     agreement = []
     for prompt in CALIBRATION:
