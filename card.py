@@ -1033,7 +1033,8 @@ def predicted_speedup(costs: dict, mode: str, r: int, wait: int, mat: float, hit
                       hit_len: float, max_lead: int) -> float:
     """A step's speedup over plain decoding (TUTORIAL.md §4.6): mat tokens a step, hit_rate of the
     steps hits, each consuming hit_len layers of a cache at most max_lead ahead; costs in seconds."""
-    t_v, t_d = costs["t_verify"], costs["t_draft"]
+    t_v = costs["t_verify"]
+    t_d = costs["t_draft"]
     plain = mat * costs["t_target"]  # the time plain decoding takes for mat tokens
     if mode == "lockstep":
         return plain / (r * t_d + t_v)
