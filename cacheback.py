@@ -100,8 +100,8 @@ class CachebackConfig:
         """§4's values, whole trees, and a frozen table. The paper's corpus (1% of OpenWebText) is
         not available offline; 'selfchat', the shipped corpus with the most accepted tokens, stands
         in. deviation: the frozen followers enter 'after' the dynamic tree, not at each node as in
-        the authors' code ('each-node'): there they would take the budget of the text's own deeper
-        continuations (RESULTS.md, "The frozen table's order")."""
+        the authors' code ('each-node'): at each node they take the budget of the text's own deeper
+        continuations where an answer repeats itself (RESULTS.md, "The frozen table's order")."""
         return cls(frozen="selfchat")
 
     @classmethod
@@ -289,10 +289,11 @@ class DraftTree(Tree):
     inside its follower, and how many followers its leader had (0: one, 1: 2-3, 2: more).
 
     Why these buckets: an origin's rate is learned from the steps of one prompt, a few hundred
-    trials spread over every origin, so there must be few origins. A tree of TDL tokens holds only
-    a leader's first few followers, so the 4th and later share one bucket (rank 3). A leader seen
-    with one follower is a text repeating itself (the best bet), 2-3 a list or a template, more a
-    common phrase ("of the") whose followers are weak guesses: three fanout buckets."""
+    trials spread over every origin, so there must be few origins. A small tree (the CPU preset's
+    16 tokens) holds three or four of a leader's followers: the 4th and later share one bucket
+    (rank 3). A leader seen with one follower is a text repeating itself (the best bet), 2-3 a list
+    or a template, more a common phrase ("of the") whose followers are weak guesses: three fanout
+    buckets."""
 
     origins: list = field(default_factory=list)  # None for the root
 
@@ -585,8 +586,8 @@ def measure_cost(model, tdl: int) -> dict[int, float]:
 # follower fits; the one token left is never drafted, though the next follower's first token is
 # often right (it is the most recent continuation after the leader but one). 'cut' hangs the first
 # tokens of the follower that no longer fits, as many as the budget holds, and stops there. The
-# tables are the paper's. 'cut' is for budgets that hold few followers; the presets, whose budgets
-# hold many, keep 'whole' (RESULTS.md, "Drafting quality offline").
+# tables are the paper's. 'cut' is for budgets of a follower or two; the presets' budgets (15, 95) hold
+# several, so they keep 'whole' (RESULTS.md, "Drafting quality offline").
 
 def hang_cut(tree: DraftTree, node: int, leader: tuple, follower: tuple, new: int, limit: int,
              origin: tuple, out: dict[int, tuple]) -> None:

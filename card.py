@@ -115,7 +115,8 @@ class CardConfig:
     @classmethod
     def gpu(cls) -> "CardConfig":
         """The CUDA default: §3.1's 1B-draft numbers (K = 100, r = 7) with the self-draft.
-        deviation: not §3.1's rule for this draft (that is paper())."""
+        deviation: r = 7, the setting measured on a GPU (RESULTS.md, "On one GPU"), not §3.1's rule
+        for this draft (that is paper())."""
         return cls(K=100, k=100, ratio=7)
 
     @classmethod

@@ -91,7 +91,7 @@ class FafoConfig:
     compress: str = "stream"
     sink: int = 4  # StreamingLLM: attention-sink tokens kept from the start
     # StreamingLLM and SnapKV: most recent positions kept (StreamingLLM: sink + recent = 256, two
-    # flex blocks, on short prompts; the paper gives no budget)
+    # flex blocks; the paper gives no budget for short prompts)
     recent: int = 252
     page_size: int = 16  # Quest: positions per page (Quest's own page size)
     top_pages: int = 16  # Quest: pages selected per step (16 x 16 = the same budget of 256)
@@ -123,7 +123,8 @@ class FafoConfig:
     @classmethod
     def gpu(cls) -> "FafoConfig":
         """The CUDA default: the paper's n and k with our m = 8; dense, the fastest back-end on a
-        GPU (RESULTS.md, "On one GPU"). deviation: m = 8 (ours), not paper()'s m = n."""
+        GPU (RESULTS.md, "On one GPU"). deviation: m = 8 (ours, the setting the H100 run measured),
+        not paper()'s m = n."""
         return cls()
 
     @classmethod
@@ -889,7 +890,7 @@ def attention_scale(model) -> float:
 # spec's masked attention; the guess rows' work drops from O(p) to O(|C(kv)|), on any device, with
 # no compile. note: SDPA's `enable_gqa=True` reads shared KV heads in place, where transformers'
 # SDPA copies each G times whenever a mask is given: so split copies less than dense even with
-# --compress none, and FAFO is compared with Lookahead on the same back-end.
+# --compress none, and FAFO and Lookahead are compared on the same back-end.
 
 def split_groups(allowed: np.ndarray, guess: np.ndarray, dtype, device="cpu") -> list[tuple]:
     """The dense spec mask `allowed` bool [q, n_keys] cut by rows: [(rows [r], cols [c] or None for

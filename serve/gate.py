@@ -212,10 +212,10 @@ class StepTimes:
 # the text after it is known, sent or not: a row whose drafts choose() holds back keeps being
 # measured, and is sent them once they prove good. subtle: where worth_drafting() says no, no
 # draft is made (those made before are still scored) and nothing probes; that answer reads only
-# the step times and the batch size, so drafting resumes when those let a sure token pay: the batch size
-# changes, or b's measured steps age out (HALF_LIFE) toward its prior b = c. Sampled too: a draft
-# x sent without probabilities is accepted as often as the target draws x, so as often as a
-# held-back x comes true.
+# the step times and the batch size, so drafting resumes when those let a sure token pay: the
+# batch size changes, or b's measured steps age out (HALF_LIFE) toward its prior b = c. Sampled
+# too: a draft x sent without probabilities is accepted as often as the target draws x, so as
+# often as a held-back x comes true.
 
 SHRINK = 4.0  # a request's own trials weigh against this many of the server's
 
