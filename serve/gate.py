@@ -35,8 +35,7 @@ import numpy as np
 # cannot tell which row ends last, so there an accepted token counts for IDLE_VALUE of one: the
 # rule reads IDLE_VALUE·P > b·S / t, with S = B + IDLE_VALUE·ΣP. A row alone is last: it counts 1.
 
-# a compromise between a closed batch and requests arriving (RESULTS.md, "The gate when nobody waits")
-IDLE_VALUE = 0.5
+IDLE_VALUE = 0.5  # between a closed batch and arriving requests (RESULTS.md, "The gate when nobody waits")
 
 
 class BatchGate:
