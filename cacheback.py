@@ -18,9 +18,9 @@ The paper, section by section, and where it is here (this file's sections in bra
     §3.2, Figure 2  the draft tree under TDL and CRT   grow_tree (the levels, the budget),     [3]
                     (§3.3: the frozen table's order)   add_followers (one node), DraftTree
     §3.2            draft, verify, accept, update      generate                                [4]
-    beyond the paper: cost-aware pruning for CPUs      CostPruner, NoPruning, prune            [5]
-                      followers cut to a small budget  hang_cut (follower_fit)                 [5b]
-                      one chain, for chain verifiers   first_branch (serve/vllm_proposers.py)  [5c]
+    beyond the paper: the tree cut to what pays here   verify.WhatPays (verify.py section 9)   [4]
+                      followers cut to a small budget  hang_cut (follower_fit)                 [5]
+                      one chain, for chain verifiers   first_branch (serve/vllm_proposers.py)  [5b]
     §3.3, §4        the frozen table's file            load_frozen, frozen_table_for           [6]
                     (built offline by tools/build_frozen.py)
     model.generate(..., custom_generate=...)           custom_generate                         [7]
@@ -71,8 +71,8 @@ class CachebackConfig:
     """The paper's parameters under its names, plus the two choices this file adds.
 
     >>> cfg = CachebackConfig.cpu()
-    >>> (cfg.ll, cfg.tdl, cfg.crt, cfg.frozen, cfg.prune)
-    (2, 16, 4, 'none', 'cost')
+    >>> (cfg.ll, cfg.tdl, cfg.crt, cfg.frozen, cfg.cost)
+    (2, 16, 4, 'none', 'timed')
     """
 
     ll: int = 1  # LL, leader length: the tokens a lookup is keyed by
@@ -89,10 +89,11 @@ class CachebackConfig:
     frozen_order: str = "after"
     # a follower longer than the budget left: 'whole' = it is not drafted, and the leader's later
     # followers neither (the paper); 'cut' = its first tokens, as many as the budget holds (ours,
-    # for small budgets: section 5b)
+    # for small budgets: section 5)
     follower_fit: str = "whole"
-    # 'none' verifies whole trees (the paper); 'cost' = our pruning pass (section 5)
-    prune: str = "none"
+    # ours: what a draft token costs (verify.WhatPays): 'free' verifies whole trees (the paper);
+    # 'timed' keeps the subtree worth its time here; 'pinned' the same without timing (runs repeat)
+    cost: str = "free"
     dynamic_table: bool = True  # False leaves the dynamic table empty: Table 1's "only frozen" row
 
     @classmethod
@@ -106,9 +107,10 @@ class CachebackConfig:
 
     @classmethod
     def cpu(cls) -> "CachebackConfig":
-        """A forward over many tokens is far from free on a CPU: small trees, cost pruning, a longer
-        leader, no frozen table (RESULTS.md, "Cacheback on a CPU: Table 1 and the CPU defaults")."""
-        return cls(ll=2, tdl=16, crt=4, frozen="none", prune="cost")
+        """A forward over many tokens is far from free on a CPU: small trees cut to what pays, a
+        longer leader, no frozen table (RESULTS.md, "Cacheback on a CPU: Table 1 and the CPU
+        defaults")."""
+        return cls(ll=2, tdl=16, crt=4, frozen="none", cost="timed")
 
     @classmethod
     def for_device(cls, device) -> "CachebackConfig":
@@ -125,8 +127,6 @@ class CachebackConfig:
                 raise verify.UserError(f"--{name} must be at least 1 (got {getattr(self, name)})")
         if self.tdl < 1 or not 0 <= self.crt < self.tdl:
             raise verify.UserError(f"need TDL >= 1 and 0 <= CRT < TDL (got TDL {self.tdl}, CRT {self.crt})")
-        if self.prune not in ("cost", "none"):
-            raise verify.UserError(f"--prune must be cost or none (got {self.prune!r})")
         if self.follower_fit not in ("whole", "cut"):
             raise verify.UserError(f"--follower-fit must be whole or cut (got {self.follower_fit!r})")
         if self.frozen_order not in FROZEN_ORDERS:
@@ -282,11 +282,12 @@ def fanout_bucket(followers: int) -> int:
 
 @dataclass
 class DraftTree(Tree):
-    """A verify.Tree that also remembers where each node's token came from, for section 5's pruning
-    (beyond the paper: the growth below never reads them; the pruning learns an acceptance rate per
-    origin). origins[i] = (table, rank, pos, fanout): the table (0 dynamic, 1 frozen), the
-    follower's rank in that table's answer (0 = most recent; 3 = 4th or later), the node's position
-    inside its follower, and how many followers its leader had (0: one, 1: 2-3, 2: more).
+    """A verify.Tree that also remembers where each node's token came from, its signal for the rule
+    of verify.py section 9 (beyond the paper: the growth below never reads them; the rule learns an
+    acceptance rate per origin). origins[i] = (table, rank, pos, fanout): the table (0 dynamic, 1
+    frozen), the follower's rank in that table's answer (0 = most recent; 3 = 4th or later), the
+    node's position inside its follower, and how many followers its leader had (0: one, 1: 2-3, 2:
+    more).
 
     Why these buckets: an origin's rate is learned from the steps of one prompt, a few hundred
     trials spread over every origin, so there must be few origins. A small tree (the CPU preset's
@@ -324,21 +325,16 @@ class DraftTree(Tree):
         return 0
 
     def subtree(self, keep) -> "DraftTree":
-        """A copy with the nodes for which keep(i) is true (a kept node's parent must be kept
-        too)."""
-        out = DraftTree.root_only(self.tokens[0])
-        remap = {0: 0}
-        for i in range(1, len(self)):
-            if keep(i):
-                remap[i] = out.add(remap[self.parents[i]], self.tokens[i])
-                out.origins.append(self.origins[i])
+        """verify.Tree.subtree, each kept node with its origin."""
+        out = super().subtree(keep)
+        out.origins = [self.origins[i] for i in range(len(self)) if i == 0 or keep(i)]
         return out
 
 def grow_tree(root: int, context: Sequence[int], dynamic: CacheTable, frozen: CacheTable | None,
               tdl: int, crt: int, frozen_order: str = "after", cut: bool = False) -> DraftTree:
     """Build the draft tree for one step. `context` = the text so far, ending with `root` (the
     pending token). Returns a DraftTree whose node 0 is `root`. frozen_order: see above; cut:
-    follower_fit = 'cut' (section 5b, ours)."""
+    follower_fit = 'cut' (section 5, ours)."""
     if frozen_order not in FROZEN_ORDERS:
         raise ValueError(f"frozen_order must be one of {FROZEN_ORDERS} (got {frozen_order!r})")
     ll = dynamic.ll
@@ -379,7 +375,7 @@ def add_followers(tree: DraftTree, node: int, leader: tuple, tables: list[CacheT
                   refresh: bool, out: dict[int, tuple], cut: bool = False) -> None:
     """Hang the followers of `leader` below `node`: the dynamic table's first, then the frozen
     table's (when asked), each follower once, until one does not fit in `limit` draft tokens
-    (cut: its first tokens that fit are hung too, section 5b). Records each new branch end in
+    (cut: its first tokens that fit are hung too, section 5). Records each new branch end in
     `out`, with its leader for the next level."""
     ll = tables[0].ll
     seen = set()
@@ -393,7 +389,7 @@ def add_followers(tree: DraftTree, node: int, leader: tuple, tables: list[CacheT
             new = tree.new_tokens(node, follower)
             if len(tree) - 1 + new > limit:
                 # this follower does not fit: stop querying this leader (frozen table included)
-                if cut:  # ours (section 5b): hang the first tokens of it that fit
+                if cut:  # ours (section 5): hang the first tokens of it that fit
                     hang_cut(tree, node, leader, follower, new, limit, (source, rank, fanout), out)
                 return
             nodes = tree.add_follower(node, follower, source, rank, fanout)
@@ -404,18 +400,19 @@ def add_followers(tree: DraftTree, node: int, leader: tuple, tables: list[CacheT
 @torch.no_grad()
 def generate(model, prompt_ids: Sequence[int], max_new_tokens: int, eos_ids: Sequence[int],
              cfg: CachebackConfig, *, frozen_table: CacheTable | None = None,
-             cost: dict[int, float] | None = None, sampling: verify.Sampling = verify.GREEDY,
+             step_times: dict[int, float] | None = None, sampling: verify.Sampling = verify.GREEDY,
              on_emit=None, on_step=None, stop=None) -> Generation:
     """Cacheback decoding. A fresh dynamic table per call (stateful methods start from scratch for
     every prompt, as in the paper's SpecBench runs). frozen_table: the table cfg.frozen names
-    (`frozen_table_for`; `prepare` loads it before the first call), shared and never modified. cost: the
-    pruning's curve {n: t(n)/t(1)} (measured now if not given). `sampling`: greedy by default;
-    sampled, the plain sampler's tokens."""
+    (`frozen_table_for`; `prepare` loads it before the first call), shared and never modified.
+    step_times: what a forward over n tokens takes here, {n: seconds} (verify.step_times: `prepare`
+    reads it, else it is read now). `sampling`: greedy by default; sampled, the plain sampler's
+    tokens."""
     cfg.check()
     check_frozen(cfg, frozen_table)
-    pruner = CostPruner.for_run(model, cfg, cost)  # section 5 (ours); prune = "none": keeps all
+    # ours: what of a tree pays for its time here (verify.py section 9; cost 'free': all of it)
+    pays = verify.WhatPays.for_run(model, cfg.cost, step_times, cfg.tdl)
     gen = Generation(max_new_tokens, eos_ids, on_emit=on_emit, on_step=on_step, stop=stop)
-    gen.extra.update(grown=0, pruned=0)  # draft tokens grown / removed by the pruning, all steps
     dynamic = CacheTable(cfg.ll, cfg.fl, cfg.lc, cfg.fc)
     # the cache's capacity: prompt + output + the largest step (the root and up to TDL tree tokens)
     cache = verify.new_cache(model, len(prompt_ids) + max_new_tokens + cfg.tdl + 1)
@@ -436,151 +433,32 @@ def generate(model, prompt_ids: Sequence[int], max_new_tokens: int, eos_ids: Seq
         if max(tree.depths) >= room:
             depths = tree.depths
             tree = tree.subtree(lambda i: depths[i] < room)
-        tree = pruner.prune(tree)  # our deviation (section 5): keep what is worth its cost here
-        gen.extra["grown"] += grown
-        gen.extra["pruned"] += grown - (len(tree) - 1)
+        tree = pays.subtree(tree, tree.origins, text)  # ours: the subtree worth its time here
         draft_s = time.perf_counter() - t0
         # -- VERIFY with tree attention, ACCEPT the longest agreeing branch + bonus, COMPACT the KV
         prefix_len = verify.cache_len(cache)
         logits = verify.tree_forward(model, cache, tree)  # [N, V]
         path, bonus = verify.accept(tree, logits, prefix_len, sampling)
         verify.compact_kv(cache, prefix_len, path)
-        pruner.update(tree, path)
         n_before = len(gen.tokens)
         # an on_step hook sees the tree (its origins: dynamic or frozen), the KV lengths before and
-        # after the compaction, and how many tokens were grown before the cut and the pruning
+        # after the compaction, how many tokens were grown, and how many of them the rule withheld
         done = gen.finish_step(tree, path, bonus, draft_s, kv_before=prefix_len + len(tree),
-                               kv_after=prefix_len + len(path), grown=grown)
+                               kv_after=prefix_len + len(path), grown=grown, withheld=pays.withheld)
         # -- UPDATE the dynamic table with the windows ending at the newly emitted tokens (§3.2)
         first_new = len(text)
         text += gen.tokens[n_before:]
         if cfg.dynamic_table:  # False: Table 1's "only frozen" row
             update_table(dynamic, text, first_new)
         if done:
+            gen.extra["rule"] = pays.summary()
             gen.extra["held_bytes"] = verify.tensor_bytes(cache) + dynamic.held_bytes() + (
                 frozen_table.held_bytes() if frozen_table is not None else 0)
             return gen
         pending = bonus
 
 # ---- Beyond the paper --------------------------------------------------------------------------------------
-# ---- 5. Cost-aware pruning: a separate pass after the tree is built (our deviation, for CPUs) --------------
-#
-# The paper verifies the whole tree every step: on a GPU a 96-token forward costs about what a
-# 1-token one does. On a small CPU it costs several times more, and a tree that is mostly rejected
-# makes the step slower than plain decoding. So before verifying we keep only the part of the tree
-# that is worth its cost -- the per-step rule of ngram_predictor.py's cost gate, applied per node:
-#
-#   q(o)    = P(node accepted | its parent accepted), learned online for each origin
-#             o = (table, rank, pos, fanout) (DraftTree.origins): a leader seen with one follower
-#             so far is a far safer bet than one with twenty
-#   P(node) = P(parent) * q(origin(node)),   P(root) = 1    (the probability that the node is on the
-#                                                            accepted path: the tree's branches are
-#                                                            mutually exclusive, so)
-#   E[tokens of the step] = 1 + sum over kept draft nodes of P(node)
-#
-# Keep the k nodes with the highest P (a subtree: a child's P never exceeds its parent's), with k
-# chosen to maximise
-#
-#     E[tokens] / cost(1 + k)    over k = 0 .. N-1
-#
-# where cost(n) = t(n)/t(1) is measured once per machine (verify.measure_cost_curve, kept on disk).
-# k = 0 is a plain one-token step: 1 token for 1 unit of cost.
-#
-#   q: dynamic rank 0 pos 0 = 0.5, pos 1 = 0.8;  cost(1)=1, cost(2)=1.65, cost(3)=1.7
-#   tree root -> a (P .5) -> b (P .4):
-#     k=0: 1/1 = 1.00   k=1: 1.5/1.65 = 0.91   k=2: 1.9/1.7 = 1.12   -> keep both
-#
-# subtle: as in the n-gram gate the prior must be optimistic (q = 3/4 until measured): a node that
-# is never verified teaches nothing, so a pessimistic prior would prune every tree forever.
-
-class NoPruning:
-    """cfg.prune = "none", the paper: every tree is verified whole."""
-
-    def prune(self, tree: DraftTree) -> DraftTree:
-        return tree
-
-    def update(self, tree: DraftTree, path: Sequence[int]) -> None:
-        pass
-
-class CostPruner:
-    @classmethod
-    def for_run(cls, model, cfg: "CachebackConfig", cost: dict[int, float] | None):
-        """The pruner generate() uses: a CostPruner on `cost` (measured now if None) when
-        cfg.prune = "cost", else NoPruning."""
-        if cfg.prune != "cost":
-            return NoPruning()
-        return cls(cost or measure_cost(model, cfg.tdl))
-
-    def __init__(self, cost: dict[int, float], prior_hits: float = 0.75, prior_trials: float = 1.0):
-        self.sizes = sorted(cost)  # measured sizes, 1 first
-        self.cost = cost  # {n: t(n)/t(1)}
-        self.prior = (prior_hits, prior_trials)
-        self.hits: dict[tuple, float] = {}
-        self.trials: dict[tuple, float] = {}
-
-    def q(self, origin: tuple) -> float:
-        """P(node accepted | parent accepted) for nodes of this origin: hits / trials, with the
-        prior."""
-        return (self.hits.get(origin, 0) + self.prior[0]) / (self.trials.get(origin, 0) + self.prior[1])
-
-    def cost_of(self, n: int) -> float:
-        """cost(n) = t(n)/t(1), linearly interpolated between the measured sizes (extrapolated past
-        them)."""
-        xs = self.sizes
-        if n in self.cost:
-            return self.cost[n]
-        lo = max([x for x in xs if x < n], default=xs[0])
-        hi = min([x for x in xs if x > n], default=None)
-        if hi is None:  # past the last measured size: continue the last segment's slope
-            lo = xs[-2]
-            hi = xs[-1]
-        return self.cost[lo] + (self.cost[hi] - self.cost[lo]) * (n - lo) / (hi - lo)
-
-    def node_probs(self, tree: DraftTree) -> list[float]:
-        """P(node) = P(parent) * q(origin(node)), P(root) = 1."""
-        p = [1.0]
-        for i in range(1, len(tree)):  # parents come before children
-            p.append(p[tree.parents[i]] * self.q(tree.origins[i]))
-        return p
-
-    def choose(self, tree: DraftTree) -> set[int]:
-        """The nodes to verify, root included: the k most probable, k maximising E[tokens] / cost(1
-        + k)."""
-        p = self.node_probs(tree)
-        order = sorted(range(1, len(tree)), key=lambda i: (-p[i], i))  # parent before child on ties
-        best_k, best_rate, e = 0, 1.0, 1.0  # k = 0: a plain step, 1 token for 1 unit of cost
-        for k, i in enumerate(order, start=1):
-            e += p[i]  # E[tokens] with the k most probable nodes
-            rate = e / self.cost_of(1 + k)
-            if rate > best_rate:
-                best_k, best_rate = k, rate
-        return {0, *order[:best_k]}
-
-    def update(self, tree: DraftTree, path: Sequence[int]) -> None:
-        """Every verified node whose parent was accepted is one trial of its origin; a hit if it was
-        accepted too. (Nodes below a rejected node were never really tested.)"""
-        on_path = set(path)
-        for i in range(1, len(tree)):
-            if tree.parents[i] in on_path:
-                o = tree.origins[i]
-                self.trials[o] = self.trials.get(o, 0) + 1
-                self.hits[o] = self.hits.get(o, 0) + (i in on_path)
-
-    def prune(self, tree: DraftTree) -> DraftTree:
-        return prune(tree, self)
-
-def prune(tree: DraftTree, pruner: CostPruner) -> DraftTree:
-    """The pruning pass: the part of the tree worth verifying on this device."""
-    if len(tree) == 1:
-        return tree
-    return tree.subtree(pruner.choose(tree).__contains__)
-
-def measure_cost(model, tdl: int) -> dict[int, float]:
-    """The pruning's cost curve: t(n)/t(1) at powers of two up to TDL (kept on disk per machine)."""
-    sizes = sorted({min(2**i, tdl) for i in range(tdl.bit_length() + 1)} | {tdl})
-    return verify.measure_cost_curve(model, sizes, repeats=3)
-
-# ---- 5b. Followers cut to the budget (ours, cfg.follower_fit = "cut") --------------------------------------
+# ---- 5. Followers cut to the budget (ours, cfg.follower_fit = "cut") ---------------------------------------
 #
 # The paper hangs a follower whole or not at all. With FL = 3 and a budget of 4 draft tokens only one
 # follower fits; the one token left is never drafted, though the next follower's first token is
@@ -603,7 +481,7 @@ def hang_cut(tree: DraftTree, node: int, leader: tuple, follower: tuple, new: in
     nodes = tree.add_follower(node, part, *origin)
     out.setdefault(nodes[-1], (leader + part)[-len(leader) :])  # its leader: the last LL tokens
 
-# ---- 5c. One chain from the tree, for engines that verify chains (ours) ------------------------------------
+# ---- 5b. One chain from the tree, for engines that verify chains (ours) ------------------------------------
 #
 # A serving engine such as vLLM verifies one chain of draft tokens per request, not a tree
 # (serve/vllm_proposers.py; TUTORIAL.md §7.3). The chain it gets is the tree's first branch: at each
@@ -713,7 +591,7 @@ def frozen_table_for(tok, cfg: CachebackConfig,
 
 def custom_generate(model, input_ids, logits_processor, stopping_criteria, generation_config,
                     cacheback_config: CachebackConfig | None = None, frozen_table: CacheTable | None = None,
-                    cost: dict[int, float] | None = None, seed: int | None = None, **model_kwargs):
+                    step_times: dict[int, float] | None = None, seed: int | None = None, **model_kwargs):
     """Run this file's generate() from transformers' own call, in place of its loop:
 
         out = model.generate(input_ids, custom_generate=cacheback.custom_generate, max_new_tokens=128)
@@ -729,8 +607,9 @@ def custom_generate(model, input_ids, logits_processor, stopping_criteria, gener
         - frozen_table: a frozen table, cacheback.load_frozen(path, tokenizer, ll, fl) (default: the
           one the config names, loaded at the model's first call with the tokenizer saved beside
           the model, and kept for its later calls)
-        - cost: the pruning's cost curve {n: t(n)/t(1)} (default: measured once on this machine
-          and kept in ~/.cache/specdec-reference, or $SPECDEC_CACHE)
+        - step_times: what a forward over n tokens takes here, {n: seconds} (default:
+          verify.step_times, measured once on this machine and kept in
+          ~/.cache/specdec-reference, or $SPECDEC_CACHE)
         - seed: the sampling noise's key under do_sample=True (default: drawn from torch's
           generator, so torch.manual_seed repeats a call)
     """
@@ -743,7 +622,7 @@ def custom_generate(model, input_ids, logits_processor, stopping_criteria, gener
         cfg = replace(cfg, frozen="none")
     cfg.check()
     # the script's set-up (prepare), once per model: the frozen table, the pruning's curve
-    cfg, extra = verify.prepare_once(model, prepare, cfg, frozen_table=frozen_table, cost=cost)
+    cfg, extra = verify.prepare_once(model, prepare, cfg, frozen_table=frozen_table, step_times=step_times)
     gen = generate(model, call.prompt_ids, call.max_new_tokens, call.eos_ids, cfg, sampling=call.sampling,
                    **call.hooks(), **extra)
     return call.output(gen)
@@ -751,19 +630,19 @@ def custom_generate(model, input_ids, logits_processor, stopping_criteria, gener
 # ---- 8. CLI ------------------------------------------------------------------------------------------------
 
 def prepare(model, tok, cfg: CachebackConfig, name: str = verify.DEFAULT_MODEL,
-            frozen_table: CacheTable | None = None, cost: dict[int, float] | None = None):
+            frozen_table: CacheTable | None = None, step_times: dict[int, float] | None = None):
     """The set-up before the first call (the script's, and custom_generate's through
     verify.prepare_once): the frozen table cfg.frozen names (`name`, the model's, says whose
     selfchat table; tok None: the tokenizer beside the model tells the table's identity) and the
-    pruning's cost curve (measured once per machine: verify.measured_costs), each unless given."""
+    step times the rule reads (measured once per machine: verify.step_times), each unless given."""
     extra = {}
     if frozen_table is None and cfg.frozen != "none":
         tok = tok or verify.tokenizer_of(model, instead="frozen_table")
         frozen_table = frozen_table_for(tok, cfg, name)
     if frozen_table is not None:
         extra["frozen_table"] = frozen_table
-    if cfg.prune == "cost":
-        extra["cost"] = measure_cost(model, cfg.tdl) if cost is None else cost
+    if cfg.cost != "free":
+        extra["step_times"] = step_times or verify.step_times(model, cfg.tdl)
     return cfg, extra
 
 def make_parser():
@@ -792,8 +671,7 @@ def make_parser():
     g.add_argument("--follower-fit", choices=["whole", "cut"],
                    help="ours: a follower the budget cannot hold whole is cut to what it holds (small TDL)"
                    + default("follower_fit"))
-    g.add_argument("--prune", choices=["cost", "none"],
-                   help="ours: cost = verify only what is worth its measured cost" + default("prune"))
+    g.add_argument("--cost", choices=verify.COSTS, help=verify.COST_HELP + default("cost"))
     return parser
 
 def main(argv=None) -> int:

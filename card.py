@@ -96,6 +96,9 @@ class CardConfig:
     wait: int | None = None
     draft: str = "self"  # the draft prepare() builds: int8, self or a model name (section 5)
     draft_dtype: str = "bfloat16"  # the dtype of draft "self" or a named draft
+    # ours: what a draft token costs (verify.WhatPays): 'timed' verifies the chain's prefix
+    # worth its time here; 'pinned' the same without timing; 'free' the whole chain (the paper)
+    cost: str = "timed"
 
     @classmethod
     def paper(cls, draft: str = "self") -> "CardConfig":
@@ -105,12 +108,12 @@ class CardConfig:
         the rule gives a small r.
         note: the paper gives no value for Eq. 2's k; its reference code expands each node by its
         own top-K, i.e. k = K (10^4 candidates per layer)."""
-        return cls(ratio="auto", draft=draft)
+        return cls(ratio="auto", draft=draft, cost="free")
 
     @classmethod
     def paper_7b(cls, draft: str) -> "CardConfig":
         """§3.1's other row, for a 7B-class draft beside a 70B target: K = 50, r = 5 (k = K)."""
-        return cls(K=50, k=50, ratio=5, draft=draft)
+        return cls(K=50, k=50, ratio=5, draft=draft, cost="free")
 
     @classmethod
     def gpu(cls) -> "CardConfig":
@@ -144,14 +147,11 @@ class CardConfig:
 
 # §3.1's rule for r: how many draft layers fit in one target step, measured once per machine.
 
-def step_time(model, n: int) -> float:
-    """One forward over n new tokens after 256 cached ones (kept on disk: verify.measured_costs)."""
-    measure = functools.partial(verify.measure_step_times, model, [n], repeats=3)
-    return verify.measured_costs(model, ("step times", [n], 256, 3), measure)[n]
-
 def measure_ratio(model, draft, K: int) -> int:
-    """§3.1's r = ceil(t_target / t_draft): how many K-node draft layers fit in one one-token target step."""
-    return max(1, math.ceil(step_time(model, 1) / step_time(draft, K)))
+    """§3.1's r = ceil(t_target / t_draft): how many K-node draft layers fit in one one-token
+    target step (verify.step_times, kept on disk)."""
+    t_draft = verify.seconds_at(verify.step_times(draft, K), K)
+    return max(1, math.ceil(verify.step_times(model)[1] / t_draft))
 
 # ---- 1. The candidate cache (§2.2) -------------------------------------------------------------------------
 #
@@ -553,19 +553,23 @@ def draft_side(draft, cfg: CardConfig):
 
 @torch.no_grad()
 def generate(model, prompt_ids: Sequence[int], max_new_tokens: int, eos_ids: Sequence[int],
-             cfg: CardConfig, *, draft, sampling: verify.Sampling = verify.GREEDY, on_emit=None,
-             on_step=None, stop=None) -> Generation:
+             cfg: CardConfig, *, draft, step_times: dict[int, float] | None = None,
+             sampling: verify.Sampling = verify.GREEDY, on_emit=None, on_step=None,
+             stop=None) -> Generation:
     """CARD decoding. `model` is the target, `draft` the draft model (same tokenizer; `load_draft`
     builds the one cfg names) or a running DraftProcess. Both modes emit the same tokens, greedy or
     sampled: the target decides every one. The loop reads as lockstep; in parallel mode `drafter`
     is a DraftProcess: draft(r) returns at once (its process drafts all the
-    time) and query(r) waits on the pipe for the chain."""
+    time) and query(r) waits on the pipe for the chain. step_times: what a forward over n
+    tokens takes here, {n: seconds} (verify.step_times: `prepare` reads it, else it is read now)."""
     cfg.check()
     if draft is None or cfg.ratio in ("auto", BEST) or cfg.mode == BEST:
         raise verify.UserError("CARD needs a draft model (draft=...), a whole r and a mode (prepare() "
                                "measures auto and chooses best)")
     r = cfg.ratio
     max_lead = 2 * r if cfg.max_lead is None else cfg.max_lead  # the reference's 2r
+    # ours: what of the chain pays for its time here (verify.py section 9; cost 'free': all of it)
+    pays = verify.WhatPays.for_run(model, cfg.cost, step_times, r + 1)
     gen = Generation(max_new_tokens, eos_ids, on_emit=on_emit, on_step=on_step, stop=stop)
     gen.extra.update(verified=0)
     # the target's cache: prompt + output + the largest step (the pending token and a chain of r)
@@ -588,9 +592,11 @@ def generate(model, prompt_ids: Sequence[int], max_new_tokens: int, eos_ids: Seq
             chain = drafter.query(r)  # (parallel: waits until the cache leads by cfg.wait, else r)
             room = max(max_new_tokens - len(gen.tokens) - 1, 0)  # a step emits <= len(chain) + 1
             chain = chain[:room]
+            # ours: the chain's prefix worth its time here, each token's signal its place in it
+            places = [None, *(f"token {j + 1}" for j in range(len(chain)))]
+            chain_tree = pays.subtree(Tree.chain(pending, chain), places, gen.tokens)
             draft_s = time.perf_counter() - started  # what the target waited for the draft
             # -- VERIFY the chain in one target forward (parallel: the draft keeps drafting)
-            chain_tree = Tree.chain(pending, chain)  # the chain as a verify.Tree
             prefix_len = verify.cache_len(kv_cache)
             logits = verify.tree_forward(model, kv_cache, chain_tree)
             path, bonus = verify.accept(chain_tree, logits, prefix_len, sampling)
@@ -598,13 +604,15 @@ def generate(model, prompt_ids: Sequence[int], max_new_tokens: int, eos_ids: Seq
             gen.extra["verified"] += len(chain_tree)
             # an on_step hook is shown the KV lengths before and after the rollback, and the cache
             if gen.finish_step(chain_tree, path, bonus, draft_s, kv_before=prefix_len + len(chain_tree),
-                               kv_after=prefix_len + len(path), **drafter.shown()):
+                               kv_after=prefix_len + len(path), withheld=pays.withheld,
+                               **drafter.shown()):
                 break
             # -- CORRECT the cache: keep the subtree below the accepted text, or restart on a miss
             accepted = [chain_tree.tokens[i] for i in path[1:]]
             drafter.correct(accepted, bonus)
             pending = bonus
         gen.extra.update(drafter.statistics())
+    gen.extra["rule"] = pays.summary()
     gen.extra["held_bytes"] = verify.tensor_bytes(kv_cache) + gen.extra["draft_held_bytes"]
     steps = max(gen.steps, 1)
     corrections = max(gen.extra["hits"] + gen.extra["misses"], 1)
@@ -984,8 +992,10 @@ def load_draft(model, tok, cfg: CardConfig, target_name: str = verify.DEFAULT_MO
 def prepare(model, tok, cfg: CardConfig, name: str = verify.DEFAULT_MODEL,
             draft=None, wait: bool = True) -> tuple[CardConfig, dict]:
     """The set-up before the first call, untimed, like loading: what cfg leaves BEST (section 5b), the
-    draft cfg names unless `draft` is given, r if "auto", and in parallel mode the draft's process
-    (wait=False: not waited for). tok None: the model's own tokenizer checks a named draft's vocabulary."""
+    draft cfg names unless `draft` is given, r if "auto", in parallel mode the draft's process
+    (wait=False: not waited for), and the step times the rule reads (verify.step_times). tok None:
+    the model's own tokenizer checks a named draft's vocabulary."""
+    chosen_here = draft is None and BEST in (cfg.mode, cfg.ratio)
     if draft is None:  # our choice by the cost model (section 5b)
         cfg = choose_configuration(model, tok, cfg, name)
     else:  # a draft of the caller's, not measured here: fixed defaults for what is BEST
@@ -1005,7 +1015,11 @@ def prepare(model, tok, cfg: CardConfig, name: str = verify.DEFAULT_MODEL,
         print(f"[card] --ratio auto: measured r = {cfg.ratio}", file=sys.stderr)
     if in_process:
         draft = DraftProcess(model if quantized_there else draft, cfg, wait=wait, int8=quantized_there)
-    return cfg, {"draft": draft}
+    largest = max(BEST_RATIOS) + 1
+    times = {} if cfg.cost == "free" else {"step_times": verify.step_times(model, largest)}
+    if chosen_here:  # the choice's speed here, said where it is below plain decoding (section 5b)
+        say_if_slower(model, tok, cfg, draft, times.get("step_times"))
+    return cfg, {"draft": draft, **times}
 
 def prepare_without_waiting(model, tok, cfg: CardConfig, name: str = verify.DEFAULT_MODEL, draft=None):
     """prepare() for custom_generate: a process it starts is not waited for (the first call streams)."""
@@ -1014,21 +1028,7 @@ def prepare_without_waiting(model, tok, cfg: CardConfig, name: str = verify.DEFA
 # ---- 5b. Which configuration, on this machine: a cost model (ours) -----------------------------------------
 #
 # The CPU default runs the mode and r predicted fastest on this machine (TUTORIAL.md §4.6).
-
 BEST_RATIOS = range(1, 9)  # the r the choice tries
-TYPICAL_TOKENS = 128  # the call the choice is made for: a typical prompt and answer, in tokens
-SAID_WILL_NOT_WIN: list[str] = []  # CardWillNotWin's line, once said in this process
-# the draft's guesses are counted on the target's answers to these prompts, cut at CALIBRATION_TOKENS
-CALIBRATION = (
-    "Write a short, friendly email to a neighbour inviting them to a garden barbecue on Saturday.",
-    'Translate the following German sentence into English: "Der Zug nach Berlin hat heute wegen eines '
-    'Sturms zwei Stunden Verspätung."',
-    "What is the difference between weather and climate?",
-    "A shop sells pencils at 3 for 45 cents. How much do 12 pencils cost? Explain step by step.",
-    "Write a Python function is_palindrome(s) that ignores case and spaces, with a docstring and two "
-    "example calls.",
-)
-CALIBRATION_TOKENS = 48
 
 def predicted_speedup(costs: dict, mode: str, r: int, wait: int, mat: float, hit_rate: float,
                       hit_len: float, max_lead: int) -> float:
@@ -1071,11 +1071,6 @@ class DraftMeasure:
     prefill_all: float = 0.0  # seconds the draft's prefill of a typical prompt takes on all threads
     prefill_share: float = 0.0  # the same on its share
 
-def verify_time(table: dict[int, float], n: int) -> float:
-    """t_verify(n) from the measured sizes, the last slope continued past them."""
-    *_, below, top = sorted(table)
-    return table.get(n, table[top] + (table[top] - table[below]) / (top - below) * (n - top))
-
 def choose(cfg: CardConfig, t_target: float, t_verify: dict, draft: DraftMeasure,
            can_split: bool) -> tuple[float, CardConfig]:
     """(speedup, cfg with the fastest predicted of its mode and r: every candidate where BEST), ties
@@ -1084,7 +1079,7 @@ def choose(cfg: CardConfig, t_target: float, t_verify: dict, draft: DraftMeasure
     modes = ["parallel", "lockstep"] if can_split else ["lockstep"]
     modes = modes if cfg.mode == BEST else [cfg.mode]
     ratios = BEST_RATIOS if cfg.ratio == BEST else [cfg.ratio]
-    greedy = TYPICAL_TOKENS * t_target  # a typical call's time, plain
+    greedy = verify.TYPICAL_TOKENS * t_target  # a typical call's time, plain
     best = (0.0, cfg)
     for mode in modes:
         split = mode == "parallel" and can_split  # the draft in its process, on its share of the threads
@@ -1096,18 +1091,16 @@ def choose(cfg: CardConfig, t_target: float, t_verify: dict, draft: DraftMeasure
             wait = min(r if cfg.wait is None else cfg.wait, max_lead)
             q_hit = q_miss = r  # lockstep: r layers from a restarted cache, every step
             if mode == "parallel":  # a hit: what was drafted during the verification; a miss: w layers
-                q_hit = min(r, max(wait, math.floor(verify_time(times, r + 1) / t_draft)))
+                q_hit = min(r, max(wait, math.floor(verify.seconds_at(times, r + 1) / t_draft)))
                 q_miss = min(wait, r)
             mat, hit_rate = walk_chains(draft.agreement, q_hit, q_miss)
-            costs = {"t_target": t_target, "t_verify": verify_time(times, q_hit + 1), "t_draft": t_draft}
+            t_verify_q = verify.seconds_at(times, q_hit + 1)
+            costs = {"t_target": t_target, "t_verify": t_verify_q, "t_draft": t_draft}
             per_step = predicted_speedup(costs, mode, r, wait, mat, hit_rate, q_hit + 1, max_lead)
             speedup = greedy / (greedy / per_step + t_prefill)  # the draft prefills once a call
             if speedup > best[0] + 1e-9:
                 best = (speedup, dataclasses.replace(cfg, mode=mode, ratio=r))
     return best
-
-class CardWillNotWin(UserWarning):
-    """Nothing CARD can run here is predicted to beat plain decoding (python -W ignore silences it)."""
 
 def choose_configuration(model, tok, cfg: CardConfig, name: str) -> CardConfig:
     """cfg with its BEST fields chosen here (cfg itself, measuring nothing, where none is BEST)."""
@@ -1118,31 +1111,32 @@ def choose_configuration(model, tok, cfg: CardConfig, name: str) -> CardConfig:
     if cfg.ratio == "auto":  # §3.1's rule, as measure_ratio takes it
         cfg = dataclasses.replace(cfg, ratio=max(1, math.ceil(t_target / draft.on_all)))
         print(f"[card] --ratio auto: measured r = {cfg.ratio}", file=sys.stderr)
-    speedup, chosen = choose(cfg, t_target, t_verify, draft, can_split)
-    if speedup < 1.0 and not SAID_WILL_NOT_WIN:
-        t_draft = draft.on_share if chosen.mode == "parallel" and can_split else draft.on_all
-        line = (f"[card] on this machine CARD is predicted at {speedup:.2f}x plain decoding at best "
-                f"({chosen.draft} draft, {chosen.mode}, r = {chosen.ratio}): a draft step takes "
-                f"{1000 * t_draft:.1f} ms, a plain step of the target {1000 * t_target:.1f} ms; "
-                "another core, a smaller draft or a GPU would help; it runs the fastest of them anyway")
-        SAID_WILL_NOT_WIN.append(line)
-        with warnings.catch_warnings(record=True) as caught:  # the caller's filters decide; we print
-            warnings.warn(line, CardWillNotWin, stacklevel=2)
-        if caught:
-            print(line, file=sys.stderr)
-    return chosen
+    return choose(cfg, t_target, t_verify, draft, can_split)[1]
+
+def say_if_slower(model, tok, cfg: CardConfig, draft, step_times: dict | None) -> None:
+    """Where cfg runs slower than plain decoding here (verify.say_if_slower), one line says so."""
+    def run(model, prompt_ids, n, eos_ids):
+        while isinstance(draft, DraftProcess) and not draft.started():  # the drop-in did not wait
+            time.sleep(0.05)
+        return generate(model, prompt_ids, n, eos_ids, cfg, draft=draft, step_times=step_times)
+
+    verify.say_if_slower(model, tok, run, ("card", repr(cfg)),
+                         "[card] on this machine CARD runs at {:.2f}x plain decoding ("
+                         f"{cfg.draft} draft, {cfg.mode}, r = {cfg.ratio}: the fastest its step "
+                         "times predict, measured once): its draft's steps cost too much of the "
+                         "target's here; another core, a smaller draft or a GPU would help; it runs "
+                         "anyway")
 
 def measure_for_choice(model, tok, cfg: CardConfig, name: str) -> tuple:
     """(t_target, t_verify, DraftMeasure of cfg.draft), kept on disk (verify.measured_costs)."""
     threads = torch.get_num_threads()
     share = max(1, threads // 2)  # the draft process's threads (DraftProcess); the target keeps the rest
-    sizes = [1] + [r + 1 for r in BEST_RATIOS]
-    t_verify = {}
-    for side, side_threads in (("all", threads), ("share", max(1, threads - share))):
-        measure = functools.partial(verify.measure_step_times, model, sizes, threads=side_threads)
-        t_verify[side] = verify.measured_costs(model, ("card: verify", sizes, side_threads), measure)
-    what = ("card: a draft", cfg.draft, cfg.draft_dtype, cfg.K, share, CALIBRATION, CALIBRATION_TOKENS,
-            TYPICAL_TOKENS)
+    largest = max(BEST_RATIOS) + 1
+    # the rule's measurement (verify.py section 9), on every thread and on what parallel leaves
+    t_verify = {"all": verify.step_times(model, largest),
+                "share": verify.step_times(model, largest, threads=max(1, threads - share))}
+    what = ("card: a draft", cfg.draft, cfg.draft_dtype, cfg.K, share, verify.CALIBRATION,
+            verify.CALIBRATION_TOKENS, verify.TYPICAL_TOKENS)
     measure = functools.partial(measure_draft, model, tok, cfg, name, share)
     return t_verify["all"][1], t_verify, DraftMeasure(*verify.measured_costs(model, what, measure))
 
@@ -1150,20 +1144,21 @@ def measure_draft(model, tok, cfg: CardConfig, name: str, share: int) -> list:
     """DraftMeasure's fields in order (a forward over TYPICAL_TOKENS stands for the prefill)."""
     tok = tok or verify.tokenizer_of(model, instead="card_config (a CardConfig with its mode and ratio)")
     draft = load_draft(model, tok, cfg, name)
-    on_all = verify.measure_step_times(draft, [cfg.K, TYPICAL_TOKENS], repeats=3)
-    on_share = verify.measure_step_times(draft, [cfg.K, TYPICAL_TOKENS], repeats=3, threads=share)
+    typical = verify.TYPICAL_TOKENS
+    on_all = verify.measure_step_times(draft, [cfg.K, typical], repeats=3)
+    on_share = verify.measure_step_times(draft, [cfg.K, typical], repeats=3, threads=share)
     eos = verify.eos_ids_of(model, tok)
     agreement = []
-    for prompt in CALIBRATION:
+    for prompt in verify.CALIBRATION:
         prompt_ids = verify.encode_prompt(tok, prompt)
-        answer = verify.hf_generate(model, prompt_ids, CALIBRATION_TOKENS, eos)
+        answer = verify.hf_generate(model, prompt_ids, verify.CALIBRATION_TOKENS, eos)
         cache = verify.new_cache(draft, len(prompt_ids) + len(answer) + 1)
         guesses = [int(verify.prefill(draft, cache, prompt_ids)[-1].argmax())]  # for answer[0]
         for token in answer[:-1]:  # fed answer[i], the draft guesses answer[i + 1]
             logits = verify.tree_forward(draft, cache, Tree.chain(token, []))
             guesses.append(int(logits[-1].argmax()))
         agreement.append([int(guess == token) for guess, token in zip(guesses, answer)])
-    return [on_all[cfg.K], on_share[cfg.K], agreement, on_all[TYPICAL_TOKENS], on_share[TYPICAL_TOKENS]]
+    return [on_all[cfg.K], on_share[cfg.K], agreement, on_all[typical], on_share[typical]]
 
 # ---- 6. From model.generate: the drop-in (verify.py section 13 reads the call) -----------------------------
 

@@ -18,10 +18,9 @@ share ONE forward:
 FAFO's contributions: guesses only need to be plausible, so the guess rows attend to a compressed
 selection C(kv) of the cache (§4.1, §4.2; StreamingLLM here, Quest and SnapKV in section 8): many
 more guesses become affordable, and the verification rows see the full cache, so the output stays
-the target's; and the pool is keyed by longer suffixes of the text (§4.3). §4.4's buffer (C(kv)
-kept at its head, so FlexAttention skips other blocks) is verify.py's CompactedKVCache (`--attn
-flex`). Beyond the paper: the split back-end (the CPU default); the
-deviations are listed in TUTORIAL.md §5.5.
+the target's; and the pool is keyed by longer suffixes of the text (§4.3). §4.4's buffer (C(kv) kept
+at its head, so FlexAttention skips other blocks) is verify.py's CompactedKVCache (`--attn flex`).
+Beyond the paper: the split back-end (the CPU default); deviations are listed in TUTORIAL.md §5.5.
 
 The paper, section by section, and where it is here (this file's sections in brackets):
 
@@ -33,11 +32,10 @@ The paper, section by section, and where it is here (this file's sections in bra
     App. E, Figure 4    one step's rows and attention mask     StepLayout, combined_mask       [4]
     §4.3, Alg. 4        Find Out: verify, accept               find_out                        [5]
     the loop            fumble, find out, pool, compress       generate                        [7]
-    §4.4, Alg. 1, App. H  compacted blocks for FlexAttention   FlexKV [10],
-                                                               verify.CompactedKVCache
-    the KV back-ends: dense [6] (Figure 4's mask as a tensor, the spec); beyond the paper: split
-    [9] (the guess rows' attention in a second call, the CPU default)
-    model.generate(..., custom_generate=...)                   custom_generate                [11]
+    §4.4, Alg. 1, App. H  compacted blocks for FlexAttention   FlexKV, verify.CompactedKVCache [10]
+    KV back-ends: dense [6] (Figure 4's mask as a tensor, the spec); beyond the paper: split [9]
+    beyond the paper: one line if slower than plain decoding   prepare                        [11]
+    model.generate(..., custom_generate=...)                   custom_generate                [12]
 
     python fafo.py --prompt "Write a limerick about a cat." --compare
     python fafo.py --prompt "..." --compress none --lookback 1   # Lookahead Decoding: full-KV guesses
@@ -82,10 +80,9 @@ class FafoConfig:
     # k: tokens per stream = length of a guessed n-gram = longest pool key (§4.2, Algorithm 2);
     # Lookahead's N - 1 (its n-gram size N counts the key token too)
     k: int = 6
-    # m: candidates retrieved and verified per step (Algorithm 3). Two readings: §4.3's text
-    # retrieves "n guesses" and Figure 4 is symmetric, so m = n (paper()); Algorithms 3 and 4 take
-    # a separate m with no value. 8 is ours (the CUDA default, gpu()); the CPU's is measured.
-    # Lookahead's guess set size G.
+    # m: candidates retrieved and verified per step (Algorithm 3; Lookahead's guess set size G). Two
+    # readings: §4.3's text retrieves "n guesses" and Figure 4 is symmetric, so m = n (paper());
+    # Algorithms 3 and 4 take a separate m with no value. 8 is ours (gpu()); the CPU's is measured.
     m: int = 8
     # C: "stream" (StreamingLLM), "quest", "snapkv", or "none" (full KV: Lookahead)
     compress: str = "stream"
@@ -95,11 +92,9 @@ class FafoConfig:
     recent: int = 252
     page_size: int = 16  # Quest: positions per page (Quest's own page size)
     top_pages: int = 16  # Quest: pages selected per step (16 x 16 = the same budget of 256)
-    # SnapKV: the observation window, the prompt's last rows whose attention votes (SnapKV's own)
-    window_size: int = 32
+    window_size: int = 32  # SnapKV's own observation window: the prompt's last rows, which vote
     max_capacity_prompt: int = 256  # SnapKV: prompt positions kept, the window included (256 again)
-    # SnapKV: width of the average pooling over the votes, keeping neighbours together (SnapKV's own)
-    kernel_size: int = 5
+    kernel_size: int = 5  # SnapKV's own pooling width over the votes (keeps neighbours together)
     # "dense" mask (the spec), "split" (two SDPA calls), "flex"/"flex-compiled" (§4.4)
     attn: str = "dense"
     pool_cap: int | None = None  # k-grams kept per pool key, LRU (Appendix F; None: n)
@@ -107,6 +102,9 @@ class FafoConfig:
     # "least-recently-used"), or "insert", only being filed again (Lookahead's code); the paper's
     # rule is the default (RESULTS.md, "FAFO and Lookahead")
     pool_refresh: str = "use"
+    # ours: what a guess's rows cost (verify.WhatPays): 'timed' verifies the guesses worth their rows
+    # here, the lookahead rows a fixed cost; 'pinned' the same without timing; 'free': all m (the paper)
+    cost: str = "timed"
     # longest pool key, the "lookback window" of §4.3 (None: k; Lookahead: 1)
     lookback: int | None = None
     prompt_pool: bool = False  # also seed the pool with the prompt's k-grams (not in the paper)
@@ -115,16 +113,14 @@ class FafoConfig:
 
     @classmethod
     def paper(cls) -> "FafoConfig":
-        """n and k from the ablation (Tables 11, 12), m = n as §4.3's text reads ("retrieves n
-        guesses"); the short-prompt budget is not given (Table 13's best is ~760): 256, two flex
-        blocks."""
-        return cls(m=40)
+        """n and k from the ablation (Tables 11, 12), m = n as §4.3 reads ("retrieves n guesses");
+        no short-prompt budget is given (Table 13's best is ~760): 256, two flex blocks."""
+        return cls(m=40, cost="free")
 
     @classmethod
     def gpu(cls) -> "FafoConfig":
-        """The CUDA default: the paper's n and k with our m = 8; dense, the fastest back-end on a
-        GPU (RESULTS.md, "On one GPU"). deviation: m = 8 (ours, the setting the H100 run measured),
-        not paper()'s m = n."""
+        """The CUDA default: the paper's n and k; dense, the fastest back-end on a GPU (RESULTS.md,
+        "On one GPU"). deviation: m = 8 (ours, the H100 run's setting), not paper()'s m = n."""
         return cls()
 
     @classmethod
@@ -139,8 +135,7 @@ class FafoConfig:
 
     def check(self) -> None:  # raise verify.UserError (a ValueError) for an impossible value
         for name in ("n_guess", "k", "m", "recent", "page_size", "top_pages", "window_size",
-                     "kernel_size",
-                     "sink", "pool_cap"):
+                     "kernel_size", "sink", "pool_cap"):
             low = 0 if name == "sink" else 1
             v = getattr(self, name)
             if v is not None and v < low:
@@ -183,8 +178,7 @@ class FafoConfig:
 
 class NgramPool:
     """key (tuple of 1..lookback tokens) -> at most `cap` k-grams, LRU. lookback = k is FAFO's
-    prefix caching (the default); lookback = 1 is Lookahead's pool, keyed by the one token before
-    ("solely on x_|x|", §4.3).
+    prefix caching (the default); lookback = 1 is Lookahead's pool, keyed "solely on x_|x|" (§4.3).
 
     >>> pool = NgramPool(k=2, cap=4, lookback=1)
     >>> pool.add_guess(['The', ' cat'], [' sat', ' on'])   # filed under (' cat',) only
@@ -196,9 +190,7 @@ class NgramPool:
         self.k = k
         self.cap = cap
         self.lookback = k if lookback is None else lookback  # longest key: FAFO k, Lookahead 1
-        # what makes a k-gram recent: "insert", being filed again (Lookahead's code); "use", also
-        # being retrieved (Appendix F's "least-recently-used")
-        self.refresh = refresh
+        self.refresh = refresh  # what makes a k-gram recent (FafoConfig.pool_refresh)
         self.table: dict[tuple, OrderedDict] = {}
         # the key of each k-gram the last retrieve() returned (a new list each call: a step hook keeps it)
         self.found_under: list[tuple] = []
@@ -241,11 +233,9 @@ class NgramPool:
             self.add(discarded[-length:], ngram)
 
     def seed(self, tokens: Sequence[int]) -> None:
-        """Optional (--prompt-pool): file every k-gram of the prompt under its preceding 1..k
-        tokens."""
-        k = self.k
-        for t in range(1, len(tokens) - k + 1):
-            self.add_guess(tokens[max(0, t - k) : t], tokens[t : t + k])
+        """Optional (--prompt-pool): file each prompt k-gram under its preceding 1..k tokens."""
+        for t in range(1, len(tokens) - self.k + 1):
+            self.add_guess(tokens[max(0, t - self.k) : t], tokens[t : t + self.k])
 
     def retrieve(self, context: Sequence[int], m: int) -> list[tuple]:
         """Algorithm 3: up to m distinct k-grams, longest matching suffix of the text first, the
@@ -277,23 +267,19 @@ class NgramPool:
 #
 #   y^i_{k+1} = argmax p( . | y^i_{1..k}, C(kv_{1..|x|}) )   for every stream i, all in one forward   (Eq. 1)
 #
-# After the forward each stream appends its new token and drops its oldest, which joins the stream's
-# buffer; the new window goes to the pool. Streams are never reset (as Lookahead's): they only share
-# the text's KV.
+# After the forward each stream appends its new token and drops its oldest into its buffer; the new
+# window goes to the pool. Streams are never reset (as Lookahead's): they share only the text's KV.
 
 class Streams:
     def __init__(self, windows: list[list[int]], k: int):
         self.windows = windows  # n lists of k tokens: y^i_1 .. y^i_k
-        # the last k discarded tokens of each stream
-        self.buffers: list[list[int]] = [[] for _ in windows]
+        self.buffers: list[list[int]] = [[] for _ in windows]  # each stream's last k dropped tokens
         self.k = k
-        # forwards so far; after k of them every window holds only the model's guesses
-        self.advances = 0
+        self.advances = 0  # forwards so far; after k, every window holds only the model's guesses
 
     @classmethod
     def from_prompt(cls, prompt_ids: Sequence[int], n: int, k: int, seed: int = 0) -> "Streams":
-        """Lookahead's initialisation: random prompt tokens (the first k steps are a warm-up, see
-        advance)."""
+        """Lookahead's initialisation: random prompt tokens (a k-step warm-up, see advance)."""
         rng = random.Random(seed)
         return cls([[rng.choice(list(prompt_ids)) for _ in range(k)] for _ in range(n)], k)
 
@@ -304,8 +290,7 @@ class Streams:
         token was the model's guess: it enters the buffer (the keys), and the window is filed. With
         k = 2: advances 1 and 2 file nothing, advance 3 files its window under a key of length 1,
         advance 4 under lengths 1 and 2."""
-        # the token about to be dropped was guessed by the model
-        dropped_is_guess = self.advances >= self.k
+        dropped_is_guess = self.advances >= self.k  # the token to drop is the model's guess
         self.advances += 1
         for i, t in enumerate(new_tokens):
             dropped = self.windows[i][0]
@@ -319,10 +304,9 @@ class Streams:
 #
 # A compressor answers one question per step: which cached (logical) positions may the guess rows
 # see? The KV back-end turns them into a mask or the buffer's head; `budget` bounds the answer (flex
-# allocates the head from it). The decode loop calls after_prefill() once and after_step() per step;
-# they hand observe() the cache and, where a compressor reads them (needs_query: Quest), the last
-# verified row's queries. SnapKV's after_prefill() votes with the prompt's last `window` rows
-# (observe_prompt). To add one (H2O), subclass Compressor.
+# allocates the head from it). The decode loop calls after_prefill() once and after_step() per step,
+# which hand observe() the cache and (needs_query: Quest) the last verified row's queries; SnapKV
+# votes once, with the prompt's last `window` rows (observe_prompt). To add one (H2O), subclass it.
 
 class Compressor:
     # the base class is --compress none: guess rows see everything (Lookahead)
@@ -349,10 +333,8 @@ class Compressor:
         return list(range(length))
 
 class StreamingLLM(Compressor):
-    """Xiao et al. 2024: the first `sink` tokens (attention sinks) and the `recent` newest ones.
-
-        length 12, sink 2, recent 4  ->  [0, 1, 8, 9, 10, 11]
-    """
+    """Xiao et al. 2024: the first `sink` tokens (attention sinks) and the `recent` newest ones,
+    e.g. length 12, sink 2, recent 4 -> [0, 1, 8, 9, 10, 11]."""
 
     name = "stream"
 
@@ -388,9 +370,8 @@ def make_compressor(cfg: FafoConfig) -> Compressor:
 #   5    a_1     p+1       the whole cache, x                       <- find out: candidate a
 #   6    a_2     p+2       the whole cache, x, a_1
 #
-# Column-wise (Lookahead's): a stream's k rows are n apart, so the streams' newest rows are the last
-# n fumble rows. Layout and in-step mask depend only on (n, k, m): the flex path builds its
-# BlockMask once.
+# Column-wise (Lookahead's): a stream's k rows are n apart, so the streams' newest rows are the
+# last n fumble rows. Layout and in-step mask depend only on (n, k, m): one BlockMask for flex.
 
 @dataclass(frozen=True)  # hashable, so the masks below are built once per (n, k, m), not once per step
 class StepLayout:
@@ -410,9 +391,8 @@ class StepLayout:
 
     @functools.cache
     def read_rows(self) -> tuple[int, ...]:
-        """The rows whose prediction the step reads: x, every stream's newest row (column-wise, the
-        last n fumble rows) and the candidates. The other (k-1)*n fumble rows are only context: the
-        head skips them.
+        """The rows whose predictions the step reads: x, each stream's newest row (the last n fumble
+        rows) and the candidates. The other (k-1)*n fumble rows are context: the head skips them.
 
         >>> StepLayout(n=2, k=2, m=1).read_rows()   # rows 1, 2 = level 1 of the streams: not read
         (0, 3, 4, 5, 6)
@@ -428,10 +408,8 @@ class StepLayout:
 
     @functools.cache
     def inner_mask(self) -> np.ndarray:
-        """bool [q, q]: which row of the step sees which other row of it. (Cached: treat as
-        read-only.)"""
-        q = self.rows
-        allowed = np.eye(q, dtype=bool)
+        """bool [q, q]: which of the step's rows sees which. (Cached: treat as read-only.)"""
+        allowed = np.eye(self.rows, dtype=bool)
         allowed[:, 0] = True  # everyone sees the last token
         for i in range(self.n):
             for j in range(self.k):
@@ -513,8 +491,7 @@ def find_out(cands: Sequence[Sequence[int]], first_choice: int,
 #   keys(start, end)                   logical keys [L, H_kv, n, D] (Quest's page statistics)
 
 class DenseKV:
-    """The cache in logical order (verify.PreallocatedKVCache) + an additive float mask built every
-    step."""
+    """The cache in logical order (verify.PreallocatedKVCache) + an additive float mask per step."""
 
     def __init__(self, model, cache, layout: StepLayout):
         self.model = model
@@ -535,8 +512,7 @@ class DenseKV:
                 rows: Sequence[int] | None = None):
         """-> (logits [len(rows), V] of the input rows `rows` (None: all q), hidden states if
         asked). note: the LM head (hidden x vocab per row, a large share of a small model's work)
-        runs on `rows` only, through `logits_to_keep` (a 1D tensor of positions); a model without it
-        computes every row, and we pick."""
+        runs on `rows` only, through `logits_to_keep` (a 1D tensor of positions)."""
         dev = self.model.device
         mask, attention = self.mask(layout or self.layout)
         only = {}  # logits of every row, unless rows are named
@@ -547,18 +523,15 @@ class DenseKV:
         with attention:
             out = verify.model_forward(self.model, self.cache, input_ids=ids, attention_mask=mask,
                                        position_ids=position_ids, output_hidden_states=hidden, **only)
-        # [len(rows), V], or [q, V] where logits_to_keep is unknown; rows increase, so q rows = all
-        logits = out.logits[0]
-        if rows is not None and len(logits) != len(rows):
-            logits = logits[list(rows)]  # a model without logits_to_keep computed every row
+        logits = out.logits[0]  # [len(rows), V], or [q, V] from a model without logits_to_keep
+        if rows is not None and len(logits) != len(rows):  # rows increase, so q rows = all
+            logits = logits[list(rows)]  # such a model computed every row: we pick
         hidden_states = out.hidden_states if hidden else None
         return logits, hidden_states
 
     def mask(self, layout: StepLayout):
-        """(the attention mask, the attention function's context): the spec mask, the model's
-        attention."""
+        """(the spec mask, additive [1, 1, q, p + q]; the attention function's context)."""
         allowed = combined_mask(layout, self.length, self.selected)  # [q, p + q]
-        # [1, 1, q, p + q]
         mask = verify.additive_mask(allowed, self.model.dtype, self.model.device)
         return mask, self.attention(allowed, layout)
 
@@ -570,7 +543,6 @@ class DenseKV:
         verify.compact_kv(self.cache, positions[0], rows)
 
     def keys(self, start: int, end: int) -> torch.Tensor:
-        # [L, H_kv, n, D]
         return torch.stack([layer.keys[0, :, start:end] for layer in self.cache.layers])
 
     def statistics(self, steps: int) -> dict:
@@ -580,10 +552,11 @@ class DenseKV:
 
 @torch.no_grad()
 def generate(model, prompt_ids: Sequence[int], max_new_tokens: int, eos_ids: Sequence[int],
-             cfg: FafoConfig, *, pool: NgramPool | None = None, sampling: verify.Sampling = verify.GREEDY,
-             on_emit=None, on_step=None, stop=None) -> Generation:
+             cfg: FafoConfig, *, pool: NgramPool | None = None, step_times: dict[int, float] | None = None,
+             sampling: verify.Sampling = verify.GREEDY, on_emit=None, on_step=None, stop=None) -> Generation:
     """FAFO decoding, greedy or sampled (guess rows stay greedy: they need only be plausible). A `pool`
-    passed in (an NgramPool, same k; it keeps its own cap and lookback) carries over between prompts."""
+    passed in (NgramPool.for_run) carries over between prompts. step_times: what a forward over n
+    tokens takes here, {n: seconds} (verify.step_times: `prepare` reads it, else it is read now)."""
     cfg.check()
     n = cfg.n_guess  # guess streams (Lookahead's W)
     k = cfg.k  # tokens per stream, the n-gram length (Lookahead's N - 1)
@@ -595,6 +568,12 @@ def generate(model, prompt_ids: Sequence[int], max_new_tokens: int, eos_ids: Seq
     layout = StepLayout(n, k, m)  # the rows of a full step (Figure 4)
     cache, last_logits, hidden = prefill_prompt(model, prompt_ids, max_new_tokens, cfg, compressor,
                                                 layout)
+    # ours: which guesses pay for their rows here (verify.py section 9; cost 'free': all m), the
+    # lookahead rows a fixed cost (flex pads the guesses to m rows: a fixed cost there too)
+    pays = verify.WhatPays.for_run(model, cfg.cost, step_times, layout.rows)
+    flex = cfg.attn.startswith("flex")
+    fixed = n * k + (m * k if flex else 0)
+    guess_rows = 0 if flex else k
     pending = verify.first_token(last_logits, len(prompt_ids), sampling)
     if gen.finish_prefill(pending):
         return gen
@@ -608,6 +587,7 @@ def generate(model, prompt_ids: Sequence[int], max_new_tokens: int, eos_ids: Seq
         p = backend.length  # the cached positions kv_1 .. kv_p (p = |x| - 1, not a probability)
         # -- Find Out, retrieve (Algorithm 3): up to m pool candidates keyed by the text's tail
         cands = pool.retrieve(context, m)
+        cands = cands[: pays.guesses(pending, cands, context, fixed, guess_rows)]  # ours: what pays here
         real = len(cands)
         step = StepLayout(n, k, real)
         if cfg.attn.startswith("flex"):  # static shapes: exactly m, padded with never-accepted dummies
@@ -637,14 +617,14 @@ def generate(model, prompt_ids: Sequence[int], max_new_tokens: int, eos_ids: Seq
         # an on_step hook is shown the KV lengths (kv_before: rows written, flex's padding too) and the step
         if gen.finish_step(tree, path, bonus, draft_s, kv_before=p + step.rows,
                            kv_after=backend.length, layout=step, tokens=tokens, choice=choice,
-                           pool_keys=pool.found_under, winner=best, selected=selected):
-            return step_statistics(gen, pool, backend, layout)
+                           pool_keys=pool.found_under[:real], winner=best, selected=selected,
+                           withheld=pays.withheld):
+            return step_statistics(gen, pool, backend, layout, pays)
 
 def choices(logits, read, step: StepLayout, real: int, positions,
             sampling: verify.Sampling) -> dict:
     """Input row -> the model's token after it: its argmax, or for the verification rows, sampled,
-    the keyed sample at the position the row predicts. logits [len(read), V], one row per input row
-    in `read`."""
+    the keyed sample at the position the row predicts. logits [len(read), V], in `read`'s order."""
     choice = dict(zip(read, logits.argmax(dim=-1).tolist()))
     if not sampling.greedy:
         check = [0] + [step.cand_row(c, t) for c in range(real) for t in range(step.k)]
@@ -681,12 +661,11 @@ def check_reach(model, cfg: FafoConfig, prompt_len: int, max_new_tokens: int) ->
     counts them (a model with absolute positions fails past its table)."""
     if cfg.compress in ("quest", "snapkv"):
         check_llama_layout(model, cfg.compress)
-    n = cfg.n_guess
-    k = cfg.k
-    reach = prompt_len + max_new_tokens + n + k
+    lead = cfg.n_guess + cfg.k
+    reach = prompt_len + max_new_tokens + lead
     if reach > verify.context_length(model):
         raise UserError(f"prompt ({prompt_len}) + max new tokens ({max_new_tokens}) + the guess rows' "
-                        f"lead (n + k = {n + k}) exceeds the model's context of "
+                        f"lead (n + k = {lead}) exceeds the model's context of "
                         f"{verify.context_length(model)}")
 
 def make_backend(model, cache, layout: StepLayout, cfg: FafoConfig, compressor, capacity: int):
@@ -700,14 +679,14 @@ def make_backend(model, cache, layout: StepLayout, cfg: FafoConfig, compressor, 
     return FlexKV(model, cache, layout, compressor.budget, tail_slots, cfg.block_size,
                   compiled=cfg.attn == "flex-compiled")
 
-def step_statistics(gen: Generation, pool, backend, layout: StepLayout) -> Generation:
-    """gen.extra's counts as per-step rates, with the pool's size and the back-end's own."""
-    steps = gen.steps
+def step_statistics(gen: Generation, pool, backend, layout: StepLayout, pays) -> Generation:
+    """gen.extra's counts as per-step rates, and the pool's size, the back-end's own, the rule's."""
     gen.extra["pool_ngrams"] = len(pool)
     gen.extra["held_bytes"] = verify.tensor_bytes(backend.cache) + pool.held_bytes()
     gen.extra["guess_rows_per_step"] = float(layout.n * layout.k)  # each step: n streams x k tokens
-    gen.extra["candidates_per_step"] = gen.extra.pop("candidates") / steps
-    gen.extra.update(backend.statistics(steps))
+    gen.extra["candidates_per_step"] = gen.extra.pop("candidates") / gen.steps
+    gen.extra.update(backend.statistics(gen.steps))
+    gen.extra["rule"] = pays.summary()
     return gen
 
 # ---- Beyond the paper --------------------------------------------------------------------------------------
@@ -719,9 +698,8 @@ def quest_page_scores(query: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tenso
     m_d), where M/m are the page's channel-wise max/min keys; summed over channels, max over heads.
 
     query [H, D]; kmin, kmax [P, H_kv, D] (H = G * H_kv query heads share each KV head) -> scores
-    [P]. Worked example, one head, D = 2: q = (1, -1), page keys (0, 2) and (3, -1): M = (3, 2), m =
-    (0, -1); bound = max(3, 0) + max(-2, 1) = 4, and indeed the best key (3, -1) scores 3 +
-    1 = 4."""
+    [P]. For one head, D = 2: q = (1, -1), page keys (0, 2) and (3, -1): M = (3, 2), m = (0, -1);
+    bound = max(3, 0) + max(-2, 1) = 4, and indeed the best key (3, -1) scores 3 + 1 = 4."""
     H, D = query.shape
     h_kv = kmin.shape[1]
     q = query.view(h_kv, H // h_kv, D)  # [H_kv, G, D]
@@ -804,11 +782,8 @@ class SnapKV(Compressor):
     arXiv:2404.14469 (FAFO's Table 8), made once after the prefill: the prompt's last `window_size`
     rows vote with their attention, the votes are average-pooled over `kernel_size` neighbours, and
     the top max_capacity_prompt - window_size positions are kept with the window, plus the `recent`
-    newest positions. deviation: one selection for every layer and head (votes summed), as for
-    Quest.
-
-        prompt 12, window 2, capacity 5: votes over positions 0..9 -> top 3, say [1, 2, 7], + window [10, 11]
-    """
+    newest positions. deviation: one selection for every layer and head (votes summed), like Quest.
+    Prompt 12, window 2, capacity 5: votes over 0..9 -> top 3, say [1, 2, 7], + window [10, 11]."""
 
     name = "snapkv"
 
@@ -839,8 +814,7 @@ class SnapKV(Compressor):
         return sorted(set(self.kept).union(range(max(0, length - self.recent), length)))
 
 def check_llama_layout(model, compress: str = "quest") -> None:
-    """Quest and SnapKV recompute each layer's queries (layer_queries below): Llama-family layout
-    only."""
+    """Quest and SnapKV recompute each layer's queries (layer_queries): Llama-family layout only."""
     inner = getattr(model, "model", None)
     layers = getattr(inner, "layers", [None])
     llama_like = all(hasattr(layer, "input_layernorm")
@@ -853,8 +827,7 @@ def layer_queries(model, hidden_states, rows: Sequence[int],
                   positions: Sequence[int]) -> torch.Tensor:
     """The query vectors every layer computed for input rows `rows` at `positions`: [L, H, r, D],
     RoPE applied (as on the cached keys, so q.k times the layer's scaling is the attention logit).
-    hidden_states[l] is layer l's input, as transformers returns it with
-    output_hidden_states=True."""
+    hidden_states[l] is layer l's input (transformers' output_hidden_states=True)."""
     inner = model.model
     cfg = model.config
     r = len(rows)
@@ -867,8 +840,7 @@ def layer_queries(model, hidden_states, rows: Sequence[int],
     qs = []
     for i, layer in enumerate(inner.layers):
         q = layer.self_attn.q_proj(layer.input_layernorm(hs[i])).view(r, H, D)  # [r, H, D]
-        # QK-norm (Qwen3): each head's query is normalised before RoPE
-        if hasattr(layer.self_attn, "q_norm"):
+        if hasattr(layer.self_attn, "q_norm"):  # QK-norm (Qwen3): per-head query norm, before RoPE
             q = layer.self_attn.q_norm(q)
         q = q.transpose(0, 1)  # [H, r, D]
         rot = torch.cat([-q[..., D // 2 :], q[..., : D // 2]], dim=-1)  # rotate_half
@@ -895,8 +867,7 @@ def attention_scale(model) -> float:
 def split_groups(allowed: np.ndarray, guess: np.ndarray, dtype, device="cpu") -> list[tuple]:
     """The dense spec mask `allowed` bool [q, n_keys] cut by rows: [(rows [r], cols [c] or None for
     every column, additive mask [1, 1, r, c])] for the verification rows (~guess) and the guess
-    rows. A group whose visible columns are more than half of them reads every column (a gather
-    would save little).
+    rows. A group seeing more than half of the columns reads them all (a gather would save little).
 
     >>> allowed = np.array([[1, 1, 1, 1, 1, 1, 1, 0],   # row 0: verification, sees all 6 cached columns
     ...                     [1, 0, 0, 0, 0, 1, 1, 1]],  # row 1: guess, sees cached 0 and 5, and the step
@@ -919,8 +890,7 @@ def split_groups(allowed: np.ndarray, guess: np.ndarray, dtype, device="cpu") ->
 def _split_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0, groups=(),
                    **kwargs):
     """A transformers attention function: query [B, H, q, D], key/value [B, H_kv, n_keys, D] (the
-    cache after this step's update). `attention_mask` (the dense spec) is not read: `groups` hold
-    it, by rows."""
+    updated cache). `attention_mask` (the dense spec) is unread: `groups` hold it, by rows."""
     import torch.nn.functional as F
 
     gqa = query.shape[1] != key.shape[1]
@@ -932,16 +902,14 @@ def _split_forward(module, query, key, value, attention_mask, scaling=None, drop
         out[:, :, rows] = F.scaled_dot_product_attention(query.index_select(2, rows), k, v,
                                                          scale=scaling,
                                                          attn_mask=mask.to(query.dtype), enable_gqa=gqa)
-    # [B, q, H, D], as every transformers attention returns
-    return out.transpose(1, 2).contiguous(), None
+    return out.transpose(1, 2).contiguous(), None  # [B, q, H, D], as transformers expects
 
 SPLIT = "specdec_split"
 
 class SplitKV(DenseKV):
-    """DenseKV's cache and mask, but attention runs as two SDPA calls per layer (split_groups): same
-    result, the guess rows' attention in O(|C(kv)|). note: the model still gets the dense mask, so
-    every model family prepares its inputs as on the dense path; only the attention function, which
-    reads the groups, differs."""
+    """DenseKV's cache and mask, but attention runs as two SDPA calls per layer (split_groups), same
+    result. note: the model still gets the dense mask, so every model family prepares its inputs as
+    on the dense path; only the attention function, which reads the groups, differs."""
 
     def attention(self, allowed: np.ndarray, layout: StepLayout):
         groups = split_groups(allowed, layout.guess_rows(), self.model.dtype, self.model.device)
@@ -951,14 +919,12 @@ class SplitKV(DenseKV):
 # ---- 10. The flex back-end: FlexAttention over verify.py's CompactedKVCache (§4.4) -------------------------
 
 class FlexKV(DenseKV):
-    """verify.CompactedKVCache + FlexAttention: C(kv) at the head, one static BlockMask skips the
-    rest."""
+    """verify.CompactedKVCache + FlexAttention: C(kv) at the head, a BlockMask skips the rest."""
 
     def __init__(self, model, cache, layout: StepLayout, budget: int, tail_slots: int, block_size: int,
                  compiled: bool):
         compacted = verify.CompactedKVCache(model, head_slots=budget, input_rows=layout.rows,
-                                            tail_slots=tail_slots,
-                                            block_size=block_size)
+                                            tail_slots=tail_slots, block_size=block_size)
         compacted.load(cache)  # everything to the tail; the first select() swaps C(kv) in
         super().__init__(model, compacted, layout)  # self.cache: the compacted buffer
         self.compiled = compiled
@@ -979,17 +945,33 @@ class FlexKV(DenseKV):
         self.cache.commit(rows, positions)
 
     def keys(self, start: int, end: int) -> torch.Tensor:
-        # [L, H_kv, n, D]
         return self.cache.key_buffer[:, 0][:, :, self.cache.logical_slots(start, end)]
 
     def statistics(self, steps: int) -> dict:
         return {"slots_swapped_per_step": self.cache.moved / steps}
 
-# ---- 11. From model.generate: the drop-in (verify.py section 13 reads the call) ----------------------------
+# ---- 11. FAFO's speed here, said in one line where it is below plain decoding (ours) ----------------------
+
+def prepare(model, tok, cfg: FafoConfig, name: str = verify.DEFAULT_MODEL,
+            step_times: dict[int, float] | None = None) -> tuple[FafoConfig, dict]:
+    """The set-up before the first call (the script's, and custom_generate's through
+    verify.prepare_once): the step times the rule reads (unless cost is free or they are given), and
+    FAFO's speed over plain decoding here, measured once (verify.speed_over_plain): below 1, one
+    line says so (TUTORIAL.md §5.6 says why FAFO then runs anyway)."""
+    rows = StepLayout(cfg.n_guess, cfg.k, cfg.m).rows
+    extra = {} if cfg.cost == "free" else {"step_times": step_times or verify.step_times(model, rows)}
+    verify.say_if_slower(model, tok, functools.partial(generate, cfg=cfg, **extra), ("fafo", repr(cfg)),
+                         "[fafo] on this machine FAFO runs at {:.2f}x plain decoding (" + f"{cfg.n_guess} x "
+                         f"{cfg.k} lookahead rows and up to {cfg.m} guesses a step, measured once): its rows "
+                         "cost more than its guesses bring here; a GPU, where rows are nearly free, would "
+                         "help; it runs anyway")
+    return cfg, extra
+
+# ---- 12. From model.generate: the drop-in (verify.py section 13 reads the call) ----------------------------
 
 def custom_generate(model, input_ids, logits_processor, stopping_criteria, generation_config,
                     fafo_config: FafoConfig | None = None, pool: NgramPool | None = None,
-                    seed: int | None = None, **model_kwargs):
+                    step_times: dict[int, float] | None = None, seed: int | None = None, **model_kwargs):
     """Run this file's generate() from transformers' own call, in place of its loop:
 
         out = model.generate(input_ids, custom_generate=fafo.custom_generate, max_new_tokens=128)
@@ -1002,17 +984,23 @@ def custom_generate(model, input_ids, logits_processor, stopping_criteria, gener
         - fafo_config: a FafoConfig (default: FafoConfig.for_device(model.device), the script's
           default on that device)
         - pool: an NgramPool to carry over between calls (default: a fresh pool per call)
+        - step_times: what a forward over n tokens takes here, {n: seconds} (default:
+          verify.step_times, measured once on this machine and kept in
+          ~/.cache/specdec-reference, or $SPECDEC_CACHE)
         - seed: the sampling noise's key under do_sample=True (default: drawn from torch's
           generator, so torch.manual_seed repeats a call)
     """
     call = verify.GenerateCall.read(model, input_ids, logits_processor, stopping_criteria,
                                     generation_config, model_kwargs, seed)
     cfg = FafoConfig.for_device(model.device) if fafo_config is None else fafo_config
+    cfg.check()
+    # the script's set-up (prepare), once per model: the step times, FAFO's speed here (its one line)
+    cfg, extra = verify.prepare_once(model, prepare, cfg, step_times=step_times)
     gen = generate(model, call.prompt_ids, call.max_new_tokens, call.eos_ids, cfg, pool=pool,
-                   sampling=call.sampling, **call.hooks())
+                   sampling=call.sampling, **call.hooks(), **extra)
     return call.output(gen)
 
-# ---- 12. CLI -----------------------------------------------------------------------------------------------
+# ---- 13. CLI -----------------------------------------------------------------------------------------------
 
 def make_parser():
     """The options: the common ones (verify.common_parser), then the paper's parameters
@@ -1052,10 +1040,11 @@ def make_parser():
     add("--prompt-pool", action="store_const", const=True,
         help="seed the pool with the prompt's k-grams too")
     add("--block-size", type=int, help="flex: KV block size, B_z in Algorithm 1" + default("block_size"))
+    add("--cost", choices=verify.COSTS, help=verify.COST_HELP + default("cost"))
     return parser
 
 def main(argv=None) -> int:
-    return verify.run_cli(make_parser(), "fafo", generate, FafoConfig, argv=argv)
+    return verify.run_cli(make_parser(), "fafo", generate, FafoConfig, prepare, argv=argv)
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -19,9 +19,10 @@ The chapter, section by section, and where it is here (this file's sections in b
     "Speedup Analysis" (corrected)  expected_accepted, estimate_alpha, predicted_speedup        [3]
     "The Verification Loop",        generate                                                    [4]
     "Buffer Capacity Guard"
-    beyond the chapter              CostGate: skip drafts not worth their measured cost here    [5]
-                                    model.generate(..., custom_generate=...): custom_generate   [6]
-                                    the CLI: prepare, report, main                              [7]
+    beyond the chapter              the chain cut to the prefix worth its time here:            [4]
+                                    verify.WhatPays (verify.py section 9)
+                                    model.generate(..., custom_generate=...): custom_generate   [5]
+                                    the CLI: prepare, report, main                              [6]
 
     python ngram_predictor.py --prompt "Write a Python class Stack with push and pop." --compare
 
@@ -59,33 +60,32 @@ MAX_BATCH = 64
 @dataclass
 class NgramConfig:
     """Everything generate() needs to know, under the chapter's names. The default is the chapter
-    plus our cost gate (section 5), on costs measured once per device (kept on disk): where a draft
-    costs about nothing (a GPU) the gate lets every draft through; where it costs more (a CPU) it
-    withholds the drafts that would cost more than they bring.
+    plus the rule of verify.py section 9 (cost): of each chain, the prefix worth its time on this
+    machine; where a draft costs about nothing (a GPU) that is the whole chain.
 
-    >>> NgramConfig.paper().draft_cost, NgramConfig().draft_cost    # the chapter always verifies
-    (1.0, None)
+    >>> NgramConfig.paper().cost, NgramConfig().cost    # the chapter verifies every draft
+    ('free', 'timed')
     """
 
     max_order: int = MAX_ORDER
     draft_count: int = DRAFT_COUNT
     max_history: int = MAX_HISTORY
     max_batch: int = MAX_BATCH
-    # t(1+D)/t(1) for the gate; None = measured; 1.0 = no gate (the chapter)
-    draft_cost: float | None = None
+    # ours: what a draft token costs (verify.WhatPays): 'timed', 'pinned' (no timing: runs repeat)
+    # or 'free' (every draft verified: the chapter)
+    cost: str = "timed"
 
     @classmethod
     def paper(cls) -> "NgramConfig":
         """The chapter exactly: verify whatever the predictor drafts."""
-        return cls(draft_cost=1.0)
+        return cls(cost="free")
 
     @classmethod
-    def for_device(cls, device) -> "NgramConfig":  # the same everywhere: the gate measures the device
+    def for_device(cls, device) -> "NgramConfig":  # the same everywhere: the rule measures the device
         return cls()
 
     def check(self) -> None:
-        """Raise verify.UserError (a ValueError) for an impossible value. draft_cost may come as the
-        command line's text ('auto' or a number): it is read into None or a float here."""
+        """Raise verify.UserError (a ValueError) for an impossible value."""
         if self.max_order < 2:
             raise verify.UserError(f"--max-order must be at least 2 (got {self.max_order})")
         if self.draft_count < 0:
@@ -94,21 +94,6 @@ class NgramConfig:
             raise verify.UserError(f"--max-history must hold a full context of {self.max_order - 1} tokens")
         if self.max_batch < 1:
             raise verify.UserError(f"--max-batch must be at least 1 (got {self.max_batch})")
-        self.draft_cost = self.read_draft_cost(self.draft_cost)
-
-    @staticmethod
-    def read_draft_cost(cost) -> float | None:
-        """None for 'auto' (measured), else a number >= 1 (the command line gives text)."""
-        if cost in (None, "auto"):
-            return None
-        refusal = verify.UserError(f"--draft-cost must be 'auto' or a number >= 1 (got {cost!r})")
-        try:
-            value = float(cost)
-        except ValueError:
-            raise refusal from None
-        if not value >= 1.0:  # (nan too)
-            raise refusal
-        return value
 
 # ---- 1. Hashing: 64-bit FNV-1a over token ids --------------------------------------------------------------
 #
@@ -263,18 +248,19 @@ def predicted_speedup(alpha: float, d: int, cost_ratio: float) -> float:
 
 @torch.no_grad()
 def generate(model, prompt_ids: Sequence[int], max_new_tokens: int, eos_ids: Sequence[int],
-             cfg: NgramConfig, *, draft_costs: dict[int, float] | None = None,
+             cfg: NgramConfig, *, step_times: dict[int, float] | None = None,
              sampling: verify.Sampling = verify.GREEDY, on_emit=None, on_step=None,
              stop=None) -> Generation:
-    """Speculative decoding with n-gram drafts. draft_costs = {n: t(1+n)/t(1)}, the cost gate's
-    curve (measured once per machine by `prepare`, else now); cfg.draft_cost replaces it (1.0 = the
-    chapter: always verify). `sampling`: greedy by default; sampled, exactly the plain sampler's
-    tokens (verify.Sampling)."""
+    """Speculative decoding with n-gram drafts. step_times: what a forward over n tokens takes here,
+    {n: seconds} (verify.step_times: `prepare` reads it, else it is read now), for the rule of
+    verify.py section 9. `sampling`: greedy by default; sampled, exactly the plain sampler's tokens
+    (verify.Sampling)."""
     cfg.check()
     gen = Generation(max_new_tokens, eos_ids, on_emit=on_emit, on_step=on_step, stop=stop)
     predictor = NGramPredictor(cfg.max_order, cfg.draft_count, cfg.max_history)
     predictor.update_batch(prompt_ids)  # seed the tables with the prompt (chat template included)
-    gate = CostGate.for_run(model, cfg, draft_costs)  # section 5; draft_cost = 1 lets all drafts by
+    # deviation: what of a chain pays for its time here (verify.py section 9; cost 'free': all of it)
+    pays = verify.WhatPays.for_run(model, cfg.cost, step_times, cfg.draft_count + 1)
     # the cache's capacity: prompt + output + the largest step (the pending token and a full draft)
     cache = verify.new_cache(model, len(prompt_ids) + max_new_tokens + cfg.draft_count + 1)
     known = verify.first_token(verify.prefill(model, cache, prompt_ids), len(prompt_ids), sampling)
@@ -290,17 +276,14 @@ def generate(model, prompt_ids: Sequence[int], max_new_tokens: int, eos_ids: Seq
         if len(drafted) + 1 > cfg.max_batch:
             drafted = drafted[: cfg.max_batch - 1]
         drafted = drafted[: max_new_tokens - len(gen.tokens) - 1]  # a step emits <= len + 1
+        chain = Tree.chain(known, [token for token, _ in drafted])  # [known, d0, ..., dn]
         orders = [order for _, order in drafted]
-        refused = []  # deviation (section 5): a draft not worth its cost on this hardware
-        if drafted and not gate.allows(orders):
-            refused = drafted
-            drafted = []
-            orders = []
-        drafts = [token for token, _ in drafted]
+        # deviation: the chain's prefix worth its time here, each token's signal its order
+        tree = pays.subtree(chain, [None, *(f"{order}-gram" for order in orders)], gen.tokens)
+        orders = orders[: len(tree) - 1]
         draft_s = time.perf_counter() - t0
 
         # -- VERIFY (no draft: the chapter's "no-draft fallback", a plain one-token forward)
-        tree = Tree.chain(known, drafts)  # [known, d0, ..., dn] at positions pos, pos+1, ...
         pos = verify.cache_len(cache)
         logits = verify.tree_forward(model, cache, tree)  # [1 + n_draft, V]
         # -- ACCEPT: longest prefix where draft == the model's token (argmax, or the keyed sample),
@@ -308,109 +291,23 @@ def generate(model, prompt_ids: Sequence[int], max_new_tokens: int, eos_ids: Seq
         path, bonus = verify.accept(tree, logits, pos, sampling)
         # the known token + accepted drafts (= accepted + 1 in the chapter's words)
         keep = len(path)
-        gate.update(orders, keep - 1)
         # -- ROLL BACK: the KV of rejected drafts was computed from a wrong context; forget it.
         verify.rollback(cache, pos + keep)
         n_before = len(gen.tokens)
         done = gen.finish_step(tree, path, bonus, draft_s, kv_before=pos + len(tree), kv_after=pos + keep,
-                               orders=orders, refused=refused)  # what an on_step hook is shown
+                               orders=orders, withheld=pays.withheld)  # what an on_step hook is shown
         predictor.update_batch(gen.tokens[n_before:])  # the predictor learns every emitted token
         if done:
-            gen.extra["draft_cost"] = gate.cost_of(cfg.draft_count)  # t(1+D)/t(1): a full draft
-            gen.extra["gated_drafts"] = gate.skipped
+            gen.extra["rule"] = pays.summary()
             gen.extra["held_bytes"] = verify.tensor_bytes(cache) + predictor.held_bytes()
             return gen
         known = bonus
 
 # ---- Beyond the paper --------------------------------------------------------------------------------------
-# ---- 5. The cost gate (our deviation from the chapter) -----------------------------------------------------
-#
-# The chapter claims speculation "never hurts": with no draft the step is a plain one-token forward.
-# That holds only if a *rejected* draft is free, i.e. t(1+D) ~ t(1). On a GPU it nearly is; on a
-# small CPU a forward over 5 tokens costs well over a one-token one, so a rejected draft slows its
-# step down, and without a gate prompts with few repeats decode slower than plain decoding
-# (RESULTS.md, "The n-gram predictor").
-#
-# So we apply the chapter's own estimate *per step*, before verifying:
-#     verify the draft only if   1 + E[accepted]  >  t(1+n) / t(1)   ("draft_cost" of its length n <= D)
-# i.e. only if the expected tokens per forward beat the plain step's 1 token per 1 unit of cost.
-# E[accepted] = sum_k prod_{j<=k} alpha(order_j), alpha measured online per order (4-gram, trigram,
-# bigram). subtle: the prior must be optimistic. A withheld draft teaches the gate nothing, so with
-# alpha = 1/2 (1 + E = 1.94 for four drafts) a full draft costing 1.95 would never be tried. With
-# alpha = 3/4 until measured, every order is tried early and only orders that proved poor are withheld.
-# With draft_cost = 1 the condition always holds and the decoder is exactly the chapter's.
-
-class CostGate:
-    def __init__(self, draft_cost: dict[int, float] | float, max_order: int = MAX_ORDER,
-                 draft_count: int = DRAFT_COUNT):
-        """draft_cost: {n: t(1+n)/t(1)} for drafts of n = 1..D tokens (`measure_draft_costs`), or
-        one number c = t(1+D)/t(1) for a full draft, taken as linear in n below it (c = 1: the gate
-        is off). note: a draft of n < D tokens is charged ITS cost, t(1+n)/t(1), not that of a full
-        D-token draft."""
-        if isinstance(draft_cost, dict):
-            self.cost = {int(n): float(c) for n, c in draft_cost.items()}
-        else:
-            d = max(draft_count, 1)
-            self.cost = {n: 1 + (float(draft_cost) - 1) * n / d for n in range(1, d + 1)}
-        # Optimistic prior: alpha = 3/4 for every order until measured (3 pseudo-hits in 4
-        # pseudo-trials).
-        self.hits = {order: 3 for order in range(2, max_order + 1)}
-        self.trials = {order: 4 for order in range(2, max_order + 1)}
-        self.skipped = 0  # drafts withheld because they were not worth their cost
-
-    @classmethod
-    def for_run(cls, model, cfg: NgramConfig, draft_costs: dict[int, float] | None) -> "CostGate":
-        """cfg.draft_cost if set, else the curve `prepare` measured, else one measured now."""
-        if cfg.draft_cost is not None:
-            draft_costs = cfg.draft_cost
-        elif draft_costs is None:
-            draft_costs = measure_draft_costs(model, cfg.draft_count)
-        return cls(draft_costs, cfg.max_order, cfg.draft_count)
-
-    def cost_of(self, n: int) -> float:
-        """t(1+n)/t(1) for a draft of n tokens (the largest measured length if n is beyond it)."""
-        if n <= 0 or not self.cost:
-            return 1.0
-        # normally n itself; a bigger forward never costs less
-        longer = [k for k in self.cost if k >= n]
-        return self.cost[min(longer)] if longer else self.cost[max(self.cost)]
-
-    def alpha(self, order: int) -> float:
-        return self.hits[order] / self.trials[order]
-
-    def expected_accepted_of(self, orders: Sequence[int]) -> float:
-        """E[accepted] of one draft whose tokens came from these orders, each with its measured
-        alpha (section 3's expected_accepted assumes one alpha for all)."""
-        e, p = 0.0, 1.0
-        for order in orders:
-            p *= self.alpha(order)  # P(the first k drafts are all accepted)
-            e += p
-        return e
-
-    def allows(self, orders: Sequence[int]) -> bool:
-        ok = 1 + self.expected_accepted_of(orders) > self.cost_of(len(orders))
-        self.skipped += not ok
-        return ok
-
-    def update(self, orders: Sequence[int], accepted: int) -> None:
-        """Drafts before the first rejection were accepted; the first rejected one failed; the ones
-        after it were never really tested (their context was wrong), so they are not counted."""
-        for j, order in enumerate(orders[: accepted + 1]):
-            self.trials[order] += 1
-            self.hits[order] += j < accepted
-
-@torch.no_grad()
-def measure_draft_costs(model, d: int) -> dict[int, float]:
-    """{n: t(1+n)/t(1)} for n = 1..D drafts: what the cost gate charges a draft of each length."""
-    if d <= 0:
-        return {}
-    curve = verify.measure_cost_curve(model, list(range(2, d + 2)))
-    return {n: curve[1 + n] for n in range(1, d + 1)}
-
-# ---- 6. From model.generate: the drop-in (verify.py section 13 reads the call) -----------------------------
+# ---- 5. From model.generate: the drop-in (verify.py section 13 reads the call) -----------------------------
 
 def custom_generate(model, input_ids, logits_processor, stopping_criteria, generation_config,
-                    ngram_config: NgramConfig | None = None, draft_costs: dict[int, float] | None = None,
+                    ngram_config: NgramConfig | None = None, step_times: dict[int, float] | None = None,
                     seed: int | None = None, **model_kwargs):
     """Run this file's generate() from transformers' own call, in place of its loop:
 
@@ -423,8 +320,9 @@ def custom_generate(model, input_ids, logits_processor, stopping_criteria, gener
     Keywords of this method, passed to model.generate beside its own:
         - ngram_config: an NgramConfig (default: NgramConfig.for_device(model.device), the script's
           default on that device)
-        - draft_costs: the cost gate's curve {n: t(1+n)/t(1)} (default: measured once on this
-          machine and kept in ~/.cache/specdec-reference, or $SPECDEC_CACHE)
+        - step_times: what a forward over n tokens takes here, {n: seconds} (default:
+          verify.step_times, measured once on this machine and kept in
+          ~/.cache/specdec-reference, or $SPECDEC_CACHE)
         - seed: the sampling noise's key under do_sample=True (default: drawn from torch's
           generator, so torch.manual_seed repeats a call)
     """
@@ -432,33 +330,30 @@ def custom_generate(model, input_ids, logits_processor, stopping_criteria, gener
                                     generation_config, model_kwargs, seed)
     cfg = NgramConfig.for_device(model.device) if ngram_config is None else ngram_config
     cfg.check()
-    # the script's set-up (prepare), once per model: the gate's curve, from disk after the first run
-    cfg, extra = verify.prepare_once(model, prepare, cfg, draft_costs=draft_costs)
+    # the script's set-up (prepare), once per model: the step times, from disk after the first run
+    cfg, extra = verify.prepare_once(model, prepare, cfg, step_times=step_times)
     gen = generate(model, call.prompt_ids, call.max_new_tokens, call.eos_ids, cfg, sampling=call.sampling,
                    **call.hooks(), **extra)
     return call.output(gen)
 
-# ---- 7. CLI ------------------------------------------------------------------------------------------------
+# ---- 6. CLI ------------------------------------------------------------------------------------------------
 
 def prepare(model, tok, cfg: NgramConfig, name: str = verify.DEFAULT_MODEL,
-            draft_costs: dict[int, float] | None = None) -> tuple[NgramConfig, dict]:
+            step_times: dict[int, float] | None = None) -> tuple[NgramConfig, dict]:
     """The set-up before the first call (the script's, and custom_generate's through
-    verify.prepare_once): the cost gate's curve, unless cfg.draft_cost fixes it or the caller gives
-    draft_costs; measured once per machine (verify.measured_costs). tok and name: unused here."""
-    if cfg.draft_cost is not None:
+    verify.prepare_once): the step times the rule reads, unless cost is free or the caller gives
+    them; measured once per machine (verify.step_times). tok and name: unused here."""
+    if cfg.cost == "free":
         return cfg, {}
-    if draft_costs is None:
-        draft_costs = measure_draft_costs(model, cfg.draft_count)
-    return cfg, {"draft_costs": draft_costs}
+    return cfg, {"step_times": step_times or verify.step_times(model, cfg.draft_count + 1)}
 
 def report(model, prompt_ids, gen: Generation, cfg: NgramConfig, extra: dict) -> dict:
-    """After the timed run: the acceptance rate alpha, the cost ratio t(1+D)/t(1) (the gate's, or
-    measured now when --draft-cost fixed it) and the speedup the chapter's formula predicts from
-    them."""
+    """After the timed run: the acceptance rate alpha, the cost ratio T(1+D)/T(1) of this machine's
+    step times and the speedup the chapter's formula predicts from them."""
     alpha = estimate_alpha(gen.accepted, gen.drafted)
     d = cfg.draft_count
-    ratio = gen.extra["draft_cost"] if cfg.draft_cost is None else measure_draft_costs(model,
-                                                                                       d).get(d, 1.0)
+    times = extra.get("step_times") or verify.step_times(model, d + 1)
+    ratio = verify.seconds_at(times, d + 1) / times[1]
     out = {"alpha": alpha, "cost_ratio": ratio, "draft_steps": sum(1 for d in gen.drafted if d)}
     out["predicted_speedup"] = predicted_speedup(alpha, d, ratio) if alpha is not None else None
     return out
@@ -479,9 +374,7 @@ def make_parser():
     g.add_argument("--max-batch", type=int,
                    help="buffer capacity guard: tokens per verification forward at "
                    f"most (default: {MAX_BATCH})")
-    g.add_argument("--draft-cost",
-                   help="cost gate (our deviation, section 5): auto = measure t(1+n)/t(1); a "
-                   "number c = t(1+D)/t(1); 1 = the chapter, always verify (default: auto)")
+    g.add_argument("--cost", choices=verify.COSTS, help=verify.COST_HELP + " (default: timed)")
     return parser
 
 def main(argv=None) -> int:

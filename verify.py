@@ -44,13 +44,17 @@ use each (a method file and this whole file are what you copy; the map is for re
                                         used by: ngram_predictor.py, cacheback.py, card.py, fafo.py
      8  bookkeeping and the baselines   Generation, vanilla_generate, hf_generate
                                         used by: ngram_predictor.py, cacheback.py, card.py, fafo.py
-     9  what a forward costs here       sync, measure_step_times, measure_cost_curve, kept on
-                                        disk per machine: costs_path, machine_key, cpu_name,
-                                        measured_costs, read_costs; and what a run holds:
-                                        tensor_bytes, kv_cache_bytes
-                                        used by: ngram_predictor.py (its gate), cacheback.py (its
-                                        pruning), card.py (r, and the configuration it chooses),
-                                        fafo.py (tensor_bytes)
+     9  when a token pays: the rule    best_prefix; what a forward costs: sync, measure_step_times,
+        of what is worth verifying      step_times, seconds_at; the step fit: StepFit;
+                                        acceptance after the fact: Acceptance, DraftRecord; the rule
+                                        in a loop: WhatPays; when a method cannot win: CALIBRATION,
+                                        WillNotWin, say_if_slower, speed_over_plain; kept on disk:
+                                        costs_path, machine_key, cpu_name, measured_costs,
+                                        read_costs; and what a run holds: tensor_bytes,
+                                        kv_cache_bytes
+                                        used by: ngram_predictor.py, cacheback.py, card.py, fafo.py
+                                        (WhatPays, one call a step), serve/gate.py (StepFit,
+                                        Acceptance, DraftRecord), card.py and fafo.py (the one line)
     FAFO's flex and split back-ends only
     10  compacted blocks, FlexAttention flex_mode, CompactedKVCache, CompactedLayer, attention_function
                                         used by: fafo.py
@@ -95,7 +99,9 @@ import copy
 import dataclasses
 import functools
 import inspect
+import itertools
 import json
+import operator
 import os
 import random
 import sys
@@ -180,6 +186,16 @@ class Tree:
 
     def __len__(self) -> int:
         return len(self.tokens)
+
+    def subtree(self, keep: Callable[[int], bool]) -> "Tree":
+        """The nodes for which keep(i) is true, the root always, in their order (a kept node's
+        parent must be kept too): what the rule of section 9 verifies of a draft."""
+        out = type(self).root_only(self.tokens[0])
+        index = {0: 0}  # node here -> node there
+        for i in range(1, len(self)):
+            if keep(i):
+                index[i] = out.add(index[self.parents[i]], self.tokens[i])
+        return out
 
     # node i's parent is i - 1: the tree mask is the ordinary causal mask
     @property
@@ -714,7 +730,42 @@ def hf_generate(model, prompt_ids: Sequence[int], max_new_tokens: int, eos_ids: 
                          **gen_kwargs)
     return out[0, ids.shape[1] :].tolist()
 
-# ---- 9. What a forward costs here (the cost gate, the pruning, CARD's r read it), and what a run holds --
+# ---- 9. When a token pays: what a forward costs here, and what is worth verifying ------------------------
+#
+# On a GPU a forward over 5 or 50 tokens costs about what a one-token forward does; on a CPU every row
+# costs time. So each method asks one rule, once a step, what of its draft to verify. A node's chance of
+# being on the accepted path is P(node) = P(parent) · p(key), P(root) = 1, p the measured acceptance rate
+# of its signal (its key: the n-gram order, Cacheback's node origin, ...). Branches exclude each other,
+# so verifying some nodes emits 1 + Σ P tokens in expectation (the bonus token and the accepted drafts)
+# in t(rows) seconds. The rule takes the nodes most probable first (a subtree: P never rises down a
+# branch) and keeps the count that maximises
+#
+#     (1 + Σ kept P) / t(fixed + 1 + kept)        kept = 0: a plain step; fixed: FAFO's lookahead rows
+#
+# TUTORIAL.md §1.10 works one step in real figures; serve/gate.py applies the same bar to a batch.
+
+def best_prefix(gains: Sequence[float], sizes: Sequence[int], seconds: Callable[[int], float],
+                rows: int = 1) -> int:
+    """How many items, in order, to verify: the count maximising (1 + Σ gains) / seconds(rows + Σ sizes).
+
+    >>> t = {1: 1.0, 2: 1.65, 3: 1.7}.__getitem__           # a node of P .5, then its child of P .4
+    >>> best_prefix([0.5, 0.4], [1, 1], t)                   # 1/1, 1.5/1.65 = .91, 1.9/1.7 = 1.12
+    2
+    """
+    best = 0  # a plain step...
+    best_rate = 1.0 / seconds(rows)
+    tokens = 1.0
+    for count, (gain, size) in enumerate(zip(gains, sizes), start=1):
+        tokens += gain
+        rows += size
+        rate = tokens / seconds(rows)
+        if rate > best_rate:
+            best = count
+            best_rate = rate
+    return best
+
+# T(n), a forward over n new tokens: one curve, measured once per machine at these sizes, kept on disk
+LADDER = (1, 2, 3, 4, 5, 6, 7, 8, 9, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384)
 
 def sync(model) -> None:
     if model.device.type == "cuda":
@@ -745,20 +796,315 @@ def measure_step_times(model, sizes: Sequence[int], context: int = 256, repeats:
         torch.set_num_threads(threads_before)
     return times
 
-def measure_cost_curve(model, sizes: Sequence[int], context: int = 256,
-                       repeats: int = 5, keep: bool = True) -> dict[int, float]:
-    """{n: t(n) / t(1)}: a verification forward over n new tokens against a one-token step.
-    keep: read it from, or add it to, the machine's measured costs on disk (measured_costs), so
-    that only the first process on this machine pauses to measure."""
-    if keep:
-        measure = functools.partial(measure_cost_curve, model, sizes, context, repeats, keep=False)
-        return measured_costs(model, ("cost curve", sorted(set(sizes)), context, repeats), measure)
-    times = measure_step_times(model, [1, *sizes], context, repeats)
-    curve, top = {}, 1.0
-    # subtle: timing noise can make t(8) < t(4); a bigger forward never costs less
-    for n in sorted(times):
-        curve[n] = top = max(top, times[n] / times[1])
-    return curve
+def step_times(model, largest: int = 32, threads: int | None = None) -> dict[int, float]:
+    """T(n): {n: seconds} on the LADDER up to the first size >= largest (32 at least: one measurement
+    serves every CPU default), after 256 cached tokens (fewer where the model's context is short)."""
+    top = next((n for n in LADDER if n >= max(largest, 32)), LADDER[-1])
+    sizes = [n for n in LADDER if n <= min(top, context_length(model) // 2)]
+    context = min(256, context_length(model) - sizes[-1])
+    threads = None if threads == torch.get_num_threads() else threads  # as set: one key
+    measure = functools.partial(measure_step_times, model, sizes, context, threads=threads)
+    return measured_costs(model, ("step times", sizes, context, threads), measure)
+
+def seconds_at(times: dict[int, float], n: int) -> float:
+    """T(n) between the measured sizes, linearly; past the last one, its slope continued.
+
+    >>> times = {1: 0.040, 2: 0.067, 4: 0.082}
+    >>> round(seconds_at(times, 3), 4), round(seconds_at(times, 6), 4)
+    (0.0745, 0.097)
+    """
+    if n in times:
+        return times[n]
+    sizes = sorted(times)
+    above = next((size for size in sizes if size > n), sizes[-1])  # past the last: the last slope
+    if above == sizes[0]:  # below the smallest size
+        return times[above]
+    below = sizes[sizes.index(above) - 1]
+    return times[below] + (times[above] - times[below]) * (n - below) / (above - below)
+
+# A forward timed alone is not what a step of the loop costs: the loop also drafts, walks the acceptance,
+# rolls the cache back and keeps its books, and the machine's speed moves while it runs. So the rule
+# times the loop's own steps, call to call, and fits t(n) = a + s · T(n) by least squares (StepFit, as
+# serve/gate.py does), recent steps weighing most. Priors hold it at the curve (a = 0, s = 1) before any
+# step; with one step size, a slow step reads mostly as a slower machine (s), little as a fixed cost (a).
+FIT_HALF_LIFE = 64  # steps: a step's weight halves after this many more (a generate() call)
+OFFSET_PRIOR = 1.0  # a = 0 weighs as a step of no rows taking no time...
+SCALE_PRIOR = 0.1  # ...s = 1 as a tenth of a one-token step taking T(1)
+SLOWEST = 3.0  # a step over SLOWEST times its predicted time (a pause, a page fault) counts as that...
+SETTLED_STEPS = 8  # ...once this many steps have been fitted
+
+class StepFit:
+    """seconds ≈ c · x for a step with features x, by least squares over a loop's steps, weights halving
+    every half_life steps, no c below 0; prior(): rows (weight, x, seconds) counted as steps, unfading."""
+
+    def __init__(self, features: int, half_life: float, prior: Sequence[tuple] = ()):
+        self.priors = list(prior)
+        self.xx = np.zeros((features, features))  # Σ w·x·xᵀ
+        self.xt = np.zeros(features)  # Σ w·x·t
+        self.decay = 0.5 ** (1 / half_life)  # what one step more leaves of a step's weight
+        self.steps = 0  # steps fitted, all told
+        self.solved: list[float] | None = None  # the coefficients, until the next add()
+
+    def add(self, x: Sequence[float], seconds: float) -> None:
+        if self.steps >= SETTLED_STEPS:
+            seconds = min(seconds, SLOWEST * self.predict(x))
+        x = np.array(x, dtype=float)
+        self.xx = self.decay * self.xx + np.outer(x, x)
+        self.xt = self.decay * self.xt + x * seconds
+        self.steps += 1
+        self.solved = None
+
+    def predict(self, x: Sequence[float]) -> float:
+        return sum(c * v for c, v in zip(self.coefficients(), x))
+
+    def coefficients(self) -> list[float]:
+        if self.solved is None:
+            self.solved = self.solve()
+        return self.solved
+
+    def prior(self) -> list[tuple]:
+        return self.priors
+
+    def solve(self) -> list[float]:
+        """The normal equations with the prior's rows. subtle: a coefficient below 0 is held at 0 and the
+        rest refitted, one at a time, since holding one can lift the others above 0."""
+        normal, target = self.xx, self.xt
+        for weight, x, seconds in self.prior():
+            normal = normal + np.outer(weight * x, x)
+            target = target + weight * seconds * x
+        free = list(range(len(target)))  # the coefficients not held at 0
+        while True:
+            solution = np.zeros(len(target))
+            solution[free] = np.linalg.solve(normal[np.ix_(free, free)], target[free])
+            negative = [i for i in free if solution[i] < 0]
+            if not negative:  # (with none left free: all zeros)
+                return solution.tolist()
+            free.remove(negative[0])
+
+# p(key) is counted on every draft, verified or withheld, once its text is known: a held-back signal is
+# still measured, and verified again once it proves good (so no optimistic prior: 1/2 until measured).
+SHRINK = 4.0  # serve/gate.py: a request's own trials weigh against this many of the server's
+
+class Acceptance:
+    """p(key): the chance a draft token with this signal is accepted once its parent is (a branch's first
+    token: always), counted over a loop's drafts (serve/gate.py: a server's) and per request in `own`."""
+
+    def __init__(self):
+        self.hits: dict = {}
+        self.trials: dict = {}
+
+    def p(self, key, own: dict | None = None) -> float:
+        shared = (self.hits.get(key, 0.0) + 1.0) / (self.trials.get(key, 0.0) + 2.0)
+        if not own or key not in own:
+            return shared
+        own_hits, own_trials = own[key]
+        return (own_hits + SHRINK * shared) / (own_trials + SHRINK)
+
+    def record(self, key, hit: bool, own: dict | None = None) -> None:
+        """One trial of `key`, for the loop (the server) and, given its counts, the request."""
+        self.hits[key] = self.hits.get(key, 0.0) + hit
+        self.trials[key] = self.trials.get(key, 0.0) + 1
+        if own is not None:
+            own_hits, own_trials = own.get(key, (0, 0))
+            own[key] = (own_hits + hit, own_trials + 1)
+
+    def chain(self, keys: Sequence, own: dict | None = None) -> list[float]:
+        """P_j for each token of a chain: the chance that tokens 1..j are all accepted."""
+        return list(itertools.accumulate((self.p(key, own) for key in keys), operator.mul))
+
+@dataclass
+class DraftRecord:
+    """A draft made when the text was `start` tokens long: its tokens, each one's key and parent among
+    them (-1: it follows the text; None: a chain), and how far the growing text has scored it."""
+
+    start: int
+    tokens: list[int]
+    keys: list
+    parents: list[int] | None = None
+    scored: int = 0  # the text's tokens compared so far
+    alive: int = -1  # the node the text has followed so far
+    done: bool = False  # a miss seen, or a leaf reached
+
+    def children(self, node: int) -> list[int]:
+        if self.parents is None:
+            return [node + 1] if node + 1 < len(self.tokens) else []
+        return [i for i, parent in enumerate(self.parents) if parent == node]
+
+    def score(self, text: Sequence[int], acceptance: Acceptance, own: dict | None = None) -> None:
+        """Score the tokens the text now reaches. A node is a trial once its parent came true; those
+        below a miss are not: their context was wrong."""
+        while not self.done and self.start + self.scored < len(text):
+            token = int(text[self.start + self.scored])
+            came_true = None
+            for node in self.children(self.alive):
+                hit = self.tokens[node] == token
+                acceptance.record(self.keys[node], hit, own)
+                came_true = node if hit else came_true
+            self.scored += 1
+            self.alive = came_true
+            self.done = came_true is None or not self.children(came_true)
+
+class WhatPays:
+    """The rule in a decode loop, one call a step between drafting and verifying (subtree(); FAFO's whole
+    guesses: guesses()): it times the steps, scores every draft once its text is known, and keeps of each
+    new draft the part worth verifying. Its state lives for one generate() call; only the curve lasts."""
+
+    def __init__(self, times: dict[int, float], cost: str = "timed"):
+        self.cost = cost
+        self.times = times  # T(n), measured once
+        one = times[min(times)]  # T(1)
+        prior = [(OFFSET_PRIOR, np.array([1.0, 0.0]), 0.0), (SCALE_PRIOR, np.array([0.0, one]), one)]
+        self.fit = StepFit(2, FIT_HALF_LIFE, prior)  # t(n) = a + s · T(n): x = (1, T(n))
+        self.acceptance = Acceptance()
+        self.pending: list[DraftRecord] = []  # drafts not yet scored to the end
+        self.began: float | None = None  # when the step in progress began (its call)...
+        self.rows = 1  # ...and the rows it verifies
+        self.withheld = 0  # draft tokens the last call withheld
+        self.drafted_total = self.withheld_total = 0
+
+    @classmethod
+    def for_run(cls, model, cost: str, times: dict[int, float] | None, largest: int) -> "WhatPays":
+        """times: the curve `prepare` read (step_times), else read now; not needed where cost is free."""
+        if cost not in COSTS:
+            raise UserError(f"--cost must be {', '.join(COSTS)} (got {cost!r})")
+        if cost == "free":
+            return cls({1: 1.0}, cost)
+        return cls(times or step_times(model, largest), cost)
+
+    def subtree(self, tree: Tree, keys: Sequence, text: Sequence[int], fixed: int = 0) -> Tree:
+        """The part of `tree` worth verifying: keys[i], node i's signal (the root's unused); `text`,
+        the tokens so far, the root last; `fixed`: rows the step carries besides."""
+        if self.cost == "free":
+            return tree
+        chance = self.begin(tree, keys, text)
+        order = sorted(range(1, len(tree)), key=lambda i: (-chance[i], i))  # a parent before its child
+        kept = best_prefix([chance[i] for i in order], [1] * len(order), self.seconds, 1 + fixed)
+        self.end(len(tree) - 1 - kept, 1 + fixed + kept)
+        return tree.subtree({0, *order[:kept]}.__contains__)
+
+    def guesses(self, root: int, guesses: Sequence[Sequence[int]], text: Sequence[int], fixed: int,
+                size: int) -> int:
+        """How many whole guesses to verify, in order (FAFO's): the guesses as a trie below `root`, each
+        node's signal its guess's rank and place in it; a guess is `size` rows, whatever it shares."""
+        if self.cost == "free":
+            return len(guesses)
+        tree = Tree.root_only(root)
+        keys = [None]
+        groups = []  # each guess's nodes that no earlier guess has
+        for rank, guess in enumerate(guesses):
+            first_new = len(tree)
+            tree.add_branch(guess)
+            shared = len(guess) - (len(tree) - first_new)  # the prefix an earlier guess has
+            keys += [f"rank {rank} token {j}" for j in range(shared, len(guess))]
+            groups.append(range(first_new, len(tree)))
+        chance = self.begin(tree, keys, text)
+        gains = [sum(chance[i] for i in group) for group in groups]
+        kept = best_prefix(gains, [size] * len(groups), self.seconds, 1 + fixed)
+        self.end(sum(len(group) for group in groups[kept:]), 1 + fixed + size * kept)
+        return kept
+
+    def begin(self, tree: Tree, keys: Sequence, text: Sequence[int]) -> list[float]:
+        """Time the step just ended, score earlier drafts against the text, file this one; P by node."""
+        if self.cost == "timed":
+            now = time.perf_counter()
+            if self.began is not None:
+                self.add_step(self.rows, now - self.began)
+            self.began = now
+        self.drafted_total += len(tree) - 1
+        for record in self.pending:
+            record.score(text, self.acceptance)
+        self.pending = [record for record in self.pending if not record.done]
+        if len(tree) > 1:
+            parents = [parent - 1 for parent in tree.parents[1:]]  # the root is the text: -1
+            self.pending.append(DraftRecord(len(text), tree.tokens[1:], list(keys[1:]), parents))
+        chance = [1.0]
+        for i in range(1, len(tree)):  # parents come before children
+            chance.append(chance[tree.parents[i]] * self.acceptance.p(keys[i]))
+        return chance
+
+    def add_step(self, rows: int, seconds: float) -> None:
+        self.fit.add((1.0, seconds_at(self.times, rows)), seconds)
+
+    def seconds(self, rows: int) -> float:
+        return self.fit.predict((1.0, seconds_at(self.times, rows)))  # t(rows) = a + s · T(rows)
+
+    def end(self, withheld: int, rows: int) -> None:
+        self.withheld = withheld
+        self.withheld_total += withheld
+        self.rows = rows
+
+    def summary(self) -> dict:
+        """What the rule did (output, --json): step fit, most tried signals' p, draft tokens withheld."""
+        if self.cost == "free":
+            return {"cost": "free"}
+        fixed, scale = self.fit.coefficients()
+        tried = sorted(self.acceptance.trials, key=self.acceptance.trials.get, reverse=True)
+        chance = ", ".join(f"{key} {self.acceptance.p(key):.2f}" for key in tried[:SHOWN_SIGNALS])
+        one = 1000 * self.times[min(self.times)]  # T(1), ms
+        return {"cost": self.cost, "step": f"{1000 * fixed:.1f} ms + {scale:.2f} x T(n), T(1) = {one:.1f} ms",
+                "withheld": f"{self.withheld_total} of {self.drafted_total} draft tokens", "chance": chance}
+
+COSTS = ("timed", "pinned", "free")  # WhatPays' cost, every method's --cost (COST_HELP says each)
+COST_HELP = ("ours, the rule of verify.py section 9: timed = this machine's step times, offset and scaled "
+             "by this run's; pinned = as measured once (a run repeats exactly); free = every draft verified")
+SHOWN_SIGNALS = 6  # signals a summary shows
+
+# A method whose costs the rule cannot cut (CARD's draft, FAFO's lookahead rows) is timed against plain
+# decoding at set-up, once per machine, on these prompts (the tuning half's, one a category); if slower,
+# it says so in one line before its first token (the others' kept = 0 is plain decoding plus drafting).
+CALIBRATION = (
+    "Write a short, friendly email to a neighbour inviting them to a garden barbecue on Saturday.",
+    'Translate the following German sentence into English: "Der Zug nach Berlin hat heute wegen eines '
+    'Sturms zwei Stunden Verspätung."',
+    "What is the difference between weather and climate?",
+    "A shop sells pencils at 3 for 45 cents. How much do 12 pencils cost? Explain step by step.",
+    "Write a Python function is_palindrome(s) that ignores case and spaces, with a docstring and two "
+    "example calls.",
+)
+CALIBRATION_TOKENS = 48  # CARD's draft is checked against the first tokens of the target's answers
+TYPICAL_TOKENS = 128  # a set-up times a typical answer
+
+class WillNotWin(UserWarning):
+    """A method is slower than plain decoding on this machine (python -W ignore silences it)."""
+
+SAID_WILL_NOT_WIN: dict[str, str] = {}  # method -> its line, once said in this process
+
+def say_if_slower(model, tok, run: Callable, what: tuple, line: str) -> None:
+    """Where the method what[0], run(model, prompt_ids, n, eos_ids), is slower than plain decoding here
+    (speed_over_plain): line.format(its speed), once a process: a WillNotWin warning, on stderr as is."""
+    speed = speed_over_plain(model, tok, run, what)
+    if speed is None or speed >= 1.0 or what[0] in SAID_WILL_NOT_WIN:
+        return
+    said = SAID_WILL_NOT_WIN[what[0]] = line.format(speed)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.warn(said, WillNotWin, stacklevel=3)
+    if caught:
+        print(said, file=sys.stderr)
+
+def speed_over_plain(model, tok, run: Callable, what: tuple) -> float | None:
+    """run's speed over vanilla_generate's on CALIBRATION's prompts, TYPICAL_TOKENS each (the same tokens:
+    a ratio of times), once per machine (kept on disk under `what`); None without a tokenizer."""
+    try:
+        tok = tok or tokenizer_of(model, instead="tokenizer")
+    except UserError:  # the drop-in, on a model saved without one
+        return None
+    eos = eos_ids_of(model, tok)
+
+    def measure() -> float:
+        print(f"[{what[0]}] timing it against plain decoding on {len(CALIBRATION)} prompts, once on this "
+              "machine", file=sys.stderr)
+        seconds = {run: 0.0, vanilla_generate: 0.0}
+        for prompt in CALIBRATION:
+            prompt_ids = encode_prompt(tok, prompt)
+            for side in seconds:
+                side(model, prompt_ids, 4, eos)  # a warm-up: the first call of a shape pays for it
+                started = time.perf_counter()
+                side(model, prompt_ids, TYPICAL_TOKENS, eos)
+                sync(model)
+                seconds[side] += time.perf_counter() - started
+        return seconds[vanilla_generate] / seconds[run]
+
+    return measured_costs(model, ("speed over plain", *what, CALIBRATION, TYPICAL_TOKENS), measure)
 
 # A measured cost is a fact about the machine, not about the process: measured at every start, it
 # would pause each new process for seconds before its first token. So it is kept in one JSON file
@@ -784,10 +1130,7 @@ def machine_key(model) -> dict:
     config_text = json.dumps(config, sort_keys=True, default=str)
     described = type(model).__name__ + config_text + " ".join(layers)
     shape = hashlib.sha1(described.encode()).hexdigest()[:16]
-    if model.device.type == "cuda":
-        processor = torch.cuda.get_device_name(model.device)
-    else:
-        processor = cpu_name()
+    processor = torch.cuda.get_device_name(model.device) if model.device.type == "cuda" else cpu_name()
     return {"model": shape, "device": model.device.type, "dtype": str(model.dtype),
             "processor": processor, "threads": torch.get_num_threads(), "torch": torch.__version__,
             "attention": getattr(model.config, "_attn_implementation", None),
@@ -846,7 +1189,6 @@ def read_costs(path: str) -> dict:
 # bench/side_by_side.py reads torch.cuda.max_memory_allocated; on a CPU each generate() counts what it
 # holds in gen.extra["held_bytes"]: its tensors (KV caches, a draft model), each storage once, and its
 # Python tables and pools as a C++ engine would store them, TOKEN_BYTES per token id.
-
 TOKEN_BYTES = 4  # a token id as uint32
 
 def tensor_bytes(*objects) -> int:
@@ -1377,13 +1719,15 @@ class Printer:
 def make_tracer(tok, out):
     """--trace: one block per verification step, e.g.
 
-    step 3  draft: 2 branch(es), 5 token(s)
+    step 3  draft: 2 branch(es), 5 token(s), 2 more withheld by the rule
         ✓' the' ✓' cat' ✗' ran'
         ✗' a'
       accepted 2 + bonus ' sat'  (KV 41 -> 38)
     """
     def trace(gen, tree, path, bonus):
-        lines = [f"step {gen.steps}  draft: {len(tree.branches())} branch(es), {len(tree) - 1} token(s)"]
+        withheld = gen.step_facts.get("withheld", 0)  # draft tokens the rule of section 9 did not verify
+        cut = f", {withheld} more withheld by the rule" if withheld else ""
+        lines = [f"step {gen.steps}  draft: {len(tree.branches())} branch(es), {len(tree) - 1} token(s){cut}"]
         lines += ["    " + " ".join(("✓" if n in path else "✗") + repr(tok.decode([tree.tokens[n]]))
                                     for n in b) for b in tree.branches()]
         kv = ""  # the KV cache's length before and after the rollback, where the method says
@@ -1535,12 +1879,18 @@ def print_statistics(method: str, r: dict, gen: Generation, cfg: dict | None) ->
     """The run's lines: what the method did (its gen.extra too) and, on a second line, its
     config (dataclasses.asdict of it)."""
     stats = ""
+    parts = []  # a dict of the method's (the rule's summary) on a line of its own
     for key, value in gen.extra.items():
-        stats += f" | {key} {value:.3g}" if isinstance(value, float) else f" | {key} {value}"
+        if isinstance(value, dict):
+            parts.append(f"[{method}] {key}: " + " | ".join(f"{k} {v}" for k, v in value.items()))
+        else:
+            stats += f" | {key} {value:.3g}" if isinstance(value, float) else f" | {key} {value}"
     print(f"[{method}] new tokens {r['new_tokens']} | target forwards {gen.target_forwards} | mean "
           f"accepted {r['mean_accepted']:.2f} | {r['tokens_per_s']:.1f} tokens/s | first token "
           f"{r['ttft_s']:.2f} s, then {r['decode_tokens_per_s'] or 0:.1f} tokens/s | draft "
           f"{r['draft_ms_per_step']:.3f} ms/step{stats}")
+    for part in parts:
+        print(part)
     if cfg is not None:
         settings = " ".join(f"{key}={value}" for key, value in cfg.items())
         print(f"[{method}] config: {settings}")

@@ -95,7 +95,7 @@ def main(argv=None) -> int:
         tables = ngram_predictor.NGramPredictor().tables
         print(f"| ngram | {k} | - | - | server | {mat(streams, lambda: ngram_chain(k, tables)):.3f} |")
         for name, cfg in presets.items():
-            cfg.prune = "none"
+            cfg.cost = "free"
             table_of = frozen if cfg.frozen != "none" else None
             for pick_name, pick in (("first", cacheback.first_branch), ("deepest", deepest_branch)):
                 # a tree of k + 1 (one follower on level 1), the preset's own, the paper's

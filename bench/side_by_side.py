@@ -66,7 +66,7 @@ from tools.methods import METHODS  # noqa: E402
 # prepare(model, tok, cfg, name) -> (cfg, extra), generate(model, ids, n, eos, cfg, **extra).
 PROJECT_METHODS = {
     **{name: (name, {}) for name in METHODS},  # every method of tools/methods.py under its own name
-    "ngram-nogate": ("ngram", {"draft_cost": 1.0}),  # the chapter exactly: every draft verified
+    "ngram-nogate": ("ngram", {"cost": "free"}),  # the chapter exactly: every draft verified
     # the paper's Table 1 (on CPU the default is already "no frozen"; on CUDA "dual")
     "cacheback-dual": ("cacheback", {"frozen": "stdlib"}),
     "cacheback-dual-selfchat": ("cacheback", {"frozen": "selfchat"}),

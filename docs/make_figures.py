@@ -440,12 +440,12 @@ def most_accepted(steps, also=lambda step: True) -> int:
 
 
 def replay_ngram() -> None:
-    replay_figure("replay_ngram", "ngram", ["--draft-cost", "1"], most_accepted)
+    replay_figure("replay_ngram", "ngram", ["--cost", "free"], most_accepted)
 
 
 def replay_cacheback() -> None:
     # the shipped frozen table is keyed by one token (LL = 1); the paper's whole trees, no pruning
-    replay_figure("replay_cacheback", "cacheback", ["--ll", "1", "--frozen", "selfchat", "--prune", "none"],
+    replay_figure("replay_cacheback", "cacheback", ["--ll", "1", "--frozen", "selfchat", "--cost", "free"],
                   lambda steps: most_accepted(steps, lambda s: any(s["frozen"])))
 
 

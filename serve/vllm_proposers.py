@@ -61,7 +61,8 @@ if __name__ == "__main__":  # run as a script: the method files and serve/ live 
 import cacheback  # noqa: E402
 import ngram_predictor  # noqa: E402
 import verify  # noqa: E402
-from serve.gate import AllDrafts, BatchGate, DraftRecord, schedule_cap  # noqa: E402
+from serve.gate import AllDrafts, BatchGate, schedule_cap  # noqa: E402
+from verify import DraftRecord  # noqa: E402
 
 # under vLLM's own logger, so that our lines read like the engine's (plain stderr lines without vLLM)
 LOG = logging.getLogger("vllm.specdec")
@@ -168,11 +169,11 @@ def engine_args(method: str, k: int, **options) -> dict:
 # With a table per request, a request's state is a function of its text (prompt + tokens so far):
 # the tables are filled by sliding over that text in order. So whatever order the engine schedules
 # requests in, the draft made at a given text is the one the method's generate() would make at that
-# text. (The steps fall elsewhere: Cacheback's generate() verifies whole trees, and both gate or
-# prune their drafts by cost, here the batch gate does.)
+# text. (The steps fall elsewhere: Cacheback's generate() verifies trees, and both cut their drafts
+# by the rule of verify.py section 9 for one request; here the batch gate weighs the whole batch.)
 #
-# A draft is a DraftRecord (serve/gate.py): its tokens, where the text stood, and for each token
-# its signal, the key under which the gate counts how often such tokens are accepted (serve/gate.py,
+# A draft is a verify.DraftRecord: its tokens, where the text stood, and for each token its signal,
+# the key under which the gate counts how often such tokens are accepted (serve/gate.py,
 # section 3; each draft() says what its keys hold). subtle: each part of a key splits the counts
 # further (each bucket learns from fewer tokens, and a new one starts at 1/2), so each part is kept
 # for its measured gain (RESULTS.md, "Batch 4 against suffix"). The numbers in a key are labels
@@ -263,9 +264,9 @@ class NgramRequest(RequestState):
 class CachebackRequest(RequestState):
     """cacheback.generate()'s dynamic table (a fresh one per request, or the server's), filled from
     the prompt and the new windows after each step; a draft is the first branch of grow_tree's
-    tree (cacheback.first_branch). deviation: no cost pruning (cfg.prune is not read, so preset
-    'cpu' here is CachebackConfig.cpu() without its prune='cost'): the pruning weighs one request's
-    forward of the tree; in the engine a step's cost is the whole batch's, which the gate weighs."""
+    tree (cacheback.first_branch). deviation: cfg.cost is not read (preset 'cpu' here grows
+    CachebackConfig.cpu()'s trees whole): generate()'s rule weighs one request's forward of the
+    tree; in the engine a step's cost is the whole batch's, which the gate weighs."""
 
     def __init__(self, tokens: Sequence[int], cfg: cacheback.CachebackConfig,
                  dynamic: cacheback.CacheTable | None, frozen: cacheback.CacheTable | None):

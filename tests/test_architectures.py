@@ -99,15 +99,15 @@ def arch_model(request):
 
 def _cases():
     """Every method and mode, with small settings so that drafts are short and the runs take milliseconds."""
-    cost = {1: 1.0, 2: 1.2, 4: 1.4, 8: 1.8, 16: 2.4}  # a made-up cost curve: the pruner prunes something
+    times = {1: 1.0, 2: 1.2, 4: 1.4, 8: 1.8, 16: 2.4}  # made-up step times: the rule cuts something
     cb = cacheback.CachebackConfig(ll=1, tdl=16, crt=4)
-    cbp = cacheback.CachebackConfig(ll=1, tdl=16, crt=4, prune="cost")
+    cbp = cacheback.CachebackConfig(ll=1, tdl=16, crt=4, cost="pinned")
     cd = dict(K=4, k=2, ratio=3)
     ff = dict(n_guess=3, k=3, m=2, sink=2, recent=8, page_size=4, top_pages=2, prompt_pool=True)
     return {
         "ngram": lambda m, d: ngram_predictor.generate(m, PROMPT, NEW, [EOS], ngram_predictor.NgramConfig.paper()),
         "cacheback": lambda m, d: cacheback.generate(m, PROMPT, NEW, [EOS], cb),
-        "cacheback-pruned": lambda m, d: cacheback.generate(m, PROMPT, NEW, [EOS], cbp, cost=cost),
+        "cacheback-rule": lambda m, d: cacheback.generate(m, PROMPT, NEW, [EOS], cbp, step_times=times),
         "card-lockstep": lambda m, d: card.generate(m, PROMPT, NEW, [EOS], card.CardConfig(mode="lockstep", **cd), draft=d),
         "card-parallel": lambda m, d: card.generate(m, PROMPT, NEW, [EOS], card.CardConfig(mode="parallel", **cd), draft=d),
         "fafo-dense": lambda m, d: fafo.generate(m, PROMPT, NEW, [EOS], fafo.FafoConfig(attn="dense", **ff)),
@@ -164,13 +164,13 @@ def test_every_method_is_token_identical_to_hf_greedy(arch_model, draft_of, case
 
 
 def _real_runs(model, ids, eos, draft, process):
-    cost = {1: 1.0, 2: 1.65, 4: 1.8, 8: 2.0, 16: 2.2}  # about this CPU's measured curve (TUTORIAL §1.1)
+    times = {1: 0.040, 2: 0.066, 4: 0.072, 8: 0.080, 16: 0.088}  # about a 2-core CPU's (TUTORIAL §1.1)
     small = dict(n_guess=4, k=3, m=3, sink=2, recent=12, prompt_pool=True)
     cd = dict(ratio=3, **CARD_REAL)
     return {
         "ngram": lambda: ngram_predictor.generate(model, ids, 32, eos, ngram_predictor.NgramConfig.paper()),
         "cacheback": lambda: cacheback.generate(model, ids, 32, eos, cacheback.CachebackConfig(ll=2, tdl=16, crt=4)),
-        "cacheback-pruned": lambda: cacheback.generate(model, ids, 32, eos, cacheback.CachebackConfig.cpu(), cost=cost),
+        "cacheback-rule": lambda: cacheback.generate(model, ids, 32, eos, cacheback.CachebackConfig.cpu(), step_times=times),
         "card-lockstep": lambda: card.generate(model, ids, 32, eos, card.CardConfig(mode="lockstep", **cd), draft=draft),
         "card-parallel": lambda: card.generate(model, ids, 32, eos, card.CardConfig(mode="parallel", **cd), draft=process),
         "fafo-dense": lambda: fafo.generate(model, ids, 32, eos, fafo.FafoConfig(attn="dense", **small)),

@@ -68,8 +68,8 @@ def test_prefill_computes_only_the_last_logits_and_they_equal_the_full_forward(t
     assert verify.last_logits_only(NoKeep()) == {} and verify.last_logits_only(tiny) == {"logits_to_keep": 1}
 
 
-def test_a_cost_curve_is_measured_once_per_machine_and_again_when_its_key_changes(tiny, tmp_path, monkeypatch):
-    """verify.measure_cost_curve keeps what it measured on disk (a second process starts without the pause);
+def test_step_times_are_measured_once_per_machine_and_again_when_their_key_changes(tiny, tmp_path, monkeypatch):
+    """verify.step_times keeps what it measured on disk (a second process starts without the pause);
     a change of what the cost depends on (here the thread count) measures again, under its own key."""
     import json
 
@@ -80,13 +80,13 @@ def test_a_cost_curve_is_measured_once_per_machine_and_again_when_its_key_change
     hook = tiny.register_forward_hook(lambda *a: forwards.append(1))
     threads = torch.get_num_threads()
     try:
-        first = verify.measure_cost_curve(tiny, [2, 4], repeats=1)
+        first = verify.step_times(tiny)
         measured = len(forwards)
         assert measured > 0 and os.path.exists(verify.costs_path())
-        assert verify.measure_cost_curve(tiny, [2, 4], repeats=1) == first  # read back, int keys and all
+        assert verify.step_times(tiny) == first  # read back, int keys and all
         assert len(forwards) == measured, "measured again though nothing changed"
         torch.set_num_threads(1 if threads > 1 else 2)
-        verify.measure_cost_curve(tiny, [2, 4], repeats=1)
+        verify.step_times(tiny)
         assert len(forwards) == 2 * measured, "a changed thread count must measure again"
     finally:
         torch.set_num_threads(threads)

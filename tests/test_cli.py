@@ -126,7 +126,7 @@ def test_a_clean_run_prints_no_warning(script, args):
 # ---------------------------------------------------------------------------------------------- method scripts
 
 METHOD_FLAGS = {
-    "cacheback.py": ["--ll", "--fl", "--lc", "--fc", "--tdl", "--crt", "--frozen", "--prune"],
+    "cacheback.py": ["--ll", "--fl", "--lc", "--fc", "--tdl", "--crt", "--frozen", "--cost"],
     "card.py": ["--target", "--draft", "--K", "--k", "--ratio", "--mode", "--wait", "--no-correct"],
     "fafo.py": ["--n-guess", "--k", "--m", "--compress", "--sink", "--recent", "--page-size", "--top-pages", "--attn"],
 }
@@ -191,7 +191,7 @@ def test_method_json_reports_the_configuration_the_flags_filled_in():
             script="cacheback.py")
     assert r.returncode == 0, r.stderr
     cfg = json.loads(r.stdout.strip().splitlines()[-1])["config"]
-    assert cfg["tdl"] == 8 and (cfg["ll"], cfg["crt"], cfg["prune"], cfg["frozen"]) == (2, 4, "cost", "none")
+    assert cfg["tdl"] == 8 and (cfg["ll"], cfg["crt"], cfg["cost"], cfg["frozen"]) == (2, 4, "timed", "none")
 
 
 def test_auto_dtype_is_float32_on_every_device_with_tf32_off():

@@ -19,6 +19,7 @@ import random
 import numpy as np
 import pytest
 
+import verify
 from serve import gate as batch_gate
 from serve import vllm_proposers as proposers
 from test_serve import serve_batch, vllm_config
@@ -186,17 +187,17 @@ def test_the_fit_of_a_known_stream():
 
 
 def test_the_counts_and_the_cap_by_hand():
-    acceptance = batch_gate.Acceptance()
+    acceptance = verify.Acceptance()
     assert acceptance.p("4-gram") == 0.5  # never measured: a coin
     mine = {}
     for hit in (True, True, True, False):
         acceptance.record("4-gram", hit, mine)
     assert acceptance.p("4-gram") == pytest.approx(4 / 6)  # (3 + 1) / (4 + 2)
-    own = (3 + batch_gate.SHRINK * 4 / 6) / (4 + batch_gate.SHRINK)  # 0.708
+    own = (3 + verify.SHRINK * 4 / 6) / (4 + verify.SHRINK)  # 0.708
     assert acceptance.p("4-gram", mine) == pytest.approx(own) and round(own, 3) == 0.708
     assert acceptance.chain(["4-gram", "4-gram", "new"], mine) == pytest.approx([own, own * own, own * own * 0.5])
-    scored = batch_gate.Acceptance()
-    record = batch_gate.DraftRecord(start=3, tokens=[7, 8, 9], keys=["a", "b", "c"])
+    scored = verify.Acceptance()
+    record = verify.DraftRecord(start=3, tokens=[7, 8, 9], keys=["a", "b", "c"])
     record.score([1, 2, 3, 7], scored, {})  # 7 matches; 8 is not known yet
     assert not record.done and record.scored == 1
     record.score([1, 2, 3, 7, 5], scored, {})  # 5 is not 8: scored, done; 9 is no trial
@@ -285,14 +286,14 @@ def test_the_acceptance_counts_converge_on_a_stream_of_known_acceptance():
     """A synthetic stream: the first draft token is right with chance 0.3 (key 'first'), the second, given the
     first was, with chance 0.8 ('second'). Scored in hindsight, the counts find both."""
     rng = random.Random(0)
-    acceptance = batch_gate.Acceptance()
+    acceptance = verify.Acceptance()
     own = {}
     for _ in range(3000):
         first_right = rng.random() < 0.3
         second_right = rng.random() < 0.8
         text = [1, 2, 5, 6]  # the text after the draft's start: 5, 6
         draft = [5 if first_right else 9, 6 if second_right else 9]
-        record = batch_gate.DraftRecord(start=2, tokens=draft, keys=["first", "second"])
+        record = verify.DraftRecord(start=2, tokens=draft, keys=["first", "second"])
         record.score(text, acceptance, own)
         assert record.done
     assert acceptance.p("first") == pytest.approx(0.3, abs=0.03)
@@ -354,14 +355,14 @@ def test_a_held_back_draft_is_scored_as_vllm_would_have_accepted_it_when_samplin
     without_x = np.delete(p, x) / (1 - p[x])
     counts = {}
     for way in ("sent", "held"):
-        acceptance = batch_gate.Acceptance()
+        acceptance = verify.Acceptance()
         for _ in range(20000):
             if way == "sent":
                 accepted = rng.random() < p[x]  # vLLM's rejection sampler, with no draft probabilities
                 token = x if accepted else [0, 2, 3][rng.choice(3, p=without_x)]
             else:
                 token = rng.choice(4, p=p)
-            record = batch_gate.DraftRecord(start=1, tokens=[x], keys=["k"])
+            record = verify.DraftRecord(start=1, tokens=[x], keys=["k"])
             record.score([9, int(token)], acceptance, {})
         counts[way] = acceptance.hits["k"] / acceptance.trials["k"]
     assert counts["sent"] == pytest.approx(p[x], abs=0.01) and counts["held"] == pytest.approx(p[x], abs=0.01)

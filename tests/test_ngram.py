@@ -132,46 +132,13 @@ def test_alpha_estimate_recovers_alpha_from_simulated_steps():
     assert ng.estimate_alpha([0, 0], [0, 0]) is None
 
 
-# ---------------------------------------------------------------------------------------------- cost gate
-
-
-def test_cost_gate_off_always_allows():
-    gate = ng.CostGate(draft_cost=1.0)
-    assert gate.allows([2]) and gate.allows([2, 2, 2, 2])
-
-
-def test_cost_gate_weighs_expected_acceptance_against_cost():
-    gate = ng.CostGate(draft_cost={1: 1.8, 2: 1.85, 3: 1.9, 4: 1.95})  # optimistic prior alpha = 3/4
-    assert not gate.allows([2])  # 1 + 0.75 < 1.8
-    assert gate.allows([2, 2])  # 1 + 0.75 + 0.5625 > 1.85: unmeasured drafts get tried
-    assert gate.skipped == 1
-    for _ in range(10):
-        gate.update([2, 2, 2], accepted=0)  # bigram drafts keep being wrong (only the first one counts)
-    assert gate.alpha(2) == pytest.approx(3 / 14) and not gate.allows([2, 2, 2, 2])  # 1 + 0.27 < 1.95
-    assert gate.allows([4, 4, 4, 4])  # 4-grams are still trusted
-    gate.update([4, 3, 2], accepted=1)  # 4-gram right, trigram wrong, bigram untested
-    assert (gate.hits[4], gate.trials[4], gate.hits[3], gate.trials[3], gate.trials[2]) == (4, 5, 3, 5, 14)
-
-
-def test_cost_gate_charges_a_short_draft_its_own_cost():
-    # t(2)/t(1) = 1.3 but t(5)/t(1) = 1.8: one 4-gram draft (alpha 3/4) is worth 1.75 tokens for 1.3 units.
-    # Charged the full draft's cost, as before the fix, it would have been withheld.
-    gate = ng.CostGate(draft_cost={1: 1.3, 2: 1.5, 3: 1.65, 4: 1.8})
-    assert gate.cost_of(1) == 1.3 and gate.cost_of(4) == 1.8 and gate.cost_of(0) == 1.0
-    assert gate.allows([4]) and not ng.CostGate(draft_cost={1: 1.8}).allows([4])
-    # one number: the cost of a full draft of D tokens, linear below it
-    gate = ng.CostGate(draft_cost=1.8, draft_count=4)
-    assert [round(gate.cost_of(n), 3) for n in range(5)] == [1.0, 1.2, 1.4, 1.6, 1.8]
-    assert gate.allows([2])  # 1.75 > 1.2
-
-
 # ---------------------------------------------------------------------------------------------- decode loop
 
 
 def test_capacity_guard_limits_every_verification_batch(tiny):
     prompt = [1] + [5, 6, 7, 8, 9] * 6  # repetitive: long drafts
     sizes = []
-    gen = ng.generate(tiny, prompt, 30, [95], ng.NgramConfig(draft_count=10, max_batch=3, draft_cost=1.0),
+    gen = ng.generate(tiny, prompt, 30, [95], ng.NgramConfig(draft_count=10, max_batch=3, cost="free"),
                       on_step=lambda g, tree, path, bonus: sizes.append(len(tree)))
     assert max(sizes) == 3  # [known, d0, d1]: the guard cut longer drafts
     assert gen.tokens == verify.hf_generate(tiny, prompt, 30, [95])
@@ -186,7 +153,7 @@ def test_draft_never_runs_past_max_new_tokens(tiny):
 
 @pytest.mark.parametrize("prompt", REAL_PROMPTS)
 def test_lossless_on_real_prompts(real, oracle, prompt):
-    # draft_cost=1: the gate is off, every draft is verified (the most acceptance decisions to get right)
+    # the chapter's: every draft is verified (the most acceptance decisions to get right)
     ids_, eos = encode(real, prompt)
     gen = ng.generate(real[0], ids_, 48, eos, ng.NgramConfig.paper())
     assert gen.tokens == oracle(ids_, 48, eos)
@@ -194,10 +161,13 @@ def test_lossless_on_real_prompts(real, oracle, prompt):
 
 
 @pytest.mark.parametrize("prompt", REAL_PROMPTS[:2])
-def test_lossless_with_the_cost_gate(real, oracle, prompt):
+def test_lossless_with_the_rule_cutting_chains(real, oracle, prompt):
+    # a forward over 1 + n tokens costs 1 + n/4 of a plain one: the rule cuts most chains short
     ids_, eos = encode(real, prompt)
-    gen = ng.generate(real[0], ids_, 48, eos, ng.NgramConfig(draft_cost=1.8))
+    steep = {n: 0.04 * (1 + (n - 1) / 4) for n in (1, 2, 3, 4, 5)}
+    gen = ng.generate(real[0], ids_, 48, eos, ng.NgramConfig(cost="pinned"), step_times=steep)
     assert gen.tokens == oracle(ids_, 48, eos)
+    assert "withheld" in gen.extra["rule"] and not gen.extra["rule"]["withheld"].startswith("0 of")
 
 
 def test_lossless_when_no_draft_is_ever_produced(real, oracle):

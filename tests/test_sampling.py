@@ -133,7 +133,7 @@ def methods(draft):
     cost = {1: 1.0, 2: 1.65, 4: 1.8, 8: 2.0, 16: 2.2}
     return {
         "ngram": lambda m, ids, n, eos, s: ngram_predictor.generate(m, ids, n, eos, ngram_predictor.NgramConfig.paper(), sampling=s),
-        "cacheback": lambda m, ids, n, eos, s: cacheback.generate(m, ids, n, eos, cacheback.CachebackConfig.cpu(), cost=cost, sampling=s),
+        "cacheback": lambda m, ids, n, eos, s: cacheback.generate(m, ids, n, eos, cacheback.CachebackConfig.cpu(), step_times=cost, sampling=s),
         "card": lambda m, ids, n, eos, s: card.generate(m, ids, n, eos, card.CardConfig(K=2, k=2, ratio=3, mode="lockstep"),
                                                          draft=draft, sampling=s),
         "fafo": lambda m, ids, n, eos, s: fafo.generate(m, ids, n, eos, dataclasses.replace(fafo.FafoConfig.cpu(), prompt_pool=True),

@@ -133,7 +133,7 @@ def ngram_drafter(budget: int):
     """ngram_predictor.generate()'s drafting: the predictor seeded with the prompt, a chain of up to
     DRAFT_COUNT = budget tokens (the buffer guard and the room cut as there), every emitted token learned."""
     # the chapter's buffer guard stays: MAX_BATCH = 64 tokens a forward, so B = 64 drafts 63 at most
-    cfg = ngram_predictor.NgramConfig(draft_count=budget, draft_cost=1.0)
+    cfg = ngram_predictor.NgramConfig(draft_count=budget, cost="free")
 
     def start(prompt, first):
         predictor = ngram_predictor.NGramPredictor(cfg.max_order, cfg.draft_count, cfg.max_history)
@@ -155,7 +155,7 @@ def ngram_drafter(budget: int):
 def cacheback_drafter(budget: int, cfg: cacheback.CachebackConfig, frozen: cacheback.CacheTable | None):
     """cacheback.generate()'s drafting: a fresh dynamic table from the prompt, grow_tree below the pending
     token under TDL = budget + 1, the room cut, the new windows after each step."""
-    cfg = dataclasses.replace(cfg, tdl=budget + 1, crt=min(cfg.crt, budget - 1), prune="none")
+    cfg = dataclasses.replace(cfg, tdl=budget + 1, crt=min(cfg.crt, budget - 1), cost="free")
 
     def start(prompt, first):
         dynamic = cacheback.CacheTable(cfg.ll, cfg.fl, cfg.lc, cfg.fc)

@@ -106,10 +106,9 @@ def step_data(method: str, raw: RawStep) -> dict:
     tree, facts = raw.tree, raw.facts
     step = {"n_before": raw.n_before, "tokens": [int(t) for t in tree.tokens], "parents": list(tree.parents),
             "path": raw.path, "bonus": raw.bonus, "inputs": len(tree), "kv_before": facts.get("kv_before"),
-            "kv_after": facts.get("kv_after")}
+            "kv_after": facts.get("kv_after"), "withheld": facts.get("withheld", 0)}
     if method == "ngram":
-        step["notes"] = [f"{order}-gram" for order in facts["orders"]]  # one per drafted token
-        step["refused"] = len(facts["refused"])
+        step["notes"] = [f"{order}-gram" for order in facts["orders"]]  # one per verified draft token
     elif method == "cacheback":
         origins = tree.origins[1:]  # (table, rank, pos, fanout) per drafted node; table 1 = frozen
         step["frozen"] = [origin[0] == 1 for origin in origins]
@@ -517,7 +516,7 @@ function treeMask(st) {
 function ngramDraft(st) {
   $("draft").append(drawTree(st, st.notes, null));
   let cap = `The n-gram chain: each drafted token with the order (2-${RUN.config.max_order}) whose context matched, the longest tried first.`;
-  if (st.refused) cap += ` The cost gate (ours) refused a draft of ${st.refused} token(s) this step: a plain one-token step.`;
+  if (st.withheld) cap += ` The rule of verify.py section 9 (ours) withheld the chain's last ${st.withheld} token(s): not worth their time here.`;
   else if (st.tokens.length === 1) cap += " No context of the last tokens was in the tables: no draft, a plain one-token step.";
   el("figcaption", {}, $("draft"), cap);
 }
@@ -528,8 +527,8 @@ function cachebackDraft(st) {
   el("figcaption", {}, $("draft"),
     `The draft tree: followers of the leader (the last LL tokens) hung below the pending token, level by level. ` +
     `Solid: from the dynamic table (${st.frozen.length - frozen}); dashed purple: from the frozen table (${frozen}); ` +
-    `r = the follower's rank (0 = most recent). ` + (RUN.config.prune === "none" ? `Grown and verified ${st.grown} token(s) (no pruning).`
-      : `Grown ${st.grown} token(s), ${st.tokens.length - 1} verified (cut to the tokens left to generate, then our cost pruning).`));
+    `r = the follower's rank (0 = most recent). ` + (RUN.config.cost === "free" ? `Grown and verified ${st.grown} token(s) (cost free: every draft verified).`
+      : `Grown ${st.grown} token(s), ${st.tokens.length - 1} verified (cut to the tokens left to generate, then to what pays here: the rule of verify.py section 9).`));
 }
 
 function cardDraft(st) {
