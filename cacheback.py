@@ -132,6 +132,7 @@ class CachebackConfig:
         if self.frozen_order not in FROZEN_ORDERS:
             raise verify.UserError(f"--frozen-order must be {' or '.join(FROZEN_ORDERS)} (got "
                                    f"{self.frozen_order!r})")
+        verify.check_cost(self.cost)
         if self.frozen not in ("none", *FROZEN_CORPORA) and not os.path.isfile(self.frozen):
             raise verify.UserError(f"--frozen {self.frozen}: expected none, {', '.join(FROZEN_CORPORA)} "
                                    "or a table file")
@@ -621,7 +622,7 @@ def custom_generate(model, input_ids, logits_processor, stopping_criteria, gener
         # default without one (Table 1's "no frozen" row) rather than fail; name one to use it
         cfg = replace(cfg, frozen="none")
     cfg.check()
-    # the script's set-up (prepare), once per model: the frozen table, the pruning's curve
+    # the script's set-up (prepare), once per model: the frozen table, the step times
     cfg, extra = verify.prepare_once(model, prepare, cfg, frozen_table=frozen_table, step_times=step_times)
     gen = generate(model, call.prompt_ids, call.max_new_tokens, call.eos_ids, cfg, sampling=call.sampling,
                    **call.hooks(), **extra)

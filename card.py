@@ -144,6 +144,7 @@ class CardConfig:
                 raise verify.UserError(f"--{name.replace('_', '-')} must be at least {low} (got {v})")
         if self.mode not in ("lockstep", "parallel", BEST):
             raise verify.UserError(f"--mode must be lockstep, parallel or best (got {self.mode!r})")
+        verify.check_cost(self.cost)
 
 # §3.1's rule for r: how many draft layers fit in one target step, measured once per machine.
 
@@ -1016,7 +1017,10 @@ def prepare(model, tok, cfg: CardConfig, name: str = verify.DEFAULT_MODEL,
     if in_process:
         draft = DraftProcess(model if quantized_there else draft, cfg, wait=wait, int8=quantized_there)
     largest = max(BEST_RATIOS) + 1
-    times = {} if cfg.cost == "free" else {"step_times": verify.step_times(model, largest)}
+    threads = None  # the target's in generate(): all, or what a draft process leaves it
+    if isinstance(draft, DraftProcess) and draft.threads:
+        threads = max(1, torch.get_num_threads() - draft.threads)
+    times = {} if cfg.cost == "free" else {"step_times": verify.step_times(model, largest, threads)}
     if chosen_here:  # the choice's speed here, said where it is below plain decoding (section 5b)
         say_if_slower(model, tok, cfg, draft, times.get("step_times"))
     return cfg, {"draft": draft, **times}

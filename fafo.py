@@ -134,6 +134,7 @@ class FafoConfig:
         return cls.gpu() if torch.device(device).type == "cuda" else cls.cpu()
 
     def check(self) -> None:  # raise verify.UserError (a ValueError) for an impossible value
+        verify.check_cost(self.cost)
         for name in ("n_guess", "k", "m", "recent", "page_size", "top_pages", "window_size",
                      "kernel_size", "sink", "pool_cap"):
             low = 0 if name == "sink" else 1

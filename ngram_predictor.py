@@ -94,6 +94,7 @@ class NgramConfig:
             raise verify.UserError(f"--max-history must hold a full context of {self.max_order - 1} tokens")
         if self.max_batch < 1:
             raise verify.UserError(f"--max-batch must be at least 1 (got {self.max_batch})")
+        verify.check_cost(self.cost)
 
 # ---- 1. Hashing: 64-bit FNV-1a over token ids --------------------------------------------------------------
 #
@@ -353,7 +354,7 @@ def report(model, prompt_ids, gen: Generation, cfg: NgramConfig, extra: dict) ->
     alpha = estimate_alpha(gen.accepted, gen.drafted)
     d = cfg.draft_count
     times = extra.get("step_times") or verify.step_times(model, d + 1)
-    ratio = verify.seconds_at(times, d + 1) / times[1]
+    ratio = verify.seconds_at(times, d + 1) / times[min(times)]
     out = {"alpha": alpha, "cost_ratio": ratio, "draft_steps": sum(1 for d in gen.drafted if d)}
     out["predicted_speedup"] = predicted_speedup(alpha, d, ratio) if alpha is not None else None
     return out

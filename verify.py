@@ -816,7 +816,10 @@ def seconds_at(times: dict[int, float], n: int) -> float:
     if n in times:
         return times[n]
     sizes = sorted(times)
-    above = next((size for size in sizes if size > n), sizes[-1])  # past the last: the last slope
+    above = next((size for size in sizes if size > n), None)
+    if above is None:  # past the last size: its slope continued, never falling (a forward costs more)
+        below, last = sizes[-2:]
+        return times[last] + max(0.0, times[last] - times[below]) * (n - last) / (last - below)
     if above == sizes[0]:  # below the smallest size
         return times[above]
     below = sizes[sizes.index(above) - 1]
@@ -965,8 +968,7 @@ class WhatPays:
     @classmethod
     def for_run(cls, model, cost: str, times: dict[int, float] | None, largest: int) -> "WhatPays":
         """times: the curve `prepare` read (step_times), else read now; not needed where cost is free."""
-        if cost not in COSTS:
-            raise UserError(f"--cost must be {', '.join(COSTS)} (got {cost!r})")
+        check_cost(cost)
         if cost == "free":
             return cls({1: 1.0}, cost)
         return cls(times or step_times(model, largest), cost)
@@ -1049,6 +1051,11 @@ COST_HELP = ("ours, the rule of verify.py section 9: timed = this machine's step
              "by this run's; pinned = as measured once (a run repeats exactly); free = every draft verified")
 SHOWN_SIGNALS = 6  # signals a summary shows
 
+def check_cost(cost: str) -> None:
+    """Every method config's check() of its cost, and WhatPays'."""
+    if cost not in COSTS:
+        raise UserError(f"--cost must be {', '.join(COSTS)} (got {cost!r})")
+
 # A method whose costs the rule cannot cut (CARD's draft, FAFO's lookahead rows) is timed against plain
 # decoding at set-up, once per machine, on these prompts (the tuning half's, one a category); if slower,
 # it says so in one line before its first token (the others' kept = 0 is plain decoding plus drafting).
@@ -1088,6 +1095,8 @@ def speed_over_plain(model, tok, run: Callable, what: tuple) -> float | None:
         tok = tok or tokenizer_of(model, instead="tokenizer")
     except UserError:  # the drop-in, on a model saved without one
         return None
+    if max(len(encode_prompt(tok, p)) for p in CALIBRATION) + TYPICAL_TOKENS + 64 > context_length(model):
+        return None  # a context too short for the answers (64: FAFO's guess rows run ahead)
     eos = eos_ids_of(model, tok)
 
     def measure() -> float:
@@ -2195,7 +2204,7 @@ def generate_argument(name: str):
 KEPT_PER_MODEL: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 def once_per_model(model, key: tuple, make: Callable):
-    """make(), once per model and key in this process. A script's prepare() measures a cost curve
+    """make(), once per model and key in this process. A script's prepare() measures step times
     or loads a table once, before anything is timed; a program that calls model.generate in a loop
     should not pay for that on every call either."""
     made = KEPT_PER_MODEL.setdefault(model, {})

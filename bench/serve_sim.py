@@ -33,6 +33,11 @@ table moves by a few thousandths from run to run; the other is exact). --costs o
 costs of vLLM in one process at four rows.
 
     .venv-serve/bin/python bench/serve_sim.py --split tune --against-suffix --costs one-process
+
+--where: at batch 8 and 16, where each gated drafter's few percent go: its own drafting time, and the
+draft tokens it sent that were rejected (its speed had they cost nothing).
+
+    .venv/bin/python bench/serve_sim.py --split report --where --costs one-process
 """
 
 from __future__ import annotations
@@ -112,6 +117,7 @@ def simulate(proposer, streams: list[tuple[list[int], list[int]]], slots: int,
     if getattr(proposer, "gate", None) is not None:  # the gate reads the simulated time (suffix: none)
         proposer.gate.clock = clock
     draft_tokens = 0  # sent, all steps
+    drafting = 0.0  # seconds in propose(), all steps
     width = max(len(p) + len(o) for p, o in streams) + 8
     token_ids = np.zeros((slots, width), dtype=np.int32)  # [slots, width]: each row's tokens
     num_tokens = np.zeros(slots, dtype=np.int32)  # [slots]
@@ -162,6 +168,7 @@ def simulate(proposer, streams: list[tuple[list[int], list[int]]], slots: int,
         else:
             started = time.perf_counter()
             chains = proposer.propose(sampled, num_tokens, token_ids)
+            drafting += time.perf_counter() - started
             if charge_drafting:
                 clock.now += time.perf_counter() - started
         for row in range(live):
@@ -204,7 +211,7 @@ def simulate(proposer, streams: list[tuple[list[int], list[int]]], slots: int,
             token_ids[hole] = token_ids[last]
             num_tokens[hole] = num_tokens[last]
     latency = [finished[i] - arrivals[i] for i in range(len(streams))]
-    return {"seconds": clock.now, "latency": latency, "draft_tokens": draft_tokens}
+    return {"seconds": clock.now, "latency": latency, "draft_tokens": draft_tokens, "drafting": drafting}
 
 
 def proposer_for(name: str, slots: int, idle_value: float | None):
@@ -307,6 +314,25 @@ def against_suffix(streams, costs: Costs) -> None:
         print(f"| {batch} | " + " | ".join(cells) + " |", flush=True)
 
 
+def where_it_goes(streams, costs: Costs) -> None:
+    """The --where table: at batch 8 and 16, a closed batch, each gated drafter's speed over no drafts
+    with its drafting time charged, the share of the run's time its propose() took, and its speed had
+    the draft tokens it sent and saw rejected cost nothing (each chain cut to what was accepted)."""
+    print("closed: every request at once into B slots, each gated drafter's drafting time charged\n")
+    print("| drafter | B | over no drafts | propose()'s share of the time | rejected draft tokens free |")
+    print("| --- | --- | --- | --- | --- |")
+    at_once = [0.0] * len(streams)
+    for batch in (8, 16):
+        base = simulate(None, streams, batch, at_once, costs)["seconds"]
+        for name in DRAFTERS:
+            real = simulate(proposer_for(name, batch, IDLE_VALUE), streams, batch, at_once, costs,
+                            charge_drafting=True)
+            free = simulate(proposer_for(name, batch, IDLE_VALUE), streams, batch, at_once, costs,
+                            charge_drafting=True, perfect=True)
+            print(f"| {name} | {batch} | {base / real['seconds']:.3f}x | {real['drafting'] / real['seconds']:.1%} | "
+                  f"{base / free['seconds']:.3f}x |", flush=True)
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -318,6 +344,9 @@ def main(argv=None) -> int:
     p.add_argument("--costs", default="two-process", choices=list(COSTS),
                    help="the step costs: vLLM's default set-up at 14 rows (default), or vLLM in one "
                         "process at four")
+    p.add_argument("--where", action="store_true",
+                   help="instead: where a gated drafter's time goes at batch 8 and 16 (its drafting, its "
+                        "rejected draft tokens)")
     p.add_argument("--against-suffix", action="store_true",
                    help="instead: each drafter gated, beside vLLM's suffix and beside itself under a "
                         "perfect gate (needs the serve venv's arctic_inference)")
@@ -330,6 +359,9 @@ def main(argv=None) -> int:
           f"({args.costs})\n")
     if args.against_suffix:
         against_suffix(streams, costs)
+        return 0
+    if args.where:
+        where_it_goes(streams, costs)
         return 0
     print("closed: every request at once into B slots; no drafts' total time over each's "
           "(above 1: faster)\n")

@@ -787,7 +787,7 @@ def run(args) -> int:
                 row["draft_ms_per_step"] = 1000 * gen.draft_s / max(gen.steps, 1)
                 row.update(accepted=sum(gen.accepted), drafted=sum(gen.drafted), draft_s=gen.draft_s,
                            per_position=per_position(gen.accepted, gen.depths))
-                row.update({k: v for k, v in gen.extra.items() if isinstance(v, (int, float, str, list))})
+                row.update({k: v for k, v in gen.extra.items() if isinstance(v, (int, float, str, list, dict))})
             rows.append(row)
             bar.update(1)
     bar.close()

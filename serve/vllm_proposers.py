@@ -227,9 +227,9 @@ class RequestState:
 
 class NgramRequest(RequestState):
     """ngram_predictor.generate()'s predictor: seeded with the prompt, taught every emitted token,
-    a chain of up to k tokens (DRAFT_COUNT = k). Its cost gate is replaced by the batch gate: vLLM's
-    batch sets the cost. Seeding with prompt + first token in one update_batch is generate()'s
-    update_batch(prompt) then update(first): update_batch is update for each token."""
+    a chain of up to k tokens (DRAFT_COUNT = k). generate()'s rule of what pays is replaced by the
+    batch gate: vLLM's batch sets the cost. Seeding with prompt + first token in one update_batch is
+    generate()'s update_batch(prompt) then update(first): update_batch is update for each token."""
 
     def __init__(self, tokens: Sequence[int], k: int, shared_tables: list | None = None):
         super().__init__(tokens)

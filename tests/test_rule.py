@@ -61,7 +61,7 @@ def test_the_rule_keeps_the_best_subtree_by_brute_force():
     probable first are optimal for each size, since a child is never likelier than its parent)."""
     rng = np.random.default_rng(0)
     for _ in range(30):
-        n = int(rng.integers(2, 10))
+        n = int(rng.integers(1, 10))  # (n = 1: the root alone)
         parents = [-1] + [int(rng.integers(0, i)) for i in range(1, n)]
         tree = verify.Tree.root_only(0)
         for i in range(1, n):
@@ -95,14 +95,35 @@ def test_a_chain_is_cut_to_the_prefix_that_pays():
     assert free.subtree(chain, keys, [5]) is chain
 
 
+def test_whole_guesses_by_hand():
+    """FAFO's guesses (3, 4), (3, 5), (6, 7) as a trie below 9: the second shares its first token with the first,
+    so it adds one node, keyed by its rank and place (rank 1 token 1). With p = 1/2 everywhere a guess's gain is
+    the chance of the nodes it adds: .5 + .25, .25, .5 + .25. Each guess costs 2 rows after 4 fixed ones; with
+    T flat every guess pays; where each row costs a whole step and nothing is fixed, none does."""
+    guesses = [(3, 4), (3, 5), (6, 7)]
+    flat = knowing({}, {n: 0.04 for n in range(1, 12)})
+    assert flat.guesses(9, guesses, [1, 9], fixed=4, size=2) == 3 and flat.rows == 1 + 4 + 6
+    record = flat.pending[0]
+    assert (record.tokens, record.parents) == ([3, 4, 5, 6, 7], [-1, 0, 0, -1, 3])
+    assert record.keys == ["rank 0 token 0", "rank 0 token 1", "rank 1 token 1", "rank 2 token 0", "rank 2 token 1"]
+    steep = knowing({}, {n: 0.04 * (1 + 0.1 * (n - 1)) for n in range(1, 12)})
+    # after 4 fixed rows: 1 / 1.4 = .714; + the first guess (.75) for 2 rows: 1.75 / 1.6 = 1.09; + the second
+    # (.25): 2 / 1.8 = 1.11; + the third (.75): 2.75 / 2.0 = 1.375: all three pay even here, the rows are cheap
+    assert steep.guesses(9, guesses, [1, 9], fixed=4, size=2) == 3
+    dear = knowing({}, {n: 0.04 * n for n in range(1, 12)})  # a row costs a whole step, nothing fixed: none pays
+    assert dear.guesses(9, guesses, [1, 9], fixed=0, size=2) == 0 and dear.withheld == 5
+    free = verify.WhatPays({1: 1.0}, "free")
+    assert free.guesses(9, guesses, [1, 9], fixed=4, size=2) == 3
+
+
 def test_every_draft_is_scored_after_the_fact_withheld_nodes_too():
     """A tree root -> 6 -> 7, root -> 8, filed at text length 3; then the text goes on 6, 9: node 6 hit, node 8
-    missed (both a trial: their parent, the root, came true), node 7 missed; nothing else. Withheld or not
-    makes no difference to the scoring."""
-    pays = knowing({}, cost="pinned")
+    missed (both a trial: their parent, the root, came true), node 7 missed; nothing else. Every row costs a
+    whole forward here, so the rule withholds the tree, and it is scored all the same."""
+    pays = knowing({}, {1: 0.04, 2: 0.08, 3: 0.12, 4: 0.16})
     tree = verify.Tree.from_branches(5, [[6, 7], [8]])
     keys = [None, "first", "second", "other"]
-    pays.subtree(tree, keys, [1, 2, 5])
+    assert pays.subtree(tree, keys, [1, 2, 5]).tokens == [5] and pays.withheld == 3
     pays.subtree(verify.Tree.root_only(9), [None], [1, 2, 5, 6, 9])  # the next step: the text is known
     trials = pays.acceptance.trials
     assert (trials, pays.acceptance.hits) == ({"first": 1, "other": 1, "second": 1},
@@ -119,6 +140,14 @@ def test_a_tree_record_waits_for_the_text():
     assert acceptance.trials == {"a": 1, "c": 1} and acceptance.hits == {"a": 1, "c": 0} and not record.done
     record.score([1, 2, 6, 7], acceptance)  # node 1 came true too, and is a leaf: done
     assert acceptance.hits["b"] == 1 and record.done
+
+
+def test_the_curve_between_and_past_its_sizes():
+    """Linear between measured sizes (a dip measured is a dip kept); past the last, its slope continued, but a
+    falling last slope is held flat: a bigger forward never costs less than the biggest measured."""
+    times = {1: 0.04, 2: 0.06, 4: 0.07, 8: 0.05}
+    assert [round(verify.seconds_at(times, n), 4) for n in (3, 6, 8, 16)] == [0.065, 0.06, 0.05, 0.05]
+    assert round(verify.seconds_at({1: 0.04, 2: 0.06, 4: 0.07}, 8), 4) == 0.09
 
 
 def test_the_fit_reads_the_loops_steps():
@@ -249,3 +278,18 @@ def test_fafo_says_so_when_it_is_slower_than_plain_decoding_and_only_then(fresh_
     err = capsys.readouterr().err
     assert (err.count("\n"), err.startswith(f"[fafo] on this machine FAFO runs at {speedup:.2f}x")) == (
         (1, True) if said else (0, False))
+
+
+def test_the_drop_in_says_it_too(fresh_line, capsys, monkeypatch, tiny):
+    """model.generate(custom_generate=fafo.custom_generate) runs FAFO's set-up once per model, line and all."""
+    import torch
+
+    measured = []
+    monkeypatch.setattr(verify, "speed_over_plain", lambda *a: measured.append(1) or 0.7)
+    cfg = fafo.FafoConfig(n_guess=2, k=2, m=2, sink=2, recent=8, cost="pinned")
+    ids = torch.tensor([[1, 5, 6, 7, 8, 9, 5, 6, 7]])
+    for _ in range(2):
+        tiny.generate(ids, custom_generate=fafo.custom_generate, fafo_config=cfg, max_new_tokens=4, do_sample=False)
+    err = capsys.readouterr().err
+    assert err.startswith("[fafo] on this machine FAFO runs at 0.70x plain decoding") and err.count("\n") == 1
+    assert len(measured) == 1  # the second call reuses the first's set-up
