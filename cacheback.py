@@ -39,7 +39,8 @@ their KV (compaction) instead of being fed again, shared prefixes are merged so 
 twice, speculative lookups inside the tree do not refresh recency, and the frozen table fills only
 the budget the dynamic tree leaves. On a CPU the defaults differ from the paper's
 (CachebackConfig.cpu). Greedy and float32, the output is model.generate(do_sample=False)'s
-(tests/test_cacheback.py).
+(tests/test_cacheback.py). A "deviation:" comment marks each place this file departs from the paper,
+and "ours" what the paper does not have; a difference from the authors' code is said as such, unmarked.
 """
 
 from __future__ import annotations
@@ -91,18 +92,18 @@ class CachebackConfig:
     # followers neither (the paper); 'cut' = its first tokens, as many as the budget holds (ours,
     # for small budgets: section 5)
     follower_fit: str = "whole"
-    # ours: what a draft token costs (verify.WhatPays): 'free' verifies whole trees (the paper);
+    # deviation: what a draft token costs (verify.WhatPays): 'free' verifies whole trees (the paper);
     # 'timed' keeps the subtree worth its time here; 'pinned' the same without timing (runs repeat)
     cost: str = "free"
     dynamic_table: bool = True  # False leaves the dynamic table empty: Table 1's "only frozen" row
 
     @classmethod
     def paper(cls) -> "CachebackConfig":
-        """§4's values, whole trees, and a frozen table. The paper's corpus (1% of OpenWebText) is
-        not available offline; 'selfchat', the shipped corpus with the most accepted tokens, stands
-        in. deviation: the frozen followers enter 'after' the dynamic tree, not at each node as in
-        the authors' code ('each-node'): at each node they take the budget of the text's own deeper
-        continuations where an answer repeats itself (RESULTS.md, "The frozen table's order")."""
+        """§4's values and whole trees. deviation: the frozen table is 'selfchat', the shipped corpus
+        with the most accepted tokens, for the paper's 1% of OpenWebText (not available offline). Its
+        followers enter 'after' the dynamic tree, an order §3.3 leaves open (the authors' code enters
+        them at each node, 'each-node', where they take the budget of the text's own deeper
+        continuations when an answer repeats itself: RESULTS.md, "The frozen table's order")."""
         return cls(frozen="selfchat")
 
     @classmethod
@@ -156,10 +157,10 @@ class CachebackConfig:
 #     upon insertion", and a follower competes only with the followers of the same leader.
 
 class CacheTable:
-    def __init__(self, ll: int, fl: int, lc: int, fc: int, frozen: bool = False):
+    def __init__(self, ll: int, fl: int, lc: int, fc: int, read_only: bool = False):
         assert ll >= 1 and fl >= 1 and lc >= 1 and fc >= 1
         self.ll, self.fl, self.lc, self.fc = ll, fl, lc, fc
-        self.frozen = frozen  # a frozen table is filled once (by its builder) and then only queried
+        self.read_only = read_only  # a frozen table is filled once (by its builder) and then only queried
         self.leaders: OrderedDict[tuple, OrderedDict[tuple, None]] = OrderedDict()
 
     def __len__(self) -> int:
@@ -171,7 +172,7 @@ class CacheTable:
         return verify.TOKEN_BYTES * ids
 
     def insert(self, leader: tuple, follower: tuple) -> None:
-        if self.frozen:
+        if self.read_only:
             raise RuntimeError("the frozen table is read-only during decoding (§3.3)")
         assert len(leader) == self.ll and len(follower) == self.fl
         followers = self.leaders.get(leader)
@@ -195,7 +196,7 @@ class CacheTable:
         followers = self.leaders.get(leader)
         if not followers:
             return iter(())
-        if refresh and not self.frozen:
+        if refresh and not self.read_only:
             self.leaders.move_to_end(leader)  # querying refreshes the leader
         return reversed(followers)  # a view: O(1) to create, yields lazily
 
@@ -266,10 +267,11 @@ def check_frozen(cfg: CachebackConfig, frozen_table: CacheTable | None) -> None:
 # A follower found in both tables is added once. A leaf whose leader is in neither table stays a
 # leaf (no backoff).
 #
-# Design choice (ours): only the level-1 query, made with the real, verified context, refreshes the
-# leader's recency. Deeper queries are made with *speculative* tokens that may never
-# appear in the text; letting them promote leaders would let guesses evict what the text actually
-# contained. The reference code refreshes on every lookup.
+# deviation: only the level-1 query, made with the real, verified context, refreshes the leader's
+# recency (§3.1: "Both querying and inserting a leader update that leader's recency"). Deeper queries
+# are made with *speculative* tokens that may never appear in the text; letting them promote leaders
+# would let guesses evict what the text actually contained. The reference code refreshes on every
+# lookup.
 
 MAX_RANK = 3  # ranks 3, 4, ... share one origin (DraftTree's docstring says why)
 
@@ -331,7 +333,7 @@ class DraftTree(Tree):
         out.origins = [self.origins[i] for i in range(len(self)) if i == 0 or keep(i)]
         return out
 
-def grow_tree(root: int, context: Sequence[int], dynamic: CacheTable, frozen: CacheTable | None,
+def grow_tree(root: int, context: Sequence[int], dynamic: CacheTable, frozen_table: CacheTable | None,
               tdl: int, crt: int, frozen_order: str = "after", cut: bool = False) -> DraftTree:
     """Build the draft tree for one step. `context` = the text so far, ending with `root` (the
     pending token). Returns a DraftTree whose node 0 is `root`. frozen_order: see above; cut:
@@ -342,12 +344,12 @@ def grow_tree(root: int, context: Sequence[int], dynamic: CacheTable, frozen: Ca
     tree = DraftTree.root_only(root)
     budget = tdl - 1  # draft tokens; the root is the one token not yet in the KV cache
     # the tables asked at each node, pass by pass
-    if frozen is None:
+    if frozen_table is None:
         passes = [[dynamic]]
     elif frozen_order == "each-node":
-        passes = [[dynamic, frozen]]
+        passes = [[dynamic, frozen_table]]
     else:
-        passes = [[dynamic], [dynamic, frozen]]
+        passes = [[dynamic], [dynamic, frozen_table]]
     for n_pass, tables in enumerate(passes):
         # Level 1 may not use the CRT reserved tokens. subtle: the check counts the WHOLE tree, so
         # in a second pass the limit must not be below what the first already grew (all levels):
@@ -411,13 +413,13 @@ def generate(model, prompt_ids: Sequence[int], max_new_tokens: int, eos_ids: Seq
     tokens."""
     cfg.check()
     check_frozen(cfg, frozen_table)
-    # ours: what of a tree pays for its time here (verify.py section 9; cost 'free': all of it)
+    # deviation: what of a tree pays for its time here (verify.py section 9; cost 'free': all of it)
     pays = verify.WhatPays.for_run(model, cfg.cost, step_times, cfg.tdl)
     gen = Generation(max_new_tokens, eos_ids, on_emit=on_emit, on_step=on_step, stop=stop)
     dynamic = CacheTable(cfg.ll, cfg.fl, cfg.lc, cfg.fc)
     # the cache's capacity: prompt + output + the largest step (the root and up to TDL tree tokens)
     cache = verify.new_cache(model, len(prompt_ids) + max_new_tokens + cfg.tdl + 1)
-    # deviation: the first forward is the prompt alone; the authors' also verifies a first tree
+    # the first forward is the prompt alone (the authors' code also verifies a first tree)
     pending = verify.first_token(verify.prefill(model, cache, prompt_ids), len(prompt_ids), sampling)
     text = list(prompt_ids) + [pending]  # prompt + emitted tokens: what the tables are queried with
     if cfg.dynamic_table:  # §3.3: the dynamic table starts from a sliding window over the prompt
@@ -434,7 +436,7 @@ def generate(model, prompt_ids: Sequence[int], max_new_tokens: int, eos_ids: Seq
         if max(tree.depths) >= room:
             depths = tree.depths
             tree = tree.subtree(lambda i: depths[i] < room)
-        tree = pays.subtree(tree, tree.origins, text)  # ours: the subtree worth its time here
+        tree = pays.subtree(tree, tree.origins, text)  # deviation: the subtree worth its time here
         draft_s = time.perf_counter() - t0
         # -- VERIFY with tree attention, ACCEPT the longest agreeing branch + bonus, COMPACT the KV
         prefix_len = verify.cache_len(cache)
@@ -557,7 +559,7 @@ def load_frozen(path: str, tok, ll: int, fl: int) -> CacheTable:
     for leader, followers in doc["leaders"]:
         for follower in followers:
             table.insert(tuple(leader), tuple(follower))
-    table.frozen = True
+    table.read_only = True
     return table
 
 def frozen_path(tok, cfg: CachebackConfig, model_name: str = verify.DEFAULT_MODEL,

@@ -7,11 +7,12 @@ Framework via Query-and-Correct Paradigm for Accelerating LLM Inference", 2025, 
 Classic speculative decoding is draft-THEN-verify: each model waits while the other works. CARD runs
 both at once: the draft keeps growing a scored tree of candidate continuations, "the cache" (§2.2);
 the target QUERIES its best path of up to r tokens (r, the communication ratio ~ t(target step) /
-t(draft step), §3.1), VERIFIES that chain in one forward, then CORRECTS the cache to the subtree
-that continues the accepted text, or restarts it on a miss (§2.4). Beyond the paper (below its
-banner): the draft's own process, drafts derived from the target (int8 on a CPU, bfloat16 on
-CUDA), and on a CPU the choice of mode and r by a cost model that predicts the speedup from step
-times measured on this machine, which says so in one line where CARD cannot win.
+t(draft layer), §3.1), VERIFIES that chain in one forward, then CORRECTS the cache to the subtree
+that continues the accepted text, or restarts it on a miss (§2.4). Below the paper's banner
+(ours): the draft's own process, drafts derived from the target (int8 on a CPU, bfloat16 on CUDA),
+and on a CPU mode and r chosen by the speed this machine's step times predict, said in one line
+where CARD cannot win. A "deviation:" comment marks each place this file departs from the paper,
+and "ours" what the paper does not have; the authors' code is cited unmarked.
 
 The paper, section by section, and where it is here (this file's sections in brackets):
 
@@ -20,7 +21,7 @@ The paper, section by section, and where it is here (this file's sections in bra
     §2.3            draft forwards: causal history inheritance,  draft_mask, Drafter.step        [2]
                     intra-step independence
     §2.4            correction: keep the subtree, or restart     Drafter.correct                [2]
-    §2, Figure 2    draft, query, verify, correct: the loop      Drafter.draft, .query [2],
+    §2, Figure 2    draft, query, verify, correct: the loop      Drafter.advance, .query [2],
                                                                  generate                       [3]
     §1, §2          the parallel mode: the draft keeps drafting  draft_continuously             [3b]
                     while the target verifies, and answers
@@ -38,9 +39,9 @@ The paper, section by section, and where it is here (this file's sections in bra
     import card                                            # from transformers' own generate()
     out = model.generate(input_ids, custom_generate=card.custom_generate, max_new_tokens=128)
 
-    from card import CardConfig, generate, load_draft      # as a library (draft: same tokenizer)
-    cfg = CardConfig.cpu()
-    gen = generate(target, prompt_ids, 128, eos_ids, cfg, draft=load_draft(target, tok, cfg))
+    from card import CardConfig, generate, prepare         # as a library
+    cfg, extra = prepare(target, tok, CardConfig.cpu())    # the draft (and on a CPU its mode and r)
+    gen = generate(target, prompt_ids, 128, eos_ids, cfg, **extra)
 """
 
 from __future__ import annotations
@@ -90,13 +91,13 @@ class CardConfig:
     correct: bool = True  # False = Table 2's "cache only" ablation (Drafter.correct)
     # layers the cache may lead the verified text by (None: 2r, the reference's)
     max_lead: int | None = None
-    # parallel: layers the cache must lead by before a query is answered (None: r). Beyond the
-    # paper: its "never wait" is 0 (the chain is whatever the cache holds); r matches the
+    # parallel: layers the cache must lead by before a query is answered (None: r). deviation: the
+    # paper's "never wait" is 0 (the chain is whatever the cache holds); r matches the
     # communication ratio's intent, r draft layers per target step (TUTORIAL.md §4.5)
     wait: int | None = None
     draft: str = "self"  # the draft prepare() builds: int8, self or a model name (section 5)
     draft_dtype: str = "bfloat16"  # the dtype of draft "self" or a named draft
-    # ours: what a draft token costs (verify.WhatPays): 'timed' verifies the chain's prefix
+    # deviation: what a draft token costs (verify.WhatPays): 'timed' verifies the chain's prefix
     # worth its time here; 'pinned' the same without timing; 'free' the whole chain (the paper)
     cost: str = "timed"
 
@@ -107,12 +108,13 @@ class CardConfig:
         for the self-draft (the target's own weights in bfloat16), hardly cheaper than the target,
         the rule gives a small r.
         note: the paper gives no value for Eq. 2's k; its reference code expands each node by its
-        own top-K, i.e. k = K (10^4 candidates per layer)."""
+        own top-K, i.e. k = K (10^4 candidates per layer). deviation: the draft is the self-draft
+        unless one is named (no 1B draft here), and a query waits for r layers (`wait`)."""
         return cls(ratio="auto", draft=draft, cost="free")
 
     @classmethod
     def paper_7b(cls, draft: str) -> "CardConfig":
-        """§3.1's other row, for a 7B-class draft beside a 70B target: K = 50, r = 5 (k = K)."""
+        """§3.1's row for a 7B draft beside a 70B target: K = 50, r = 5 (k = K); deviation: as paper()'s."""
         return cls(K=50, k=50, ratio=5, draft=draft, cost="free")
 
     @classmethod
@@ -148,10 +150,10 @@ class CardConfig:
 
 # §3.1's rule for r: how many draft layers fit in one target step, measured once per machine.
 
-def measure_ratio(model, draft, K: int) -> int:
+def measure_ratio(model, draft_model, K: int) -> int:
     """§3.1's r = ceil(t_target / t_draft): how many K-node draft layers fit in one one-token
     target step (verify.step_times, kept on disk)."""
-    t_draft = verify.seconds_at(verify.step_times(draft, K), K)
+    t_draft = verify.seconds_at(verify.step_times(draft_model, K), K)
     return max(1, math.ceil(verify.step_times(model)[1] / t_draft))
 
 # ---- 1. The candidate cache (§2.2) -------------------------------------------------------------------------
@@ -244,8 +246,8 @@ class CandidateCache:
         sigma at depth min(r, depth), and the path to it (sigma only falls along a path, so that
         node ends the best path of that length).
 
-        deviation: the released code walks greedily instead, the best node of the first layer, then
-        the best child at each layer. Both take the paper's "highest-confidence path"; ours is the
+        The released code walks greedily instead (the best node of the first layer, then the
+        best child at each layer). Both take the paper's "highest-confidence path"; ours is the
         best path of that length by the cache's own score (Eq. 4), the greedy walk can miss it when
         a weaker first token has a much stronger continuation (TUTORIAL.md, the appendix)."""
         top = self.root if below is None else below
@@ -316,7 +318,7 @@ def draft_mask(tree: CandidateCache, front: Sequence[int], dp: int, cache_len: i
 
 class Drafter:
     """The draft side of CARD: the draft model, its KV cache and the candidate cache it grows.
-    generate() drives it in four calls: start() once, then per step draft(r), query(r) and, after
+    generate() drives it in four calls: start() once, then per step advance(r), query(r) and, after
     the target's verification, correct(). (The parallel mode's DraftProcess, below the banner,
     answers the same four calls from its own process, where this same class does the work.)"""
 
@@ -350,7 +352,7 @@ class Drafter:
         # cache only: the node the verified text has reached in the candidate cache (None: the root)
         self.qroot = None
 
-    def draft(self, r: int) -> None:
+    def advance(self, r: int) -> None:
         """DRAFT: up to r more layers, one draft forward each, none once the cache leads the
         verified text by max_lead layers (after a hit it may already lead by more than r)."""
         for _ in range(r):
@@ -507,11 +509,10 @@ class Drafter:
                 new.nodes[n.parent].children[n.token] = i
         new.root = x
         self.candidates = new
-        # Rebuild the unfed frontier. Why: it was the top K of B over the WHOLE newest fed layer,
-        # branches the text has left included; only its nodes below x survive, so the layer would
-        # hold fewer than K candidates while B restricted to x's subtree has better ones that lost
-        # to the pruned branches. Dropping it and growing it again fills it with the top K below x
-        # (and a cache whose layers were all fed gets its next layer, as after any feed).
+        # deviation: §2.4 prunes to the subtree, "freeing resources for more accurate candidates"; how
+        # is ours. The unfed frontier was the top K of B over the whole fed layer, dead branches
+        # included, so it is dropped and grown again from B below x: its top K (a cache whose layers
+        # were all fed gets its next layer, as after any feed).
         if new.nodes[x].slot is not None:
             if new.frontier():
                 for i in new.layers.pop():
@@ -524,7 +525,7 @@ class Drafter:
 #
 # Per step (§2, Figure 2): the draft DRAFTS layers into the candidate cache, the target QUERIES the
 # cache's best chain of up to r tokens, VERIFIES it in one forward, and the draft CORRECTS the cache
-# with what the target accepted. Where the draft runs, cfg.mode says (draft_side):
+# with what the target accepted. Where the draft runs, cfg.mode says (drafter_for):
 #   lockstep  a Drafter in this process (a DraftProcess passed in lends it its model), up to r layers
 #             per step. Deterministic, what the authors' code effectively does (both sides block on
 #             each other over NCCL), and what the tests pin down.
@@ -536,40 +537,40 @@ class Drafter:
 #     draft:   answer   layer  layer  layer  layer (below the chain)  answer          layer ...
 
 @contextlib.contextmanager
-def draft_side(draft, cfg: CardConfig):
-    """The object behind generate()'s draft(r) / query(r) / correct(): a Drafter in this process
+def drafter_for(draft_model, cfg: CardConfig):
+    """The object behind generate()'s advance(r) / query(r) / correct(): a Drafter in this process
     (lockstep mode, and parallel where no process can be spawned from this call: cannot_spawn), or
     a DraftProcess (parallel mode: the one passed in, which prepare() or the caller started and
     which outlives the call, or one started for this call and stopped after it)."""
     # (a spawned process would run this call again: lockstep instead, said once; section 4)
-    if cfg.mode == "lockstep" or (not isinstance(draft, DraftProcess) and cannot_spawn()):
-        model = draft.model if isinstance(draft, DraftProcess) else draft
+    if cfg.mode == "lockstep" or (not isinstance(draft_model, DraftProcess) and cannot_spawn()):
+        model = draft_model.model if isinstance(draft_model, DraftProcess) else draft_model
         yield Drafter(model, cfg.K, cfg.k, cfg.correct)
-    elif isinstance(draft, DraftProcess):
-        with draft.serving(cfg):
-            yield draft
+    elif isinstance(draft_model, DraftProcess):
+        with draft_model.serving(cfg):
+            yield draft_model
     else:
-        with DraftProcess(draft, cfg) as process, process.serving(cfg):
+        with DraftProcess(draft_model, cfg) as process, process.serving(cfg):
             yield process
 
 @torch.no_grad()
 def generate(model, prompt_ids: Sequence[int], max_new_tokens: int, eos_ids: Sequence[int],
-             cfg: CardConfig, *, draft, step_times: dict[int, float] | None = None,
+             cfg: CardConfig, *, draft_model, step_times: dict[int, float] | None = None,
              sampling: verify.Sampling = verify.GREEDY, on_emit=None, on_step=None,
              stop=None) -> Generation:
-    """CARD decoding. `model` is the target, `draft` the draft model (same tokenizer; `load_draft`
-    builds the one cfg names) or a running DraftProcess. Both modes emit the same tokens, greedy or
+    """CARD decoding. `model` is the target, `draft_model` the draft (same tokenizer; `load_draft`
+    builds the one cfg.draft names) or a running DraftProcess. Both modes emit the same tokens, greedy or
     sampled: the target decides every one. The loop reads as lockstep; in parallel mode `drafter`
-    is a DraftProcess: draft(r) returns at once (its process drafts all the
+    is a DraftProcess: advance(r) returns at once (its process drafts all the
     time) and query(r) waits on the pipe for the chain. step_times: what a forward over n
     tokens takes here, {n: seconds} (verify.step_times: `prepare` reads it, else it is read now)."""
     cfg.check()
-    if draft is None or cfg.ratio in ("auto", BEST) or cfg.mode == BEST:
-        raise verify.UserError("CARD needs a draft model (draft=...), a whole r and a mode (prepare() "
+    if draft_model is None or cfg.ratio in ("auto", BEST) or cfg.mode == BEST:
+        raise verify.UserError("CARD needs a draft model (draft_model=...), a whole r and a mode (prepare() "
                                "measures auto and chooses best)")
     r = cfg.ratio
     max_lead = 2 * r if cfg.max_lead is None else cfg.max_lead  # the reference's 2r
-    # ours: what of the chain pays for its time here (verify.py section 9; cost 'free': all of it)
+    # deviation: what of the chain pays for its time here (verify.py section 9; cost 'free': all of it)
     pays = verify.WhatPays.for_run(model, cfg.cost, step_times, r + 1)
     gen = Generation(max_new_tokens, eos_ids, on_emit=on_emit, on_step=on_step, stop=stop)
     gen.extra.update(verified=0)
@@ -582,18 +583,18 @@ def generate(model, prompt_ids: Sequence[int], max_new_tokens: int, eos_ids: Seq
     # the draft's KV cache: the verified text + at most max_lead + 1 fed layers of K nodes (the lead,
     # then the layer being fed), and one layer of slack
     capacity = len(prompt_ids) + max_new_tokens + (max_lead + 2) * cfg.K
-    with draft_side(draft, cfg) as drafter:
+    with drafter_for(draft_model, cfg) as drafter:
         # show: any on_step hook (--trace too) is also sent the candidate cache, at a cost (as_ids)
         drafter.start(list(prompt_ids) + [pending], capacity, max_lead, show=on_step is not None)
         while True:
             started = time.perf_counter()
             # -- DRAFT: r layers of the candidate cache (parallel: the process drafts on its own)
-            drafter.draft(r)
+            drafter.advance(r)
             # -- QUERY: the cache's best chain of at most r tokens below the verified text
             chain = drafter.query(r)  # (parallel: waits until the cache leads by cfg.wait, else r)
             room = max(max_new_tokens - len(gen.tokens) - 1, 0)  # a step emits <= len(chain) + 1
             chain = chain[:room]
-            # ours: the chain's prefix worth its time here, each token's signal its place in it
+            # deviation: the chain's prefix worth its time here, each token's signal its place in it
             places = [None, *(f"token {j + 1}" for j in range(len(chain)))]
             chain_tree = pays.subtree(Tree.chain(pending, chain), places, gen.tokens)
             draft_s = time.perf_counter() - started  # what the target waited for the draft
@@ -627,8 +628,8 @@ def generate(model, prompt_ids: Sequence[int], max_new_tokens: int, eos_ids: Seq
 # The draft does not wait for the target's verification: in its own process (section 4) it drafts a
 # layer whenever the cache leads the verified text by fewer than max_lead layers, and between two
 # layers it reads the target's messages, which are token ids (with show, the cache too), never tensors.
-# deviation: a query waits until the cache leads by `wait` layers (the paper's "never wait" is 0), and
-# max_lead is the reference code's 2r:
+# deviation: a query waits until the cache leads by `wait` layers (the paper's "never wait" is 0).
+# max_lead is the reference code's 2r. The messages:
 #
 #   target -> draft   ("start", run, text, capacity, max_lead, show)   a new prompt: a new Drafter
 #                     ("correct", run, accepted, bonus)   CORRECT the cache (§2.4)
@@ -639,7 +640,7 @@ def generate(model, prompt_ids: Sequence[int], max_new_tokens: int, eos_ids: Seq
 #                                                                  statistics() and shown()
 # `run` numbers the generate() calls, so an answer that an interrupted call left behind is dropped.
 
-def draft_continuously(conn, draft, K: int, k: int, correct: bool) -> None:
+def draft_continuously(conn, draft_model, K: int, k: int, correct: bool) -> None:
     """The draft's loop in its own process: DRAFT, answer QUERIES, CORRECT, until "stop" (EOFError once
     the target's process is gone)."""
     drafter, max_lead, run, asked = None, 0, None, None
@@ -659,7 +660,7 @@ def draft_continuously(conn, draft, K: int, k: int, correct: bool) -> None:
             asked = None
         elif msg[0] == "start":
             _, run, text, capacity, max_lead, show = msg
-            drafter = Drafter(draft, K, k, correct)
+            drafter = Drafter(draft_model, K, k, correct)
             asked = None
             drafter.start(text, capacity, max_lead, show=show)
         elif msg[0] == "correct":
@@ -739,14 +740,14 @@ def _draft_process(conn, K: int, k: int, correct: bool, threads: int | None) -> 
     torch.set_grad_enabled(False)
     try:
         engine, int8, parts = conn.recv()  # the model, its tensors in shared memory
-        draft = assemble(*parts)
+        draft_model = assemble(*parts)
         if threads:  # our share of the cores first: the target may be decoding meanwhile
             torch.set_num_threads(threads)
         if int8:  # the target came: quantized here, with the parent's quantized engine
             torch.backends.quantized.engine = engine
-            draft = int8_draft(draft)
+            draft_model = int8_draft(draft_model)
         conn.send(("ready",))
-        draft_continuously(conn, draft, K, k, correct)
+        draft_continuously(conn, draft_model, K, k, correct)
     except (EOFError, OSError):
         return  # the target's process is gone: nothing left to draft for
     except BaseException as e:  # reported to the target, which raises DraftProcessError
@@ -756,7 +757,7 @@ def _draft_process(conn, K: int, k: int, correct: bool, threads: int | None) -> 
 def _stop_process(process, conn, child_end) -> None:
     """Ask the draft process to stop, else kill it: at close(), garbage collection and exit."""
     child_end.close()  # (already closed once the process started)
-    if process.pid is None:  # never started (wait=False, and no run came)
+    if process.pid is None:  # never started (block=False, and no run came)
         conn.close()
         return
     with contextlib.suppress(Exception):
@@ -771,24 +772,24 @@ class DraftProcess:
     """The draft model in its own process (the parallel mode). Starting one takes seconds, so a caller
     that decodes many prompts starts it once (generate() given a plain model starts one per call):
 
-        with card.DraftProcess(draft, cfg) as proc:      # cfg: the K, k and correction it drafts with
-            for ids in prompts: card.generate(target, ids, 128, eos, cfg, draft=proc)
+        with card.DraftProcess(draft_model, cfg) as proc:  # cfg: the K, k and correction it drafts with
+            for ids in prompts: card.generate(target, ids, 128, eos, cfg, draft_model=proc)
 
-    It stops at close(), garbage collection or exit, and by itself if its parent dies. wait=False
+    It stops at close(), garbage collection or exit, and by itself if its parent dies. block=False
     returns before the process is up: generate() verifies no draft (a plain step) until it is, so a
-    first call streams at once. int8=True: `draft` is the target, which the process quantizes."""
+    first call streams at once. int8=True: `draft_model` is the target, which the process quantizes."""
 
-    def __init__(self, draft, cfg: CardConfig, threads: int | None = None, wait=True, int8=False):
+    def __init__(self, draft_model, cfg: CardConfig, threads: int | None = None, block=True, int8=False):
         reason = spawn_obstacle()
         if reason is not None:  # before Python prints a page of traceback from the child
             raise verify.UserError(f"a DraftProcess cannot start here: {reason}")
         # subtle: an int8 model cannot cross (its tensors do not rebuild from shared memory): its
         # float32 target crosses, to be quantized there. Weakly: a kept process must not keep the model
-        self.int8 = int8 or hasattr(draft, "int8_of")
-        self.source = draft.int8_of if hasattr(draft, "int8_of") else weakref.ref(draft)
-        self._model = None if int8 else draft  # the draft's weights here (int8=True: made when asked)
+        self.int8 = int8 or hasattr(draft_model, "int8_of")
+        self.source = draft_model.int8_of if hasattr(draft_model, "int8_of") else weakref.ref(draft_model)
+        self._model = None if int8 else draft_model  # its weights here (int8=True: made when asked)
         self.drafts_with = (cfg.K, cfg.k, cfg.correct)  # what its Drafter is made with
-        if threads is None and draft.device.type == "cpu":  # on a CPU half the threads (2 cores: one)
+        if threads is None and draft_model.device.type == "cpu":  # on a CPU half the threads (2 cores: one)
             threads = max(1, torch.get_num_threads() // 2)
         self.threads = threads
         self.run = 0  # generate() calls served so far
@@ -801,9 +802,9 @@ class DraftProcess:
         self._stop = weakref.finalize(self, _stop_process, self.process, self.conn, self._child_end)
         self.sent = False
         self.ready = False
-        # wait=False: spawned and sent at the first start(), after the prompt's first token (a process
+        # block=False: spawned and sent at the first start(), after the prompt's first token (a process
         # starting beside the prefill would take a core from it)
-        if wait:
+        if block:
             self._send_model()
             self._receive("ready")
             self.ready = True
@@ -823,7 +824,7 @@ class DraftProcess:
         self.sent = True
 
     def alive(self) -> bool:
-        """Not dead: running, or not yet spawned (wait=False)."""
+        """Not dead: running, or not yet spawned (block=False)."""
         return self.process.pid is None or self.process.is_alive()
 
     @property
@@ -898,14 +899,14 @@ class DraftProcess:
         self.run += 1
         self.counts = dict(draft_layers=0, hits=0, misses=0, hit_tokens=0, draft_held_bytes=0)
         self.cache_shown = {}  # the last answer's Drafter.shown() ({} unless show)
-        self._send_model()  # (wait=False: the first call's first token is out by now)
+        self._send_model()  # (block=False: the first call's first token is out by now)
         self._send(("start", self.run, list(text), capacity, max_lead, show))
 
-    def draft(self, r: int) -> None:
+    def advance(self, r: int) -> None:
         pass  # the process drafts all the time, while it leads by fewer than max_lead layers
 
     def query(self, r: int) -> list[int]:
-        if not self.started():  # still starting (wait=False): this step verifies no draft
+        if not self.started():  # still starting (block=False): this step verifies no draft
             return []
         self._send(("query", self.run, r, self.wait))
         _, _, chain, self.counts, self.cache_shown = self._receive("chain")
@@ -972,9 +973,10 @@ def int8_draft(model):
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # note: torch >= 2.10 marks torch.ao.quantization deprecated
-        draft = quantize_dynamic(model, {torch.nn.Linear: per_channel_dynamic_qconfig}, dtype=torch.qint8)
-    draft.int8_of = weakref.ref(model)  # what a DraftProcess sends instead (weakly: see there)
-    return draft
+        quantized = {torch.nn.Linear: per_channel_dynamic_qconfig}
+        draft_model = quantize_dynamic(model, quantized, dtype=torch.qint8)
+    draft_model.int8_of = weakref.ref(model)  # what a DraftProcess sends instead (weakly: see there)
+    return draft_model
 
 def load_draft(model, tok, cfg: CardConfig, target_name: str = verify.DEFAULT_MODEL):
     """The draft cfg.draft names (see above), on the target's device."""
@@ -984,50 +986,51 @@ def load_draft(model, tok, cfg: CardConfig, target_name: str = verify.DEFAULT_MO
         return copy.deepcopy(model).to(verify.pick_dtype(cfg.draft_dtype, model.device))
     attn = getattr(model.config, "_attn_implementation", None)
     attn = attn if attn in verify.MASK_HONOURING else "auto"
-    draft, draft_tok = verify.load_model(cfg.draft, device=str(model.device), dtype=cfg.draft_dtype,
-                                         attn_implementation=attn, option="--draft")
+    draft_model, draft_tok = verify.load_model(cfg.draft, device=str(model.device), dtype=cfg.draft_dtype,
+                                               attn_implementation=attn, option="--draft")
     if tok.get_vocab() != draft_tok.get_vocab():  # speculation compares token ids
         raise verify.UserError(f"--draft {cfg.draft} and --target {target_name} do not share a vocabulary")
-    return draft
+    return draft_model
 
 def prepare(model, tok, cfg: CardConfig, name: str = verify.DEFAULT_MODEL,
-            draft=None, wait: bool = True) -> tuple[CardConfig, dict]:
+            draft_model=None, block: bool = True) -> tuple[CardConfig, dict]:
     """The set-up before the first call, untimed, like loading: what cfg leaves BEST (section 5b), the
-    draft cfg names unless `draft` is given, r if "auto", in parallel mode the draft's process
-    (wait=False: not waited for), and the step times the rule reads (verify.step_times). tok None:
-    the model's own tokenizer checks a named draft's vocabulary."""
-    chosen_here = draft is None and BEST in (cfg.mode, cfg.ratio)
-    if draft is None:  # our choice by the cost model (section 5b)
+    draft cfg.draft names unless `draft_model` is given, r if "auto", in parallel mode the draft's
+    process (block=False: not waited for), and the step times the rule reads (verify.step_times). tok
+    None: the model's own tokenizer checks a named draft's vocabulary."""
+    chosen_here = draft_model is None and BEST in (cfg.mode, cfg.ratio)
+    if draft_model is None:  # our choice by the cost model (section 5b)
         cfg = choose_configuration(model, tok, cfg, name)
     else:  # a draft of the caller's, not measured here: fixed defaults for what is BEST
         cfg = dataclasses.replace(cfg, ratio=5 if cfg.ratio == BEST else cfg.ratio)
         if cfg.mode == BEST:
             cfg = dataclasses.replace(cfg, mode="parallel" if parallel_possible(model) else "lockstep")
-    in_process = draft is None and cfg.mode == "parallel" and not cannot_spawn()
+    in_process = draft_model is None and cfg.mode == "parallel" and not cannot_spawn()
     # an int8 draft in its process needs no copy here: the process quantizes its own
     quantized_there = in_process and cfg.draft == "int8" and cfg.ratio != "auto"
-    if draft is None and not quantized_there:
+    if draft_model is None and not quantized_there:
         named = cfg.draft not in ("int8", "self")
         tok = tok or (verify.tokenizer_of(model, instead="draft_model") if named else None)
-        draft = load_draft(model, tok, cfg, name)
+        draft_model = load_draft(model, tok, cfg, name)
     if cfg.ratio == "auto":
-        draft_weights = draft.model if isinstance(draft, DraftProcess) else draft
+        draft_weights = draft_model.model if isinstance(draft_model, DraftProcess) else draft_model
         cfg = dataclasses.replace(cfg, ratio=measure_ratio(model, draft_weights, cfg.K))
         print(f"[card] --ratio auto: measured r = {cfg.ratio}", file=sys.stderr)
     if in_process:
-        draft = DraftProcess(model if quantized_there else draft, cfg, wait=wait, int8=quantized_there)
-    largest = max(BEST_RATIOS) + 1
+        draft_model = DraftProcess(model if quantized_there else draft_model, cfg, block=block,
+                                   int8=quantized_there)
     threads = None  # the target's in generate(): all, or what a draft process leaves it
-    if isinstance(draft, DraftProcess) and draft.threads:
-        threads = max(1, torch.get_num_threads() - draft.threads)
-    times = {} if cfg.cost == "free" else {"step_times": verify.step_times(model, largest, threads)}
+    if isinstance(draft_model, DraftProcess) and draft_model.threads:
+        threads = max(1, torch.get_num_threads() - draft_model.threads)
+    times = {} if cfg.cost == "free" else {"step_times": verify.step_times(model, threads=threads)}
     if chosen_here:  # the choice's speed here, said where it is below plain decoding (section 5b)
-        say_if_slower(model, tok, cfg, draft, times.get("step_times"))
-    return cfg, {"draft": draft, **times}
+        say_if_slower(model, tok, cfg, draft_model, times.get("step_times"))
+    return cfg, {"draft_model": draft_model, **times}
 
-def prepare_without_waiting(model, tok, cfg: CardConfig, name: str = verify.DEFAULT_MODEL, draft=None):
+def prepare_without_waiting(model, tok, cfg: CardConfig, name: str = verify.DEFAULT_MODEL,
+                            draft_model=None):
     """prepare() for custom_generate: a process it starts is not waited for (the first call streams)."""
-    return prepare(model, tok, cfg, name, draft=draft, wait=False)
+    return prepare(model, tok, cfg, name, draft_model=draft_model, block=False)
 
 # ---- 5b. Which configuration, on this machine: a cost model (ours) -----------------------------------------
 #
@@ -1075,7 +1078,7 @@ class DraftMeasure:
     prefill_all: float = 0.0  # seconds the draft's prefill of a typical prompt takes on all threads
     prefill_share: float = 0.0  # the same on its share
 
-def choose(cfg: CardConfig, t_target: float, t_verify: dict, draft: DraftMeasure,
+def choose(cfg: CardConfig, t_target: float, t_verify: dict, measured: DraftMeasure,
            can_split: bool) -> tuple[float, CardConfig]:
     """(speedup, cfg with the fastest predicted of its mode and r: every candidate where BEST), ties
     to the smaller r. t_verify = {"all": {n: s}, "share": {n: s}}: the target's forward over n tokens
@@ -1087,8 +1090,8 @@ def choose(cfg: CardConfig, t_target: float, t_verify: dict, draft: DraftMeasure
     best = (0.0, cfg)
     for mode in modes:
         split = mode == "parallel" and can_split  # the draft in its process, on its share of the threads
-        t_draft = draft.on_share if split else draft.on_all
-        t_prefill = draft.prefill_share if split else draft.prefill_all
+        t_draft = measured.on_share if split else measured.on_all
+        t_prefill = measured.prefill_share if split else measured.prefill_all
         times = t_verify["share" if split else "all"]
         for r in ratios:
             max_lead = 2 * r if cfg.max_lead is None else cfg.max_lead  # as the draft process
@@ -1097,7 +1100,7 @@ def choose(cfg: CardConfig, t_target: float, t_verify: dict, draft: DraftMeasure
             if mode == "parallel":  # a hit: what was drafted during the verification; a miss: w layers
                 q_hit = min(r, max(wait, math.floor(verify.seconds_at(times, r + 1) / t_draft)))
                 q_miss = min(wait, r)
-            mat, hit_rate = walk_chains(draft.agreement, q_hit, q_miss)
+            mat, hit_rate = walk_chains(measured.agreement, q_hit, q_miss)
             t_verify_q = verify.seconds_at(times, q_hit + 1)
             costs = {"t_target": t_target, "t_verify": t_verify_q, "t_draft": t_draft}
             per_step = predicted_speedup(costs, mode, r, wait, mat, hit_rate, q_hit + 1, max_lead)
@@ -1111,25 +1114,23 @@ def choose_configuration(model, tok, cfg: CardConfig, name: str) -> CardConfig:
     if BEST not in (cfg.mode, cfg.ratio):
         return cfg
     can_split = cfg.mode != "lockstep" and parallel_possible(model)
-    t_target, t_verify, draft = measure_for_choice(model, tok, cfg, name)
+    t_target, t_verify, measured = measure_for_choice(model, tok, cfg, name)
     if cfg.ratio == "auto":  # §3.1's rule, as measure_ratio takes it
-        cfg = dataclasses.replace(cfg, ratio=max(1, math.ceil(t_target / draft.on_all)))
+        cfg = dataclasses.replace(cfg, ratio=max(1, math.ceil(t_target / measured.on_all)))
         print(f"[card] --ratio auto: measured r = {cfg.ratio}", file=sys.stderr)
-    return choose(cfg, t_target, t_verify, draft, can_split)[1]
+    return choose(cfg, t_target, t_verify, measured, can_split)[1]
 
-def say_if_slower(model, tok, cfg: CardConfig, draft, step_times: dict | None) -> None:
+def say_if_slower(model, tok, cfg: CardConfig, draft_model, step_times: dict | None) -> None:
     """Where cfg runs slower than plain decoding here (verify.say_if_slower), one line says so."""
     def run(model, prompt_ids, n, eos_ids):
-        while isinstance(draft, DraftProcess) and not draft.started():  # the drop-in did not wait
+        while isinstance(draft_model, DraftProcess) and not draft_model.started():  # (the drop-in's)
             time.sleep(0.05)
-        return generate(model, prompt_ids, n, eos_ids, cfg, draft=draft, step_times=step_times)
+        return generate(model, prompt_ids, n, eos_ids, cfg, draft_model=draft_model, step_times=step_times)
 
-    verify.say_if_slower(model, tok, run, ("card", repr(cfg)),
-                         "[card] on this machine CARD runs at {:.2f}x plain decoding ("
-                         f"{cfg.draft} draft, {cfg.mode}, r = {cfg.ratio}: the fastest its step "
-                         "times predict, measured once): its draft's steps cost too much of the "
-                         "target's here; another core, a smaller draft or a GPU would help; it runs "
-                         "anyway")
+    verify.say_if_slower(model, tok, run, ("card", repr(cfg)), "[card] on this machine CARD runs at {:.2f}x "
+                         f"plain decoding ({cfg.draft} draft, {cfg.mode}, r = {cfg.ratio}: the fastest "
+                         "its step times predict, measured once): its draft's steps cost too much of the "
+                         "target's here; another core, a smaller draft or a GPU would help; it runs anyway")
 
 def measure_for_choice(model, tok, cfg: CardConfig, name: str) -> tuple:
     """(t_target, t_verify, DraftMeasure of cfg.draft), kept on disk (verify.measured_costs)."""
@@ -1147,19 +1148,19 @@ def measure_for_choice(model, tok, cfg: CardConfig, name: str) -> tuple:
 def measure_draft(model, tok, cfg: CardConfig, name: str, share: int) -> list:
     """DraftMeasure's fields in order (a forward over TYPICAL_TOKENS stands for the prefill)."""
     tok = tok or verify.tokenizer_of(model, instead="card_config (a CardConfig with its mode and ratio)")
-    draft = load_draft(model, tok, cfg, name)
+    draft_model = load_draft(model, tok, cfg, name)
     typical = verify.TYPICAL_TOKENS
-    on_all = verify.measure_step_times(draft, [cfg.K, typical], repeats=3)
-    on_share = verify.measure_step_times(draft, [cfg.K, typical], repeats=3, threads=share)
+    on_all = verify.measure_step_times(draft_model, [cfg.K, typical], repeats=3)
+    on_share = verify.measure_step_times(draft_model, [cfg.K, typical], repeats=3, threads=share)
     eos = verify.eos_ids_of(model, tok)
     agreement = []
     for prompt in verify.CALIBRATION:
         prompt_ids = verify.encode_prompt(tok, prompt)
         answer = verify.hf_generate(model, prompt_ids, verify.CALIBRATION_TOKENS, eos)
-        cache = verify.new_cache(draft, len(prompt_ids) + len(answer) + 1)
-        guesses = [int(verify.prefill(draft, cache, prompt_ids)[-1].argmax())]  # for answer[0]
+        cache = verify.new_cache(draft_model, len(prompt_ids) + len(answer) + 1)
+        guesses = [int(verify.prefill(draft_model, cache, prompt_ids)[-1].argmax())]  # for answer[0]
         for token in answer[:-1]:  # fed answer[i], the draft guesses answer[i + 1]
-            logits = verify.tree_forward(draft, cache, Tree.chain(token, []))
+            logits = verify.tree_forward(draft_model, cache, Tree.chain(token, []))
             guesses.append(int(logits[-1].argmax()))
         agreement.append([int(guess == token) for guess, token in zip(guesses, answer)])
     return [on_all[cfg.K], on_share[cfg.K], agreement, on_all[typical], on_share[typical]]
@@ -1192,8 +1193,8 @@ def custom_generate(model, input_ids, logits_processor, stopping_criteria, gener
     cfg = CardConfig.for_device(model.device) if card_config is None else card_config
     cfg.check()
     # the script's set-up (prepare), once per model: the draft, r if auto, the draft process (kept)
-    kept_cfg, extra = verify.prepare_once(model, prepare_without_waiting, cfg, draft=draft_model)
-    process = extra["draft"]
+    kept_cfg, extra = verify.prepare_once(model, prepare_without_waiting, cfg, draft_model=draft_model)
+    process = extra["draft_model"]
     if isinstance(process, DraftProcess) and draft_model is None and not process.alive():
         # the kept process died (a failed draft, a kill): this call starts a new one
         verify.forget_per_model(model, verify.prepared_key(model, prepare_without_waiting, cfg))

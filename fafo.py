@@ -20,7 +20,9 @@ selection C(kv) of the cache (§4.1, §4.2; StreamingLLM here, Quest and SnapKV 
 more guesses become affordable, and the verification rows see the full cache, so the output stays
 the target's; and the pool is keyed by longer suffixes of the text (§4.3). §4.4's buffer (C(kv) kept
 at its head, so FlexAttention skips other blocks) is verify.py's CompactedKVCache (`--attn flex`).
-Beyond the paper: the split back-end (the CPU default); deviations are listed in TUTORIAL.md §5.5.
+Beyond the paper: the split back-end (the CPU default). A "deviation:" comment marks each place this file
+departs from the paper (TUTORIAL.md §5.5 lists them), and "ours" what the paper does not have; a
+difference from Lookahead's code is said as such.
 
 The paper, section by section, and where it is here (this file's sections in brackets):
 
@@ -100,16 +102,16 @@ class FafoConfig:
     pool_cap: int | None = None  # k-grams kept per pool key, LRU (Appendix F; None: n)
     # what refreshes a k-gram in that LRU: "use", also being retrieved (Appendix F's
     # "least-recently-used"), or "insert", only being filed again (Lookahead's code); the paper's
-    # rule is the default (RESULTS.md, "FAFO and Lookahead")
+    # rule is the default (RESULTS.md, "FAFO")
     pool_refresh: str = "use"
-    # ours: what a guess's rows cost (verify.WhatPays): 'timed' verifies the guesses worth their rows
+    # deviation: what a guess's rows cost (verify.WhatPays): 'timed' verifies the guesses worth their rows
     # here, the lookahead rows a fixed cost; 'pinned' the same without timing; 'free': all m (the paper)
     cost: str = "timed"
     # longest pool key, the "lookback window" of §4.3 (None: k; Lookahead: 1)
     lookback: int | None = None
-    prompt_pool: bool = False  # also seed the pool with the prompt's k-grams (not in the paper)
+    prompt_pool: bool = False  # also fill the pool with the prompt's k-grams (not in the paper)
     block_size: int = 128  # flex: KV block size, B_z in Algorithm 1 (FlexAttention's default block)
-    seed: int = 0  # the streams' random initial tokens
+    stream_seed: int = 0  # the streams' random initial tokens
 
     @classmethod
     def paper(cls) -> "FafoConfig":
@@ -120,13 +122,13 @@ class FafoConfig:
     @classmethod
     def gpu(cls) -> "FafoConfig":
         """The CUDA default: the paper's n and k; dense, the fastest back-end on a GPU (RESULTS.md,
-        "On one GPU"). deviation: m = 8 (ours, the H100 run's setting), not paper()'s m = n."""
+        "On one GPU"), and m = 8, the H100 run's setting, where paper() reads the open m as m = n."""
         return cls()
 
     @classmethod
     def cpu(cls) -> "FafoConfig":
         """Every row costs time on a CPU, so a small step (22 rows), the split back-end, our budget
-        of 256 (StreamingLLM; Quest 4 pages of 16 = 64); RESULTS.md, "FAFO and Lookahead"."""
+        of 256 (StreamingLLM; Quest 4 pages of 16 = 64); RESULTS.md, "FAFO" and "FAFO at long context"."""
         return cls(n_guess=4, k=3, m=3, top_pages=4, attn="split")
 
     @classmethod
@@ -187,7 +189,7 @@ class NgramPool:
     ([(' sat', ' on')], [(' sat', ' on')])
     """
 
-    def __init__(self, k: int, cap: int, lookback: int | None = None, refresh: str = "insert"):
+    def __init__(self, k: int, cap: int, lookback: int | None = None, refresh: str = "use"):
         self.k = k
         self.cap = cap
         self.lookback = k if lookback is None else lookback  # longest key: FAFO k, Lookahead 1
@@ -200,13 +202,13 @@ class NgramPool:
     def for_run(cls, cfg: "FafoConfig", pool: "NgramPool | None",
                 prompt_ids: Sequence[int]) -> "NgramPool":
         """The pool generate() uses: the caller's (same k; it keeps its own cap and lookback), or a
-        new one with cfg's; seeded with the prompt's k-grams when cfg.prompt_pool."""
+        new one with cfg's; given the prompt's k-grams too when cfg.prompt_pool."""
         if pool is None:
             pool = cls(cfg.k, cfg.pool_cap or cfg.n_guess, cfg.lookback, cfg.pool_refresh)
         if pool.k != cfg.k:
             raise UserError(f"the pool given was built for k = {pool.k}, not k = {cfg.k}")
         if cfg.prompt_pool:
-            pool.seed(prompt_ids)
+            pool.add_prompt(prompt_ids)
         return pool
 
     def __len__(self) -> int:
@@ -233,7 +235,7 @@ class NgramPool:
         for length in range(1, min(self.lookback, len(discarded)) + 1):
             self.add(discarded[-length:], ngram)
 
-    def seed(self, tokens: Sequence[int]) -> None:
+    def add_prompt(self, tokens: Sequence[int]) -> None:
         """Optional (--prompt-pool): file each prompt k-gram under its preceding 1..k tokens."""
         for t in range(1, len(tokens) - self.k + 1):
             self.add_guess(tokens[max(0, t - self.k) : t], tokens[t : t + self.k])
@@ -423,7 +425,11 @@ class StepLayout:
         return allowed
 
     def inputs(self, last: int, p: int, windows: list[list[int]], cands: list[Sequence[int]]):
-        """(tokens [q], positions [q]) for this step; len(cands) must be m."""
+        """(tokens [q], positions [q]) for this step; len(cands) must be m. Stream i's level-j token
+        sits at p + 1 + i + j: Lookahead's staggering (its code's offsets; the paper only names the
+        streams s_i), each stream one position further ahead than the last, so that their newest
+        rows guess n different positions, p + k .. p + n + k - 1, and the pool gets k-grams starting
+        at n different places of the text to come."""
         assert len(cands) == self.m and len(windows) == self.n
         tokens = [last] + [0] * (self.rows - 1)
         positions = [p] + [0] * (self.rows - 1)
@@ -565,11 +571,11 @@ def generate(model, prompt_ids: Sequence[int], max_new_tokens: int, eos_ids: Seq
     gen = Generation(max_new_tokens, eos_ids, on_emit=on_emit, on_step=on_step, stop=stop)
     compressor = make_compressor(cfg)
     pool = NgramPool.for_run(cfg, pool, prompt_ids)  # the caller's, or a new one
-    streams = Streams.from_prompt(prompt_ids, n, k, cfg.seed)  # random prompt tokens at first
+    streams = Streams.from_prompt(prompt_ids, n, k, cfg.stream_seed)  # random prompt tokens at first
     layout = StepLayout(n, k, m)  # the rows of a full step (Figure 4)
     cache, last_logits, hidden = prefill_prompt(model, prompt_ids, max_new_tokens, cfg, compressor,
                                                 layout)
-    # ours: which guesses pay for their rows here (verify.py section 9; cost 'free': all m), the
+    # deviation: which guesses pay for their rows here (verify.py section 9; cost 'free': all m), the
     # lookahead rows a fixed cost (flex pads the guesses to m rows: a fixed cost there too)
     pays = verify.WhatPays.for_run(model, cfg.cost, step_times, layout.rows)
     flex = cfg.attn.startswith("flex")
@@ -588,7 +594,7 @@ def generate(model, prompt_ids: Sequence[int], max_new_tokens: int, eos_ids: Seq
         p = backend.length  # the cached positions kv_1 .. kv_p (p = |x| - 1, not a probability)
         # -- Find Out, retrieve (Algorithm 3): up to m pool candidates keyed by the text's tail
         cands = pool.retrieve(context, m)
-        cands = cands[: pays.guesses(pending, cands, context, fixed, guess_rows)]  # ours: what pays here
+        cands = cands[: pays.guesses(pending, cands, context, fixed, guess_rows)]  # deviation: what pays
         real = len(cands)
         step = StepLayout(n, k, real)
         if cfg.attn.startswith("flex"):  # static shapes: exactly m, padded with never-accepted dummies
@@ -710,8 +716,8 @@ def quest_page_scores(query: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tenso
 
 class Quest(Compressor):
     """Query-aware page selection: pages of `page_size` positions keep their channel-wise min and
-    max keys per layer; each step the `top_pages` pages with the highest `quest_page_scores` (summed
-    over layers) win."""
+    max keys per layer; each step the `top_pages` pages with the highest `quest_page_scores` win.
+    deviation: one selection for every layer and head (scores summed), from the last step's query."""
 
     name = "quest"
     needs_query = True
@@ -1039,7 +1045,7 @@ def make_parser():
     add("--lookback", type=int,
         help="pool: longest key, §4.3's lookback window (default: k; 1 = Lookahead)")
     add("--prompt-pool", action="store_const", const=True,
-        help="seed the pool with the prompt's k-grams too")
+        help="fill the pool with the prompt's k-grams too")
     add("--block-size", type=int, help="flex: KV block size, B_z in Algorithm 1" + default("block_size"))
     add("--cost", choices=verify.COSTS, help=verify.COST_HELP + default("cost"))
     return parser

@@ -32,8 +32,9 @@ The chapter, section by section, and where it is here (this file's sections in b
     from ngram_predictor import NgramConfig, generate        # as a library
     gen = generate(model, prompt_ids, 128, eos_ids, NgramConfig())
 
-Greedy and float32, the output is model.generate(do_sample=False)'s (tests/test_ngram.py). Where
-this file deviates from the chapter it says so in a "deviation:" comment (and in TUTORIAL.md §2).
+Greedy and float32, the output is model.generate(do_sample=False)'s (tests/test_ngram.py). A
+"deviation:" comment marks each place this file departs from the chapter (TUTORIAL.md §2 lists them),
+and "ours" what the chapter does not have; a difference from other code is said as such, unmarked.
 """
 
 from __future__ import annotations
@@ -71,7 +72,7 @@ class NgramConfig:
     draft_count: int = DRAFT_COUNT
     max_history: int = MAX_HISTORY
     max_batch: int = MAX_BATCH
-    # ours: what a draft token costs (verify.WhatPays): 'timed', 'pinned' (no timing: runs repeat)
+    # deviation: what a draft token costs (verify.WhatPays): 'timed', 'pinned' (no timing: runs repeat)
     # or 'free' (every draft verified: the chapter)
     cost: str = "timed"
 
@@ -209,9 +210,9 @@ class NGramPredictor:
 #
 #     E[accepted] = sum_{k=0}^{D-1} k alpha^k (1 - alpha)  +  D alpha^D  =  alpha (1 - alpha^D) / (1 - alpha)
 #
-# (the second form: sum_{k=1}^{D} P(accepted >= k).) The chapter sums the first term up to k = D,
-# counting the all-accepted case twice: its printed 2.05 and 3.28 for alpha = 0.7 and 0.9 are too
-# high, the correct values 1.77 and 3.10 (its 0.94 for alpha = 0.5 is right). See TUTORIAL.md §2.
+# (the second form: sum_{k=1}^{D} P(accepted >= k).) deviation: the chapter sums the first term up
+# to k = D, counting the all-accepted case twice: its printed 2.05 and 3.28 for alpha = 0.7 and 0.9
+# are too high, the correct values 1.77 and 3.10 (its 0.94 for alpha = 0.5 is right; TUTORIAL.md §2).
 #
 # Each step also yields the bonus token, and a forward over 1 + D tokens costs t(1+D) instead of
 # t(1):
@@ -355,7 +356,7 @@ def report(model, prompt_ids, gen: Generation, cfg: NgramConfig, extra: dict) ->
     d = cfg.draft_count
     times = extra.get("step_times") or verify.step_times(model, d + 1)
     ratio = verify.seconds_at(times, d + 1) / times[min(times)]
-    out = {"alpha": alpha, "cost_ratio": ratio, "draft_steps": sum(1 for d in gen.drafted if d)}
+    out = {"alpha": alpha, "cost_ratio": ratio, "draft_steps": sum(1 for drafted in gen.drafted if drafted)}
     out["predicted_speedup"] = predicted_speedup(alpha, d, ratio) if alpha is not None else None
     return out
 

@@ -47,11 +47,11 @@ use each (a method file and this whole file are what you copy; the map is for re
      9  when a token pays: the rule    best_prefix; what a forward costs: sync, measure_step_times,
         of what is worth verifying      step_times, seconds_at; the step fit: StepFit;
                                         acceptance after the fact: Acceptance, DraftRecord; the rule
-                                        in a loop: WhatPays; when a method cannot win: CALIBRATION,
-                                        WillNotWin, say_if_slower, speed_over_plain; kept on disk:
-                                        costs_path, machine_key, cpu_name, measured_costs,
-                                        read_costs; and what a run holds: tensor_bytes,
-                                        kv_cache_bytes
+                                        in a loop: WhatPays, check_cost; when a method cannot win:
+                                        CALIBRATION, WillNotWin, say_if_slower, speed_over_plain;
+                                        kept on disk: costs_path, machine_key, cpu_name,
+                                        measured_costs, read_costs; and what a run holds:
+                                        tensor_bytes, kv_cache_bytes
                                         used by: ngram_predictor.py, cacheback.py, card.py, fafo.py
                                         (WhatPays, one call a step), serve/gate.py (StepFit,
                                         Acceptance, DraftRecord), card.py and fafo.py (the one line)
@@ -77,6 +77,10 @@ use each (a method file and this whole file are what you copy; the map is for re
                                         tokenizer_of
                                         used by: ngram_predictor.py, cacheback.py, card.py, fafo.py
 Sections 11-12 serve `python FILE.py`, section 13 `model.generate(..., custom_generate=FILE.custom_generate)`.
+
+As in every method file, a "deviation:" comment marks a place the code departs from the paper it
+follows, and "ours" what the paper does not have; a difference from other code (transformers'
+generate) is said as such, unmarked.
 
 Greedy speculative decoding is *lossless*: a token is only emitted if it is the target's argmax
 given exactly the tokens before it, so in float32 the output is `model.generate(do_sample=False)`'s
@@ -399,8 +403,8 @@ def compact_kv(cache, prefix_len: int, path: Sequence[int]) -> None:
 #
 #   logits (2.0, 1.0, 0.0), T = 1, noise (-0.3, 1.6, 0.4) -> sums (1.7, 2.6, 0.4) -> token 1, not the argmax:
 #   a draft that guessed 1 is accepted; one that guessed 0 is not, and the bonus token is 1.
-# For a deterministic draft token x, rejection sampling accepts with probability p(x) too
-# (TUTORIAL.md §1.8).
+# deviation: the paper's rejection sampling (accept x with probability min(1, p(x)/q(x))) is not used;
+# for a deterministic draft token x it accepts with probability p(x) too (TUTORIAL.md §1.8).
 
 @dataclass(frozen=True)
 class Sampling:

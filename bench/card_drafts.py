@@ -54,7 +54,7 @@ def main(argv=None) -> int:
             cfg = card.CardConfig(K=1, k=1, ratio=4, mode="lockstep")
             tokens = forwards = 0
             for ids in encoded:
-                gen = card.generate(model, ids, args.max_new_tokens, eos, cfg, draft=draft)
+                gen = card.generate(model, ids, args.max_new_tokens, eos, cfg, draft_model=draft)
                 tokens, forwards = tokens + len(gen.tokens), forwards + gen.target_forwards
             print(f"| {spec} | {1000 * t[threads]:.1f} ms | {1000 * t[1]:.1f} ms | {t_target[threads] / t[threads]:.2f} "
                   f"| {t_target[1] / t[1]:.2f} | {tokens / forwards:.2f} |", flush=True)

@@ -213,7 +213,7 @@ def make_runner(spec: str, model, tok, args, sampled: bool = False):
             return module.generate(model, ids, n, eos, cfg, sampling=s, on_emit=first, **extra)
 
         if module_name == "card":  # its cost model's predictions beside each measurement
-            draft = extra["draft"]  # a model (lockstep) or a card.DraftProcess, whose .model is the draft's
+            draft = extra["draft_model"]  # a model (lockstep) or a card.DraftProcess, whose .model is the draft's
             costs = card_costs(model, draft.model if isinstance(draft, module.DraftProcess) else draft, cfg)
             setup = None
             if cfg.draft in ("int8", "self"):  # what the set-up predicted for the configuration (kept on disk)

@@ -264,7 +264,7 @@ class NgramRequest(RequestState):
 class CachebackRequest(RequestState):
     """cacheback.generate()'s dynamic table (a fresh one per request, or the server's), filled from
     the prompt and the new windows after each step; a draft is the first branch of grow_tree's
-    tree (cacheback.first_branch). deviation: cfg.cost is not read (preset 'cpu' here grows
+    tree (cacheback.first_branch). Unlike generate(), it reads no cfg.cost (preset 'cpu' here grows
     CachebackConfig.cpu()'s trees whole): generate()'s rule weighs one request's forward of the
     tree; in the engine a step's cost is the whole batch's, which the gate weighs."""
 

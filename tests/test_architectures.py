@@ -108,8 +108,8 @@ def _cases():
         "ngram": lambda m, d: ngram_predictor.generate(m, PROMPT, NEW, [EOS], ngram_predictor.NgramConfig.paper()),
         "cacheback": lambda m, d: cacheback.generate(m, PROMPT, NEW, [EOS], cb),
         "cacheback-rule": lambda m, d: cacheback.generate(m, PROMPT, NEW, [EOS], cbp, step_times=times),
-        "card-lockstep": lambda m, d: card.generate(m, PROMPT, NEW, [EOS], card.CardConfig(mode="lockstep", **cd), draft=d),
-        "card-parallel": lambda m, d: card.generate(m, PROMPT, NEW, [EOS], card.CardConfig(mode="parallel", **cd), draft=d),
+        "card-lockstep": lambda m, d: card.generate(m, PROMPT, NEW, [EOS], card.CardConfig(mode="lockstep", **cd), draft_model=d),
+        "card-parallel": lambda m, d: card.generate(m, PROMPT, NEW, [EOS], card.CardConfig(mode="parallel", **cd), draft_model=d),
         "fafo-dense": lambda m, d: fafo.generate(m, PROMPT, NEW, [EOS], fafo.FafoConfig(attn="dense", **ff)),
         "fafo-quest": lambda m, d: fafo.generate(m, PROMPT, NEW, [EOS], fafo.FafoConfig(compress="quest", **ff)),
         "fafo-snapkv": lambda m, d: fafo.generate(m, PROMPT, NEW, [EOS], fafo.FafoConfig(
@@ -171,8 +171,8 @@ def _real_runs(model, ids, eos, draft, process):
         "ngram": lambda: ngram_predictor.generate(model, ids, 32, eos, ngram_predictor.NgramConfig.paper()),
         "cacheback": lambda: cacheback.generate(model, ids, 32, eos, cacheback.CachebackConfig(ll=2, tdl=16, crt=4)),
         "cacheback-rule": lambda: cacheback.generate(model, ids, 32, eos, cacheback.CachebackConfig.cpu(), step_times=times),
-        "card-lockstep": lambda: card.generate(model, ids, 32, eos, card.CardConfig(mode="lockstep", **cd), draft=draft),
-        "card-parallel": lambda: card.generate(model, ids, 32, eos, card.CardConfig(mode="parallel", **cd), draft=process),
+        "card-lockstep": lambda: card.generate(model, ids, 32, eos, card.CardConfig(mode="lockstep", **cd), draft_model=draft),
+        "card-parallel": lambda: card.generate(model, ids, 32, eos, card.CardConfig(mode="parallel", **cd), draft_model=process),
         "fafo-dense": lambda: fafo.generate(model, ids, 32, eos, fafo.FafoConfig(attn="dense", **small)),
         "fafo-split": lambda: fafo.generate(model, ids, 32, eos, fafo.FafoConfig(attn="split", **small)),
     }

@@ -118,7 +118,7 @@ def test_every_method_knows_its_capacity(real, draft_bf16, monkeypatch):
         "ngram": lambda: ngram_predictor.generate(model, ids, n, eos, ngram_predictor.NgramConfig.paper()),
         "cacheback": lambda: cacheback.generate(model, ids, n, eos, cacheback.CachebackConfig.cpu(), step_times=cost),
         "card": lambda: card.generate(model, ids, n, eos, card.CardConfig(K=4, k=2, ratio=4, mode="lockstep"),
-                                      draft=draft_bf16),
+                                      draft_model=draft_bf16),
         "fafo": lambda: fafo.generate(model, ids, n, eos, fafo.FafoConfig.cpu()),
         "lookahead": lambda: fafo.generate(model, ids, n, eos, fafo.FafoConfig(n_guess=4, k=3, m=3, compress="none", lookback=1)),
     }

@@ -91,7 +91,7 @@ def test_frozen_table_never_changes():
     t = cb.CacheTable(ll=1, fl=1, lc=2, fc=2)
     t.insert((1,), (10,))
     t.insert((2,), (20,))
-    t.frozen = True
+    t.read_only = True
     before = [(k, list(v)) for k, v in t.leaders.items()]
     list(t.query((1,)))  # no refresh either
     with pytest.raises(RuntimeError):
@@ -150,7 +150,7 @@ def test_crt_reserves_budget_for_deeper_levels():
 def test_frozen_table_only_fills_the_remaining_budget_and_shared_prefixes_merge():
     dyn = table_with([((5,), (6, 7))])
     frozen = table_with([((5,), (6, 9)), ((5,), (6, 7)), ((5,), (8, 8))])
-    frozen.frozen = True
+    frozen.read_only = True
     tree = cb.grow_tree(5, [5], dyn, frozen, tdl=100, crt=0)
     # dynamic first; then the frozen followers most recent first: (8,8), (6,7) (already there), (6,9)
     assert [[tree.tokens[n] for n in b] for b in tree.branches()] == [[6, 7], [8, 8], [6, 9]]
@@ -166,7 +166,7 @@ def test_frozen_followers_fill_the_budget_after_a_big_dynamic_tree():
     dyn = table_with([((5,), (30, 31, 32)), ((5,), (20, 21, 22)), ((5,), (10, 11, 12)), ((12,), (13, 14, 15))],
                      fl=3)
     frozen = table_with([((5,), (40, 41, 42)), ((22,), (26, 27, 28))], fl=3)
-    frozen.frozen = True
+    frozen.read_only = True
     alone = cb.grow_tree(5, [5], dyn, None, tdl=16, crt=4)
     assert len(alone) - 1 == 12
     tree = cb.grow_tree(5, [5], dyn, frozen, tdl=16, crt=4)
@@ -182,7 +182,7 @@ def test_the_two_frozen_orders_on_a_hand_made_tree():
     dynamic table's level-2 follower (8, 9) no longer fits."""
     dyn = table_with([((5,), (6, 7)), ((7,), (8, 9))])
     frozen = table_with([((5,), (1, 2))])
-    frozen.frozen = True
+    frozen.read_only = True
     after = cb.grow_tree(5, [5], dyn, frozen, tdl=6, crt=0, frozen_order="after")
     assert [[after.tokens[n] for n in b] for b in after.branches()] == [[6, 7, 8, 9]]
     each = cb.grow_tree(5, [5], dyn, frozen, tdl=6, crt=0, frozen_order="each-node")
@@ -221,7 +221,7 @@ def test_a_corpus_table_is_built_by_the_tool_with_lc_and_fc_then_found(monkeypat
     def fake_build(tok, ll, fl, lc, fc, **kw):
         seen.update(ll=ll, fl=fl, lc=lc, fc=fc)
         t = cb.CacheTable(ll, fl, lc, fc)
-        t.frozen = True
+        t.read_only = True
         return t, {"corpus": "test", "seed": 0, "tokens": 0}
 
     monkeypatch.setattr(bf, "build_frozen", fake_build)
@@ -241,7 +241,7 @@ def test_the_default_models_tables_for_the_papers_parameters_are_shipped(tokeniz
         cfg = cb.CachebackConfig(frozen=corpus)
         assert cb.frozen_path(tokenizer, cfg).startswith(cb.CORPUS_DIR)
         table = cb.frozen_table_for(tokenizer, cfg)
-        assert table.frozen and (table.ll, table.fl, table.lc, table.fc) == (1, 3, 2**20, 128) and len(table) > 1000
+        assert table.read_only and (table.ll, table.fl, table.lc, table.fc) == (1, 3, 2**20, 128) and len(table) > 1000
 
 
 def test_only_the_first_level_query_refreshes_recency():
@@ -281,7 +281,7 @@ def test_builder_is_deterministic_and_keeps_top_followers(tokenizer, tmp_path):
     b, meta_b = bf.build_frozen(tokenizer, 1, 3, lc=50, fc=4, max_tokens=20_000, seed=1, progress=False)
     assert meta_a == meta_b and meta_a["tokens"] == 20_000
     assert [(k, list(v)) for k, v in a.leaders.items()] == [(k, list(v)) for k, v in b.leaders.items()]
-    assert len(a) == 50 and all(len(f) <= 4 for f in a.leaders.values()) and a.frozen
+    assert len(a) == 50 and all(len(f) <= 4 for f in a.leaders.values()) and a.read_only
     c, _ = bf.build_frozen(tokenizer, 1, 3, lc=50, fc=4, max_tokens=20_000, seed=2, progress=False)
     assert [(k, list(v)) for k, v in a.leaders.items()] != [(k, list(v)) for k, v in c.leaders.items()]
     # round trip through the portable file format

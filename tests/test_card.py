@@ -138,7 +138,7 @@ def test_lossless_on_a_tiny_pair_including_a_bad_draft(mode):
     pairs = [(good, True), (good, False), (bad, True), (bad, False)]
     for draft, correct in pairs if mode == "lockstep" else pairs[1:3]:
         cfg = card.CardConfig(K=6, k=3, ratio=4, mode=mode, correct=correct)
-        assert card.generate(target, prompt, 60, [95], cfg, draft=draft).tokens == want, (correct, draft.dtype)
+        assert card.generate(target, prompt, 60, [95], cfg, draft_model=draft).tokens == want, (correct, draft.dtype)
 
 
 @pytest.mark.parametrize("prompt,mode", [(p, ("lockstep", "parallel")[i % 2]) for i, p in enumerate(REAL_PROMPTS)])
@@ -147,7 +147,7 @@ def test_lossless_on_real_prompts(real, oracle, draft_bf16, draft_process_bf16, 
     process."""
     ids, eos = encode(real, prompt)
     draft = draft_bf16 if mode == "lockstep" else draft_process_bf16
-    gen = card.generate(real[0], ids, 40, eos, card.CardConfig(ratio=4, mode=mode, **CARD_REAL), draft=draft)
+    gen = card.generate(real[0], ids, 40, eos, card.CardConfig(ratio=4, mode=mode, **CARD_REAL), draft_model=draft)
     assert gen.tokens == oracle(ids, 40, eos)
 
 
@@ -155,11 +155,11 @@ def test_max_new_tokens_and_eos_boundaries():
     target = make_tiny_llama(0)
     prompt = [1] + [5, 6, 7, 8, 9] * 6
     for n in (1, 2, 5, 13):
-        gen = card.generate(target, prompt, n, [95], card.CardConfig(K=4, k=2, ratio=4, mode="lockstep"), draft=target)
+        gen = card.generate(target, prompt, n, [95], card.CardConfig(K=4, k=2, ratio=4, mode="lockstep"), draft_model=target)
         assert gen.tokens == verify.hf_generate(target, prompt, n, [95])
     full = verify.hf_generate(target, prompt, 30, [95])
     eos = full[7]  # pretend the 8th token is EOS: generation must stop right there, inside an accepted chain
-    gen = card.generate(target, prompt, 30, [eos], card.CardConfig(K=4, k=2, ratio=4, mode="lockstep"), draft=target)
+    gen = card.generate(target, prompt, 30, [eos], card.CardConfig(K=4, k=2, ratio=4, mode="lockstep"), draft_model=target)
     assert gen.tokens == verify.hf_generate(target, prompt, 30, [eos])
 
 
@@ -180,7 +180,7 @@ def test_int8_draft_is_close_to_the_target_and_card_with_it_is_lossless():
     # chance (about 1 position in 96), a working int8 copy on most positions whatever its kernels.
     assert agree > unrelated + 0.5, (float(agree), float(unrelated))
     prompt = [1] + [5, 6, 7, 8, 9] * 6
-    gen = card.generate(target, prompt, 30, [95], card.CardConfig(K=2, k=2, ratio=3, mode="lockstep"), draft=draft)
+    gen = card.generate(target, prompt, 30, [95], card.CardConfig(K=2, k=2, ratio=3, mode="lockstep"), draft_model=draft)
     assert gen.tokens == verify.hf_generate(target, prompt, 30, [95])
 
 
@@ -198,19 +198,19 @@ def test_parallel_equals_lockstep_on_the_real_model(real, oracle, draft_int8):
     with card.DraftProcess(draft_int8, cfg) as proc:
         for prompt in REAL_PROMPTS[:1]:  # (more prompts in parallel mode: test_lossless_on_real_prompts)
             ids, eos = encode(real, prompt)
-            lock = card.generate(model, ids, 32, eos, lockstep, draft=draft_int8)
-            par = card.generate(model, ids, 32, eos, cfg, draft=proc)
+            lock = card.generate(model, ids, 32, eos, lockstep, draft_model=draft_int8)
+            par = card.generate(model, ids, 32, eos, cfg, draft_model=proc)
             assert par.tokens == lock.tokens == oracle(ids, 32, eos)
             int8_accepted += sum(lock.accepted)
             # An exact reference: the float32 target as its own draft makes that chain the target's own, so
             # every step accepts all r tokens (the last one what max_new_tokens leaves). A cache that lost
             # its KV or a correction that kept the wrong nodes would accept less.
-            own = card.generate(model, ids, 32, eos, lockstep, draft=model)
+            own = card.generate(model, ids, 32, eos, lockstep, draft_model=model)
             assert own.tokens == lock.tokens and own.accepted[:-1] == [r] * (len(own.accepted) - 1)
             self_accepted += sum(own.accepted)
         s = verify.Sampling(0.8, top_p=0.95, seed=1)
-        lock = card.generate(model, ids, 24, eos, lockstep, draft=draft_int8, sampling=s)
-        par = card.generate(model, ids, 24, eos, dataclasses.replace(cfg, wait=0), draft=proc, sampling=s)
+        lock = card.generate(model, ids, 24, eos, lockstep, draft_model=draft_int8, sampling=s)
+        par = card.generate(model, ids, 24, eos, dataclasses.replace(cfg, wait=0), draft_model=proc, sampling=s)
         assert par.tokens == lock.tokens == verify.vanilla_generate(model, ids, 24, eos, s).tokens
     assert draft_processes() == []
     # How often the int8 draft is right depends on the CPU: torch picks its int8 kernels by instruction set
@@ -247,26 +247,26 @@ def test_no_draft_process_is_left_after_a_return_an_error_or_ctrl_c():
     threads = torch.get_num_threads()
     prompt = [1] + [5, 6, 7, 8, 9] * 6
     cfg = card.CardConfig(K=4, k=2, ratio=4, mode="parallel")
-    card.generate(target, prompt, 20, [95], cfg, draft=target)  # a model: generate() owns its process
+    card.generate(target, prompt, 20, [95], cfg, draft_model=target)  # a model: generate() owns its process
     assert draft_processes() == []
 
     for exc in (RuntimeError("boom"), KeyboardInterrupt()):
         def on_emit(tokens, flags, exc=exc):
             raise exc
         with pytest.raises(type(exc)):
-            card.generate(target, prompt, 20, [95], cfg, draft=target, on_emit=on_emit)
+            card.generate(target, prompt, 20, [95], cfg, draft_model=target, on_emit=on_emit)
         assert draft_processes() == []
 
     with pytest.raises(card.DraftProcessError, match="failed: ValueError: draft exploded"):
-        card.generate(target, prompt, 20, [95], cfg, draft=ExplodingDraft(target.config))
+        card.generate(target, prompt, 20, [95], cfg, draft_model=ExplodingDraft(target.config))
     assert draft_processes() == []
     assert torch.get_num_threads() == threads  # the cores the draft process had are given back
 
     # a DraftProcess the caller passes is the caller's: it survives an error and serves the next call
     with card.DraftProcess(target, cfg) as proc:
         with pytest.raises(RuntimeError):
-            card.generate(target, prompt, 20, [95], cfg, draft=proc, on_emit=lambda *a: (_ for _ in ()).throw(RuntimeError()))
-        gen = card.generate(target, prompt, 20, [95], cfg, draft=proc)
+            card.generate(target, prompt, 20, [95], cfg, draft_model=proc, on_emit=lambda *a: (_ for _ in ()).throw(RuntimeError()))
+        gen = card.generate(target, prompt, 20, [95], cfg, draft_model=proc)
         assert gen.tokens == verify.hf_generate(target, prompt, 20, [95])
     assert draft_processes() == []
 
@@ -283,12 +283,12 @@ def test_a_draft_with_hooks_crosses_to_its_process_as_parts():
     assert rebuilt.lm_head.weight.data_ptr() == draft.lm_head.weight.data_ptr()  # the same tensors, no copy
     prompt = [1] + [5, 6, 7, 8, 9] * 6
     cfg = card.CardConfig(K=2, k=2, ratio=3, mode="parallel")
-    gen = card.generate(target, prompt, 20, [95], cfg, draft=draft)
+    gen = card.generate(target, prompt, 20, [95], cfg, draft_model=draft)
     assert gen.tokens == verify.hf_generate(target, prompt, 20, [95])
 
 
 def test_a_draft_process_not_waited_for_lets_the_first_steps_go_undrafted():
-    """DraftProcess(wait=False), as custom_generate starts one: the process is spawned only after the prompt's
+    """DraftProcess(block=False), as custom_generate starts one: the process is spawned only after the prompt's
     first token (beside the prefill it would take a core from it), generate() begins at once, its steps verify
     no draft while the process starts (corrections queue up for it), the tokens are HF greedy's, and once the
     process is up the next call drafts."""
@@ -296,10 +296,10 @@ def test_a_draft_process_not_waited_for_lets_the_first_steps_go_undrafted():
     prompt = [1] + [5, 6, 7, 8, 9] * 6
     cfg = card.CardConfig(K=4, k=2, ratio=3, mode="parallel")
     want = verify.hf_generate(target, prompt, 30, [95])
-    with card.DraftProcess(target, cfg, wait=False) as proc:
+    with card.DraftProcess(target, cfg, block=False) as proc:
         assert proc.process.pid is None and proc.alive()  # not spawned yet, and not dead
         spawned = []  # at each emission: whether the process was spawned by then
-        gen = card.generate(target, prompt, 30, [95], cfg, draft=proc,
+        gen = card.generate(target, prompt, 30, [95], cfg, draft_model=proc,
                             on_emit=lambda *a: spawned.append(proc.process.pid is not None))
         assert spawned[0] is False and spawned[-1] is True  # the first token came before the spawn
         assert not proc.ready  # (a process start takes a second or more; these 30 tokens far less)
@@ -307,13 +307,13 @@ def test_a_draft_process_not_waited_for_lets_the_first_steps_go_undrafted():
         deadline = time.time() + 60
         while not proc.started() and time.time() < deadline:
             time.sleep(0.05)
-        gen = card.generate(target, prompt, 30, [95], cfg, draft=proc)
+        gen = card.generate(target, prompt, 30, [95], cfg, draft_model=proc)
         assert gen.tokens == want and sum(gen.accepted) > 0
 
 
 def test_a_draft_process_never_spawned_closes_cleanly():
     cfg = card.CardConfig(K=4, k=2, ratio=3, mode="parallel")
-    proc = card.DraftProcess(make_tiny_llama(0), cfg, wait=False)
+    proc = card.DraftProcess(make_tiny_llama(0), cfg, block=False)
     proc.close()
     assert proc.process.pid is None and proc.conn.closed
 
@@ -337,7 +337,7 @@ def test_a_kept_draft_process_stops_drafting_when_generate_returns():
     prompt = [1] + [5, 6, 7, 8, 9] * 6
     cfg = card.CardConfig(K=4, k=2, ratio=4, mode="parallel", max_lead=10**6)  # would draft forever
     with card.DraftProcess(target, cfg) as proc:
-        card.generate(target, prompt, 20, [95], cfg, draft=proc)
+        card.generate(target, prompt, 20, [95], cfg, draft_model=proc)
         time.sleep(0.5)  # a layer already in flight when generate() returned may finish
         idle = ticks_over(proc.process.pid)
         proc.start(prompt, 256, cfg.max_lead)  # the reference: drafting, nobody says done
@@ -357,7 +357,7 @@ def test_a_dead_draft_process_is_a_one_line_error_not_a_hang():
 
     t0 = time.time()
     with pytest.raises(card.DraftProcessError, match=r"^the draft process died \(exit code -9\)$"):
-        card.generate(target, prompt, 40, [95], cfg, draft=proc, on_step=kill_it)
+        card.generate(target, prompt, 40, [95], cfg, draft_model=proc, on_step=kill_it)
     assert time.time() - t0 < 30
     assert draft_processes() == []
 

@@ -75,7 +75,7 @@ def test_lookback_is_checked():
 
 def test_prompt_seeding_files_each_kgram_under_its_preceding_tokens():
     pool = fafo.NgramPool(k=2, cap=4)
-    pool.seed([1, 2, 3, 4])
+    pool.add_prompt([1, 2, 3, 4])
     assert pool.table[(1,)] == {(2, 3): None}
     assert pool.table[(2,)] == {(3, 4): None} and pool.table[(1, 2)] == {(3, 4): None}
     assert (3,) not in pool.table  # (4, ?) is not a full 2-gram

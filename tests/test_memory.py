@@ -47,9 +47,9 @@ def test_fafo_holds_its_cache_and_its_pool(tiny):
 @pytest.mark.skipif(not hasattr(torch.multiprocessing, "get_context"), reason="no multiprocessing")
 def test_card_counts_the_draft_alike_in_either_process(tiny):
     cfg = card.CardConfig(K=2, k=2, ratio=3, mode="lockstep")
-    lockstep = card.generate(tiny, PROMPT, 12, [95], cfg, draft=tiny)
+    lockstep = card.generate(tiny, PROMPT, 12, [95], cfg, draft_model=tiny)
     parallel = card.generate(tiny, PROMPT, 12, [95], card.CardConfig(K=2, k=2, ratio=3, mode="parallel"),
-                             draft=tiny)
+                             draft_model=tiny)
     assert lockstep.extra["draft_held_bytes"] == parallel.extra["draft_held_bytes"]
     assert lockstep.extra["draft_held_bytes"] > verify.tensor_bytes(tiny)  # the weights and a cache
     assert lockstep.extra["held_bytes"] > lockstep.extra["draft_held_bytes"]  # plus the target's cache

@@ -140,15 +140,15 @@ def test_card_shows_the_queried_chain_inside_its_candidate_cache(pages, name):
         assert True in hits  # the draft process leads: some steps hit
 
 
-def test_card_draft_side_shows_nothing_unless_asked(real, draft_int8):
+def test_card_drafter_shows_nothing_unless_asked(real, draft_int8):
     """A normal run (no on_step hook) pays nothing: the Drafter shows nothing (shown() is empty)."""
     model, tok = real
     drafter = card.Drafter(draft_int8, K=1, k=1)
     drafter.start(list(encode(real, PROMPT)[0]), capacity=128)
-    drafter.draft(3)
+    drafter.advance(3)
     assert drafter.shown() == {}
     drafter.start(list(encode(real, PROMPT)[0]), capacity=128, show=True)
-    drafter.draft(3)
+    drafter.advance(3)
     facts = drafter.shown()
     assert len(facts["layers"]) == 4 and facts["hits"] == 0  # the root and three grown layers
 

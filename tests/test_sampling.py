@@ -135,7 +135,7 @@ def methods(draft):
         "ngram": lambda m, ids, n, eos, s: ngram_predictor.generate(m, ids, n, eos, ngram_predictor.NgramConfig.paper(), sampling=s),
         "cacheback": lambda m, ids, n, eos, s: cacheback.generate(m, ids, n, eos, cacheback.CachebackConfig.cpu(), step_times=cost, sampling=s),
         "card": lambda m, ids, n, eos, s: card.generate(m, ids, n, eos, card.CardConfig(K=2, k=2, ratio=3, mode="lockstep"),
-                                                         draft=draft, sampling=s),
+                                                         draft_model=draft, sampling=s),
         "fafo": lambda m, ids, n, eos, s: fafo.generate(m, ids, n, eos, dataclasses.replace(fafo.FafoConfig.cpu(), prompt_pool=True),
                                                          sampling=s),
     }
@@ -165,7 +165,7 @@ def test_tiny_model_every_method_and_mode_sampled(tiny):
             want = verify.vanilla_generate(tiny, prompt, 30, [95], s).tokens
             for name, run in methods(tiny).items():
                 assert run(tiny, prompt, 30, [95], s).tokens == want, (name, seed)
-            assert card.generate(tiny, prompt, 30, [95], parallel, draft=proc, sampling=s).tokens == want
+            assert card.generate(tiny, prompt, 30, [95], parallel, draft_model=proc, sampling=s).tokens == want
             gen = fafo.generate(tiny, prompt, 30, [95], dataclasses.replace(fafo.FafoConfig.cpu(), attn="flex", block_size=16), sampling=s)
             assert gen.tokens == want
 

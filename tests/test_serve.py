@@ -396,5 +396,5 @@ def test_the_frozen_table_is_the_default_models_own(tmp_path):
     config.model_config.tokenizer = path
     config.model_config.model = path
     proposer = proposers.CachebackProposer(config)
-    assert proposer.frozen is not None and proposer.frozen.frozen and len(proposer.frozen) > 1000
+    assert proposer.frozen is not None and proposer.frozen.read_only and len(proposer.frozen) > 1000
     assert (proposer.cfg.ll, proposer.cfg.fl) == (1, 3)

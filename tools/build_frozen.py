@@ -90,7 +90,7 @@ def build_frozen(tok, ll: int, fl: int, lc: int, fc: int, max_tokens: int = 2_00
         best = sorted(follower_counts[leader].items(), key=lambda kv: (-kv[1], kv[0]))[:fc]
         for follower, _ in reversed(best):
             table.insert(leader, follower)
-    table.frozen = True
+    table.read_only = True
     return table, {"corpus": corpus, "seed": seed, "tokens": used}
 
 
