@@ -5,6 +5,7 @@ module docstring lists exactly the public names the file defines."""
 import ast
 import doctest
 import inspect
+import os
 import re
 
 import pytest
@@ -78,20 +79,49 @@ def test_mask_figures_draw_from_the_code(tmp_path, monkeypatch):
             assert f.read(8) == b"\x89PNG\r\n\x1a\n", name
 
 
-def test_tutorial_code_references_name_real_functions():
-    """TUTORIAL.md points at the code as `file.py:name` (or `file.py:Class.method`): each one exists."""
+def named_in(text: str) -> dict[str, set]:
+    """What a document names in backticks: code as `file.py:name` (or `file.py:Class.method`) and
+    `module.name`; tests, `test_name` (or `tests/file.py::test_name`); files, `folder/path`."""
+    code = set(re.findall(r"`(\w+\.py):([\w.]+)`", text))
+    code |= {(module + ".py", name) for module, name in re.findall(
+        r"`(verify|ngram_predictor|cacheback|card|fafo|gate|vllm_proposers)\.(?!py`)([A-Za-z_][\w.]*)`", text)}
+    tests = set(re.findall(r"\b(test_[a-z0-9_]+[a-z0-9])\b(?!\.py|`\.py)", text))
+    files = set(re.findall(r"`((?:bench|tools|tests|serve|docs|prompts|corpus)/[\w./-]+\.\w+)`", text))
+    return {"code": code, "tests": tests, "files": files}
+
+
+def test_every_name_a_document_gives_exists():
+    """Each function, class, constant, test and file that README, TUTORIAL, RESULTS and serve/README name
+    exists (a test by its function name or its file's)."""
     import os
 
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    text = open(os.path.join(root, "TUTORIAL.md"), encoding="utf-8").read()
+    root = _root()
     modules = {os.path.basename(m.__file__): m for m in MODULES}  # serve/vllm_proposers.py, serve/gate.py too
-    refs = re.findall(r"`(\w+\.py):([\w.]+)`", text)
-    assert len(refs) > 40
-    for file, name in refs:
-        obj = modules[file]
-        for part in name.split("."):
-            assert hasattr(obj, part), f"TUTORIAL.md names {file}:{name}, which does not exist"
-            obj = getattr(obj, part)
+    test_names = set()
+    for name in os.listdir(os.path.join(root, "tests")):
+        if name.endswith(".py"):
+            test_names.add(name[:-3])
+            test_names |= set(re.findall(r"^def (test_\w+)", _read("tests/" + name), flags=re.M))
+    missing = []
+    for document in DOCUMENTS:
+        named = named_in(_read(document))
+        assert document != "TUTORIAL.md" or len(named["code"]) > 40
+        for file, name in sorted(named["code"]):
+            obj = modules[file]
+            for part in name.split("."):
+                if not hasattr(obj, part):
+                    missing.append(f"{document} names {file}:{name}")
+                    break
+                obj = getattr(obj, part)
+        missing += [f"{document} names the test {t}" for t in sorted(named["tests"] - test_names)]
+        missing += [f"{document} names {f}" for f in sorted(named["files"]) if not os.path.exists(os.path.join(root, f))]
+    assert not missing, "\n".join(missing)
+
+
+def test_the_names_check_sees_each_kind():
+    named = named_in("`card.py:Drafter.advance`, `verify.step_times`, `fafo.py`, test_the_rule_works, `bench/none.py`")
+    assert named == {"code": {("card.py", "Drafter.advance"), ("verify.py", "step_times")},
+                     "tests": {"test_the_rule_works"}, "files": {"bench/none.py"}}
 
 
 COMPUTING = (ast.Call, ast.BinOp, ast.UnaryOp, ast.IfExp, ast.Subscript, ast.Compare, ast.BoolOp)
@@ -355,3 +385,159 @@ def test_every_section_a_file_cites_is_a_heading_of_results_md():
     assert len(cited) >= 10
     unknown = sorted(name for name in cited if not any(h == name or h.startswith(name + ":") for h in headings))
     assert not unknown, "RESULTS.md has no heading for: " + ", ".join(unknown)
+
+
+def test_every_result_files_command_exists():
+    """The command heading a committed result (its first line) names scripts and prompt files that exist today
+    (a run made with a script since renamed says so on its next lines)."""
+    import glob
+    import os
+
+    root = _root()
+    missing = []
+    for path in sorted(glob.glob(os.path.join(root, "bench", "results", "**", "*.md"), recursive=True)):
+        with open(path, encoding="utf-8") as f:
+            first = f.readline()
+        named = re.findall(r"python3? ((?:[\w-]+/)*[\w-]+\.py)", first) + re.findall(r"(prompts/[\w.-]+\.jsonl)", first)
+        named += re.findall(r"(bench/[\w.-]+\.jsonl)\b(?! --out)", first.split("--out")[0])
+        missing += [f"{os.path.relpath(path, root)}: {name}" for name in named if not os.path.exists(os.path.join(root, name))]
+    assert not missing, "\n".join(missing)
+
+
+# ---- figures against their rows: each claim a phrase of RESULTS.md with {} where a figure recomputed from the
+# rows it cites stands (a table's cells, or a sentence's number)
+
+def _rows(name: str) -> list[dict]:
+    import json
+
+    with open(os.path.join(_root(), "bench", "results", name), encoding="utf-8") as f:
+        return [json.loads(line) for line in f]
+
+
+def mean_accepted(rows: list[dict], method: str) -> float:
+    """RESULTS.md's mean accepted: new tokens over target forwards, over all of a method's prompts together."""
+    mine = [r for r in rows if r["method"] == method]
+    return sum(r["new_tokens"] for r in mine) / sum(r["target_forwards"] for r in mine)
+
+
+def specbench(rows: list[dict], method: str, baseline: str = "hf-greedy") -> float:
+    """SpecBench's speedup: the mean of per-prompt tokens/s over the baseline's."""
+    import statistics
+
+    def mean(m):
+        return statistics.mean(r["tokens_per_s"] for r in rows if r["method"] == m)
+    return mean(method) / mean(baseline)
+
+
+def total(rows: list[dict], method: str, baseline: str = "hf-greedy") -> float:
+    """The total speedup: total tokens over total time, over the baseline's."""
+    def speed(m):
+        mine = [r for r in rows if r["method"] == m]
+        return sum(r["new_tokens"] for r in mine) / sum(r["wall_s"] for r in mine)
+    return speed(method) / speed(baseline)
+
+
+def withheld(rows: list[dict], method: str) -> str:
+    """The draft tokens the rule did not verify, over all prompts ("1,099 of 2,368"), from each row's summary."""
+    counts = [re.match(r"(\d+) of (\d+)", r["rule"]["withheld"]).groups() for r in rows if r["method"] == method]
+    return f"{sum(int(w) for w, _ in counts):,} of {sum(int(d) for _, d in counts):,}"
+
+
+def every_method_row(runs: list[list[dict]], method: str) -> tuple:
+    """A row of "Every method at its CPU defaults": two threads, then one."""
+    cells = []
+    for rows in runs:
+        cells += [specbench(rows, method), total(rows, method), mean_accepted(rows, method), withheld(rows, method)]
+    return (method, *cells)
+
+
+def before_after_row(runs: list[list[dict]], method: str) -> tuple:
+    """A row of "The rule ..., before and after": per prompt, the speedup after over the speedup before
+    (each over its own run's HF greedy), mean ± std and the mean's 95% interval (t, 13 degrees of freedom)."""
+    import statistics
+
+    before, after = runs
+
+    def per_prompt(rows, m):
+        return {r["question_id"]: r["tokens_per_s"] for r in rows if r["method"] == m}
+    b, a = per_prompt(before, method), per_prompt(after, method)
+    hb, ha = per_prompt(before, "hf-greedy"), per_prompt(after, "hf-greedy")
+    ratios = [(a[q] / ha[q]) / (b[q] / hb[q]) for q in a]
+    assert len(ratios) == 14
+    mean, std = statistics.mean(ratios), statistics.stdev(ratios)
+    half = 2.160 * std / len(ratios) ** 0.5
+    return (specbench(before, method), mean_accepted(before, method), specbench(after, method),
+            mean_accepted(after, method), mean, std, mean - half, mean + half)
+
+
+def dropin_row(rows: list[dict], method: str) -> tuple:
+    """A row of the drop-in's table, as speeds: greedy's time over the method's."""
+    import statistics
+
+    later = [r for r in rows if r["part"] == "later calls" and r["method"] == method]
+    calls = [statistics.mean(col) for col in zip(*[[r["greedy_s"] / c for c in r["calls_s"]] for r in later])]
+
+    def median(m, key):
+        return statistics.median(r[key] for r in rows if r["part"] == "new process" and r["method"] == m)
+    first, whole = median(method, "first_token_s"), median(method, "wall_s")
+    return (*calls, first, median("greedy", "first_token_s") / first, whole, median("greedy", "wall_s") / whole)
+
+
+EVERY = ["every-method-128.jsonl", "every-method-128-one-thread.jsonl"]
+BEFORE_AFTER = ["every-method-128-before-the-rule.jsonl", "every-method-128.jsonl"]
+CLAIMS = [
+    ("| Lookahead | 10.5 | 0.64x | {:.2f} |", "fafo-4k-report.jsonl", lambda r: mean_accepted(r, "lookahead")),
+    ("| FAFO, full KV | 10.6 | 0.65x | {:.2f} |", "fafo-4k-report.jsonl", lambda r: mean_accepted(r, "fafo-fullkv")),
+    ("| FAFO | 12.3 | 0.76x | {:.2f} |", "fafo-4k-report.jsonl", lambda r: mean_accepted(r, "fafo")),
+    ("All {} runs identical (and the", "kv-long-after.jsonl", lambda r: sum(x["identical"] for x in r)),
+    ("(and the {} of `kv-long-before.md`)", "kv-long-before.jsonl", lambda r: sum(x["identical"] for x in r)),
+    ("CARD 0.62x (T = 0.7) and {:.2f}x (T = 1.0)", "sampling-T1.0.jsonl",
+     lambda r: specbench(r, "card-lockstep", "hf-sample")),
+    ("run of that configuration (`bench/results/card-choice-avx512-walk.jsonl`, rows committed 2026-11-29 in\n"
+     "b015f44) emitted {:.2f}", "card-choice-avx512-walk.jsonl", lambda r: mean_accepted(r, "card")),
+    ("all {} runs identical to HF greedy", EVERY, lambda runs: sum(r["identical"] is True for rows in runs for r in rows)),
+    *[("| {} | {:.2f}x / {:.2f}x, {:.2f} | {} | {:.2f}x / {:.2f}x, {:.2f} | {} |", EVERY,
+       lambda runs, m=m: every_method_row(runs, m)) for m in ("ngram", "cacheback", "card", "fafo")],
+    *[(f"| {name} | " + "{:.2f}x, {:.2f} | {:.2f}x, {:.2f} |", EVERY,
+       lambda runs, m=m: (specbench(runs[0], m), mean_accepted(runs[0], m), specbench(runs[1], m),
+                          mean_accepted(runs[1], m)))
+      for name, m in (("n-gram predictor", "ngram"), ("Cacheback", "cacheback"),
+                      ("CARD (int8 draft, chosen at set-up)", "card"), ("FAFO", "fafo"))],
+    *[(f"| {m} | " + "{:.2f}x, {:.2f} | {:.2f}x, {:.2f} | {:.3f} ± {:.3f} | {:.2f} to {:.2f} |", BEFORE_AFTER,
+       lambda runs, m=m: before_after_row(runs, m)) for m in ("ngram", "cacheback", "card", "fafo")],
+    *[(f"| {m} | " + "{:.2f}x / {:.2f}x / {:.2f}x | {:.2f} s ({:.2f}x) | {:.2f} s ({:.2f}x) |", "dropin.jsonl",
+       lambda r, m=m: dropin_row(r, m + "_predictor" if m == "ngram" else m)) for m in ("ngram", "cacheback", "card", "fafo")],
+]
+
+
+@pytest.mark.parametrize("phrase,rows,figure", CLAIMS, ids=[(c[1] if isinstance(c[1], str) else c[1][-1]) + ":" + c[0][:30] for c in CLAIMS])
+def test_a_figure_matches_its_rows(phrase, rows, figure):
+    """RESULTS.md states the figure its cited rows give (the phrase, with the figure in it, is in the text)."""
+    text = " ".join(_read("RESULTS.md").split())
+    figures = figure([_rows(name) for name in rows] if isinstance(rows, list) else _rows(rows))
+    assert " ".join(phrase.format(*figures if isinstance(figures, tuple) else [figures]).split()) in text
+
+
+def test_the_step_times_the_documents_give_are_the_measured_ones():
+    """RESULTS.md's T(n) table and TUTORIAL.md's figures from it (§1.1, §2.3) are those of the costs file the
+    table cites: the step times its 2-thread run measured."""
+    import json
+
+    import ngram_predictor
+
+    with open(os.path.join(_root(), "bench", "results", "every-method-128-costs.json"), encoding="utf-8") as f:
+        costs = {json.loads(key)["what"][3]: value for key, value in json.load(f).items()
+                 if json.loads(key)["what"][0] == "step times"}
+    t = {int(n): seconds for n, seconds in costs[None].items()}  # on every thread (None: as set, 2)
+    results = " ".join(_read("RESULTS.md").split())
+    sizes = (1, 2, 3, 4, 5, 8, 12, 16, 24, 32)
+    assert "| 2 threads, ms | " + " | ".join(f"{t[n] * 1000:.1f}" for n in sizes) + " |" in results
+    assert "| × one token | " + " | ".join(f"{t[n] / t[1]:.2f}" for n in sizes) + " |" in results
+    tutorial = " ".join(_read("TUTORIAL.md").split())
+    assert f"sixteen tokens cost about {t[16] / t[1]:.1f} single-token forwards" in tutorial
+    assert f"a 32-token tree must be accepted {t[32] / t[1]:.1f} tokens deep" in tutorial
+    ratio = t[5] / t[1]
+    assert f"T(5)/T(1) = **{ratio:.2f}**" in tutorial
+    speedups = [(1 + ngram_predictor.expected_accepted(alpha, 4)) / ratio for alpha in (0.5, 0.7, 0.9)]
+    assert "predicts 1.94 / {:.2f} = {:.2f}x, α = 0.7 gives {:.2f}x, and α = 0.9 gives {:.2f}x".format(
+        ratio, *speedups) in tutorial

@@ -147,3 +147,26 @@ def test_a_bad_option_given_to_vllm_directly_names_itself(model_path, capfd):
         vllm.LLM(model=model_path, dtype="float32", max_model_len=1024, enforce_eager=True, **args)
     printed = capfd.readouterr()
     assert "cacheback: unknown preset 'fast' (known: cpu, paper)" in printed.out + printed.err
+
+
+def test_the_readme_example_answers_as_vllm_without_speculation(model_path, capfd):
+    """serve/README.md's Python block, run as written but eager and 16 tokens long, prints what vLLM without
+    speculation answers to the same question."""
+    import re
+
+    with open(os.path.join(ROOT, "serve", "README.md"), encoding="utf-8") as f:
+        block = re.search(r"```python\n(.*?)```", f.read(), flags=re.S).group(1)
+    code = block.replace('dtype="float32",', 'dtype="float32", enforce_eager=True, max_model_len=1024,')
+    code = code.replace("max_tokens=128", "max_tokens=16")
+    assert code.count("enforce_eager") == 1 and "max_tokens=16" in code
+    example = {"__name__": "__main__"}
+    exec(compile(code, "serve/README.md", "exec"), example)
+    question = example["question"]
+    del example
+    gc.collect()
+    printed = capfd.readouterr().out
+    llm = vllm.LLM(model=model_path, dtype="float32", max_model_len=1024, enforce_eager=True)
+    plain_answer = llm.chat(question, vllm.SamplingParams(temperature=0, max_tokens=16))[0].outputs[0].text
+    del llm
+    gc.collect()
+    assert plain_answer.strip() and plain_answer in printed
