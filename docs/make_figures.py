@@ -77,6 +77,12 @@ def cost_curve(model) -> None:
     fig, ax = plt.subplots(figsize=(5.5, 3.4))
     ratio = [times[n] / times[1] for n in sizes]
     ax.plot(sizes, ratio, "o-", color=ALLOWED, label=f"{model.device.type}, measured now")
+    # beside it, the run RESULTS.md's table ("What a forward costs") gives: its 2-thread step times
+    with open(os.path.join(ROOT, "bench", "results", "every-method-128-costs.json"), encoding="utf-8") as f:
+        stored = [v for k, v in json.load(f).items() if json.loads(k)["what"][:1] == ["step times"]
+                  and json.loads(k)["what"][3] is None][0]
+    ax.plot([int(n) for n in stored], [t / stored["1"] for t in stored.values()], ".-", color="tab:orange", lw=0.8,
+            label="the table's run (RESULTS.md)")
     ax.plot(sizes, [1] * len(sizes), "--", color="grey", lw=0.8, label="ideal: free extra rows")
     ax.plot(sizes, sizes, ":", color="grey", lw=0.8, label="n separate forwards")
     ax.set_xscale("log", base=2)
@@ -450,12 +456,12 @@ def replay_cacheback() -> None:
 
 
 def replay_card() -> None:
-    replay_figure("replay_card", "card", ["--mode", "lockstep", "--K", "4", "--k", "4"],
+    replay_figure("replay_card", "card", ["--mode", "lockstep", "--ratio", "5", "--K", "4", "--k", "4", "--cost", "free"],
                   lambda steps: most_accepted(steps, lambda s: len(s["layers"]) > 2))
 
 
 def replay_fafo() -> None:
-    replay_figure("replay_fafo", "fafo", [], lambda steps: most_accepted(steps, lambda s: s["winner"] >= 0),
+    replay_figure("replay_fafo", "fafo", ["--cost", "free"], lambda steps: most_accepted(steps, lambda s: s["winner"] >= 0),
                   height=1700)  # the streams' and the candidates' tables below
 
 
