@@ -287,8 +287,8 @@ def fanout_bucket(followers: int) -> int:
 class DraftTree(Tree):
     """A verify.Tree that also remembers where each node's token came from, its signal for the rule
     of verify.py section 9 (beyond the paper: the growth below never reads them; the rule learns an
-    acceptance rate per origin). origins[i] = (table, rank, pos, fanout): the table (0 dynamic, 1
-    frozen), the follower's rank in that table's answer (0 = most recent; 3 = 4th or later), the
+    acceptance rate per origin). origins[i] = (source, rank, pos, fanout): the source table (0 dynamic,
+    1 frozen), the follower's rank in that table's answer (0 = most recent; 3 = 4th or later), the
     node's position inside its follower, and how many followers its leader had (0: one, 1: 2-3, 2:
     more).
 
@@ -307,14 +307,14 @@ class DraftTree(Tree):
         tree.origins.append(None)
         return tree
 
-    def add_follower(self, parent: int, follower: Sequence[int], table: int, rank: int,
+    def add_follower(self, parent: int, follower: Sequence[int], source: int, rank: int,
                      fanout: int) -> list[int]:
         """Hang a follower below `parent` (merged into the trie); returns its node indices."""
         nodes = self.add_branch(follower, parent=parent)
         for pos, n in enumerate(nodes):
             # a new node (a shared prefix keeps the origin it was created with)
             if n == len(self.origins):
-                self.origins.append((table, min(rank, MAX_RANK), pos, fanout))
+                self.origins.append((source, min(rank, MAX_RANK), pos, fanout))
         return nodes
 
     def new_tokens(self, node: int, follower: Sequence[int]) -> int:

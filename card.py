@@ -301,17 +301,17 @@ class CandidateCache:
 #          c:  1 1 1 1 1 0 | 1 0
 #          d:  1 1 1 1 0 1 | 0 1
 
-def draft_mask(tree: CandidateCache, front: Sequence[int], dp: int, cache_len: int) -> np.ndarray:
+def draft_mask(candidates: CandidateCache, front: Sequence[int], dp: int, cache_len: int) -> np.ndarray:
     """The §2.3 mask, bool [n, cache_len + n], for feeding the nodes `front` after `cache_len`
     cached entries of which the first `dp` are the verified prefix."""
     n = len(front)
     allowed = np.zeros((n, cache_len + n), dtype=bool)
     allowed[:, :dp] = True  # the verified prefix
     for row, i in enumerate(front):
-        j = tree.nodes[i].parent
+        j = candidates.nodes[i].parent
         while j >= 0:  # causal history inheritance: the slot of every ancestor
-            allowed[row, tree.nodes[j].slot] = True
-            j = tree.nodes[j].parent
+            allowed[row, candidates.nodes[j].slot] = True
+            j = candidates.nodes[j].parent
         # intra-step independence: among its peers, itself only
         allowed[row, cache_len + row] = True
     return allowed
@@ -368,9 +368,9 @@ class Drafter:
     @torch.no_grad()
     def step(self) -> None:
         """One draft forward: feed the frontier (or, first, the root) and grow the next layer."""
-        tree = self.candidates  # the candidate cache
+        candidates = self.candidates  # the candidate cache (§2.2)
         model = self.model
-        root = tree.nodes[tree.root]
+        root = candidates.nodes[candidates.root]
         if root.slot is None:
             # Catch up: feed the verified tokens the draft has not seen, ending with the root
             # (causal).
@@ -382,21 +382,21 @@ class Drafter:
             root.slot = self.dp
             root.cands = self._topk(out.logits[0, -1:])[0]
         else:
-            front = tree.frontier()
+            front = candidates.frontier()
             c = verify.cache_len(self.kv_cache)  # n = len(front) new nodes after c cached entries
-            allowed = draft_mask(tree, front, self.dp, c)  # [n, c+n]
+            allowed = draft_mask(candidates, front, self.dp, c)  # [n, c+n]
             mask = verify.additive_mask(allowed, model.dtype, model.device)  # [1, 1, n, c+n]
             # [1, n]
-            ids = torch.tensor([[tree.nodes[i].token for i in front]], device=model.device)
-            pos = torch.tensor([[self.root_pos + tree.nodes[i].depth for i in front]],
+            ids = torch.tensor([[candidates.nodes[i].token for i in front]], device=model.device)
+            pos = torch.tensor([[self.root_pos + candidates.nodes[i].depth for i in front]],
                                device=model.device)
             out = verify.model_forward(model, self.kv_cache, input_ids=ids, attention_mask=mask,
                                        position_ids=pos)
             for row, (i, cands) in enumerate(zip(front, self._topk(out.logits[0]))):
-                tree.nodes[i].slot = c + row
-                tree.nodes[i].cands = cands
+                candidates.nodes[i].slot = c + row
+                candidates.nodes[i].cands = cands
         self.layers_fed += 1
-        tree.grow()
+        candidates.grow()
 
     def lead(self) -> int:
         """How many layers the candidate cache reaches below the verified text."""

@@ -299,9 +299,9 @@ class CachebackRequest(RequestState):
         nodes = cacheback.first_branch_nodes(tree)[:k]
         keys = []
         for node in nodes:
-            table, _rank, _pos, fanout = tree.origins[node]
+            source, _rank, _pos, fanout = tree.origins[node]
             siblings = len(tree.children[tree.parents[node]]) - 1  # its parent's other children
-            keys.append(("cacheback", table, fanout, min(tree.depths[node], DEPTH_BUCKETS),
+            keys.append(("cacheback", source, fanout, min(tree.depths[node], DEPTH_BUCKETS),
                          min(siblings, SIBLING_BUCKETS)))
         return DraftRecord(len(self.text), [tree.tokens[node] for node in nodes], keys)
 

@@ -110,7 +110,7 @@ def step_data(method: str, raw: RawStep) -> dict:
     if method == "ngram":
         step["notes"] = [f"{order}-gram" for order in facts["orders"]]  # one per verified draft token
     elif method == "cacheback":
-        origins = tree.origins[1:]  # (table, rank, pos, fanout) per drafted node; table 1 = frozen
+        origins = tree.origins[1:]  # (source, rank, pos, fanout) per drafted node; source 1 = frozen
         step["frozen"] = [origin[0] == 1 for origin in origins]
         # rank MAX_RANK stands for that rank and every later one (cacheback.DraftTree says why)
         ranks = [f"r{o[1]}+" if o[1] == cacheback.MAX_RANK else f"r{o[1]}" for o in origins]
