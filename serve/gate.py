@@ -50,18 +50,18 @@ class BatchGate:
         self.clock = time.perf_counter  # the stand-in batchers put a simulated clock here
         self.last_start: float | None = None  # when the step in progress started
 
-    def choose(self, rows: dict[int, list[float]], batch: int | None = None) -> dict[int, int]:
+    def choose(self, chances: dict[int, list[float]], batch: int | None = None) -> dict[int, int]:
         """{row: its draft's P_j, non-increasing} -> {row: how many of its draft tokens to send}.
-        batch: the rows the engine is running, drafted or not (default: len(rows))."""
+        batch: the rows the engine is running, drafted or not (default: len(chances))."""
         cost = self.times.fit()
-        value = self.token_value(len(rows) if batch is None else batch)  # an accepted token's worth
-        emitted = float(len(rows))  # S: each row's bonus token (a row without a draft included)
-        seconds = cost.seconds(len(rows), 0)  # t: one token a row
+        value = self.token_value(len(chances) if batch is None else batch)  # an accepted token's worth
+        emitted = float(len(chances))  # S: each row's bonus token (a row without a draft included)
+        seconds = cost.seconds(len(chances), 0)  # t: one token a row
         # subtle: P_j never rises along a chain and ties sort by j, so a row is sent a prefix of its
         # draft; the bar b·S / t rises (each token sent lifts S / t): once one fails, all later do
-        candidates = sorted((-p, j, row) for row, probs in rows.items()  # every token, surest first
+        candidates = sorted((-p, j, row) for row, probs in chances.items()  # every token, surest first
                             for j, p in enumerate(probs))
-        lengths = {row: 0 for row in rows}
+        lengths = {row: 0 for row in chances}
         for minus_p, _j, row in candidates:
             p = -minus_p
             if value * p * seconds <= cost.per_draft * emitted:  # P <= b·S / t: it does not pay
@@ -95,8 +95,8 @@ class BatchGate:
 class AllDrafts(BatchGate):
     """gate = 'off': every row is sent its whole draft."""
 
-    def choose(self, rows: dict[int, list[float]], batch: int | None = None) -> dict[int, int]:
-        return {row: len(probs) for row, probs in rows.items()}
+    def choose(self, chances: dict[int, list[float]], batch: int | None = None) -> dict[int, int]:
+        return {row: len(probs) for row, probs in chances.items()}
 
 # ---- 2. Step times -----------------------------------------------------------------------------------------
 #
