@@ -1207,8 +1207,7 @@ def custom_generate(model, input_ids, logits_processor, stopping_criteria, gener
 # ---- 7. CLI ------------------------------------------------------------------------------------------------
 
 def make_parser():
-    """The options: the common ones (verify.common_parser), then the paper's parameters
-    (tools/replay.py takes them too)."""
+    """The options: verify.common_parser's, then the paper's parameters (tools/replay.py takes them too)."""
     import argparse
 
     parser = verify.common_parser(__doc__.split("\n\n")[0].strip())
@@ -1234,6 +1233,7 @@ def make_parser():
         "take what it holds (default: r on CUDA, 3 on CPU)")
     add("--no-correct", dest="correct", action="store_const", const=False,
         help="Table 2's 'cache only' ablation: query without correcting")
+    add("--cost", choices=verify.COSTS, help=verify.COST_HELP + default("cost"))
     return parser
 
 def main(argv=None) -> int:

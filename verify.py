@@ -53,8 +53,8 @@ use each (a method file and this whole file are what you copy; the map is for re
                                         measured_costs, read_costs; and what a run holds:
                                         tensor_bytes, kv_cache_bytes
                                         used by: ngram_predictor.py, cacheback.py, card.py, fafo.py
-                                        (WhatPays, one call a step), serve/gate.py (StepFit,
-                                        Acceptance, DraftRecord), card.py and fafo.py (the one line)
+                                        (WhatPays, one call a step), serve/ (StepFit, Acceptance;
+                                        DraftRecord), card.py and fafo.py (the one line)
     FAFO's flex and split back-ends only
     10  compacted blocks, FlexAttention flex_mode, CompactedKVCache, CompactedLayer, attention_function
                                         used by: fafo.py
@@ -842,7 +842,8 @@ SETTLED_STEPS = 8  # ...once this many steps have been fitted
 
 class StepFit:
     """seconds ≈ c · x for a step with features x, by least squares over a loop's steps, weights halving
-    every half_life steps, no c below 0; prior(): rows (weight, x, seconds) counted as steps, unfading."""
+    every half_life steps, no c below 0; prior(): rows (weight, x, seconds) counted as steps, here
+    unfading (serve/gate.py's StepTimes fades its own)."""
 
     def __init__(self, features: int, half_life: float, prior: Sequence[tuple] = ()):
         self.priors = list(prior)

@@ -8,7 +8,7 @@ SmartSpec (Liu et al., 2024, arXiv:2406.14066) picks a model drafter's k so; thi
 
     the rule       BatchGate.choose; AllDrafts, gate = 'off'                          [1]
     step times     StepTimes: a StepCost (a, c, b), fitted by verify.StepFit          [2]
-    acceptance     verify.Acceptance, server-wide and per request; verify.DraftRecord  [3]
+    acceptance     verify.Acceptance, server-wide and per request                      [3]
     a user's cap   schedule_cap: vLLM's num_speculative_tokens_per_batch_size         [4]
 """
 

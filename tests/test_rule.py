@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 import cacheback
+import card
 import fafo
 import ngram_predictor
 import verify
@@ -293,3 +294,12 @@ def test_the_drop_in_says_it_too(fresh_line, capsys, monkeypatch, tiny):
     err = capsys.readouterr().err
     assert err.startswith("[fafo] on this machine FAFO runs at 0.70x plain decoding") and err.count("\n") == 1
     assert len(measured) == 1  # the second call reuses the first's set-up
+
+
+@pytest.mark.parametrize("module,config", [(ngram_predictor, "NgramConfig"), (cacheback, "CachebackConfig"),
+                                           (card, "CardConfig"), (fafo, "FafoConfig")])
+def test_every_methods_command_line_takes_the_rules_cost(module, config):
+    """--cost reaches the method's config in each script's options (and so in tools/replay.py, which reads them)."""
+    for cost in verify.COSTS:
+        args = module.make_parser().parse_args(["--prompt", "x", "--cost", cost])
+        assert verify.config_from_args(getattr(module, config)(), args).cost == cost
